@@ -1,0 +1,47 @@
+# The README's two commands are `make demo` and `make test`; each installs
+# what it needs first (idempotent, fast when already done).
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+TORCH_VERSION := 2.13.0
+STAMP := $(VENV)/.dcredit-deps-$(TORCH_VERSION)
+SOURCES := $(wildcard csrc/core/*.cc csrc/core/*.h csrc/torch/*.cc csrc/torch/*.h) setup.py
+EXT_STAMP := $(VENV)/.dcredit-ext
+
+.PHONY: install test test-unit test-distributed test-cpp demo bench horovod lint format sanitize clean
+
+install: $(EXT_STAMP)
+
+$(STAMP):
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q -U pip setuptools wheel
+	# Always pinned: an unpinned torch pulls a multi-GB CUDA build.
+	$(PIP) install -q torch==$(TORCH_VERSION) numpy pytest pytest-timeout hypothesis mpi4py mpich \
+		ninja tqdm matplotlib ruff
+	touch $@
+
+$(EXT_STAMP): $(STAMP) $(SOURCES)
+	MAX_JOBS=2 $(PIP) install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+test: install
+	$(PY) -m pytest tests -q
+
+test-unit: install
+	$(PY) -m pytest tests/unit -q
+
+test-distributed: install
+	$(PY) -m pytest tests/distributed -q
+
+demo: install
+	$(VENV)/bin/torchrun --nproc_per_node 2 --master_port 29531 examples/train.py
+
+horovod: install
+	VENV=$(VENV) bash .ci/install_horovod.sh
+
+lint: install
+	$(VENV)/bin/ruff check dcredit_opt tests examples benchmarks
+
+clean:
+	rm -rf build *.egg-info dcredit_opt/_C*.so dcredit_opt/_build_info.py $(EXT_STAMP)

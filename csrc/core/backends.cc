@@ -1,0 +1,47 @@
+#include "backends.h"
+
+namespace dcredit {
+
+void ManualBackend::Launch(int32_t block, int32_t channel, Done done) {
+  std::lock_guard<std::mutex> lock(mu_);
+  pending_.push_back({{block, channel}, std::move(done)});
+  history_.push_back({block, channel});
+}
+
+std::vector<ManualBackend::Launched> ManualBackend::Pending() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<Launched> out;
+  out.reserve(pending_.size());
+  for (const auto& p : pending_) out.push_back(p.first);
+  return out;
+}
+
+std::vector<ManualBackend::Launched> ManualBackend::History() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return history_;
+}
+
+bool ManualBackend::Complete(int32_t block, Status status) {
+  Done done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = pending_.begin(); it != pending_.end(); ++it) {
+      if (it->first.block == block) {
+        done = std::move(it->second);
+        pending_.erase(it);
+        break;
+      }
+    }
+  }
+  if (!done) return false;
+  done(std::move(status));  // outside our lock: the scheduler takes its own
+  return true;
+}
+
+void ManualBackend::Clear() {
+  std::lock_guard<std::mutex> lock(mu_);
+  pending_.clear();
+  history_.clear();
+}
+
+}  // namespace dcredit

@@ -1,0 +1,437 @@
+#include "scheduler.h"
+
+#include <algorithm>
+#include <functional>
+#include <sstream>
+
+namespace dcredit {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+}
+
+std::string Join(const std::vector<int32_t>& v) {
+  std::ostringstream out;
+  for (size_t i = 0; i < v.size(); ++i) out << (i ? "," : "") << v[i];
+  return out.str();
+}
+
+}  // namespace
+
+void ValidatePlan(const PlanSpec& plan) {
+  auto fail = [](const std::string& m) { throw std::invalid_argument("plan: " + m); };
+  const int32_t T = plan.num_tensors;
+  if (T < 0) fail("num_tensors is negative");
+  if (static_cast<int32_t>(plan.order.size()) != T) fail("order must list every tensor once");
+  std::vector<char> seen(T, 0);
+  for (int32_t t : plan.order) {
+    if (t < 0 || t >= T || seen[t]) fail("order must be a permutation of 0..num_tensors-1");
+    seen[t] = 1;
+  }
+  if (static_cast<int32_t>(plan.phase1_windows.size()) != T) fail("phase1_windows needs one entry per event");
+  for (int32_t w : plan.phase1_windows) {
+    if (w < 0 && w != kReleaseAll) fail("phase1_windows entries must be >= 0 or kReleaseAll");
+  }
+  if (plan.phase2_windows.empty()) fail("phase2_windows is empty");
+  for (int32_t w : plan.phase2_windows) {
+    if (w <= 0) fail("phase2_windows entries must be positive");
+  }
+  if (plan.credit_bytes < 0) fail("credit_bytes is negative");
+  if (plan.channels < 1) fail("channels must be >= 1");
+  for (size_t b = 0; b < plan.blocks.size(); ++b) {
+    const BlockSpec& s = plan.blocks[b];
+    if (s.numel <= 0 || s.bytes <= 0 || s.offset < 0 || s.segment < 0) {
+      fail("block " + std::to_string(b) + " has a non-positive size or a negative offset/segment");
+    }
+    if (s.tensors.empty()) fail("block " + std::to_string(b) + " covers no tensor");
+    for (int32_t t : s.tensors) {
+      if (t < 0 || t >= T) fail("block " + std::to_string(b) + " covers a tensor out of range");
+    }
+  }
+}
+
+// Everything the dispatch thread and the completion callbacks share. Held by
+// shared_ptr so a completion that arrives after Shutdown (a collective the
+// backend could not cancel) still finds live memory.
+struct Scheduler::Core {
+  explicit Core(Backend* b, std::chrono::milliseconds t) : backend(b), timeout(t) {}
+
+  Backend* backend;
+  const std::chrono::milliseconds timeout;
+
+  std::mutex mu;
+  std::condition_variable dispatch_cv;  // wakes the dispatch thread
+  std::condition_variable done_cv;      // wakes waiters
+
+  // Plan, fixed between SetPlan calls.
+  PlanSpec plan;
+  std::vector<std::vector<int32_t>> tensor_blocks;  // blocks covering each tensor
+
+  // Per iteration.
+  bool open = false;
+  uint64_t generation = 0;  // bumps per iteration; stale completions are ignored
+  std::vector<char> arrived;
+  std::vector<int64_t> ready_ns;
+  int32_t next_event = 0;
+  bool flushed = false;
+  int32_t phase2_group = 0;
+  int32_t groups = 0;
+  std::vector<int32_t> deps;            // per block: covered tensors not yet processed
+  std::vector<int32_t> tensor_pending;  // per tensor: covering blocks not yet done
+  using Key = std::pair<int32_t, int32_t>;  // (priority, block id)
+  std::priority_queue<Key, std::vector<Key>, std::greater<Key>> heap;
+  std::deque<int32_t> launch_queue;  // released, not yet launched, in order
+  std::deque<int32_t> in_flight;     // launched, in launch order (done ones popped lazily)
+  std::vector<char> done;
+  int32_t in_flight_count = 0;
+  int64_t in_flight_bytes = 0;
+  int64_t seq = 0;
+  int32_t done_count = 0;
+  std::vector<BlockTrace> trace;
+
+  Status error;  // sticky: the first failure
+  bool stop = false;
+
+  int32_t NumBlocks() const { return static_cast<int32_t>(plan.blocks.size()); }
+
+  void Fail(Status s) {
+    if (error.ok()) error = std::move(s);
+    dispatch_cv.notify_all();
+    done_cv.notify_all();
+  }
+
+  // Moves up to `window` ready blocks, highest priority first, into the
+  // launch sequence as one group. See Note [Credit window].
+  void Release(int32_t window) {
+    int32_t take = window == kReleaseAll ? static_cast<int32_t>(heap.size())
+                                         : std::min<int32_t>(window, static_cast<int32_t>(heap.size()));
+    if (take <= 0) return;
+    const int32_t group_window = window == kReleaseAll ? take : window;
+    const int64_t now = NowNs();
+    const int32_t group = groups++;
+    for (int32_t i = 0; i < take; ++i) {
+      const int32_t b = heap.top().second;
+      heap.pop();
+      BlockTrace& tr = trace[b];
+      tr.window = group_window;
+      tr.group = group;
+      tr.release_ns = now;
+      launch_queue.push_back(b);
+    }
+    dispatch_cv.notify_one();
+  }
+
+  // Processes buffered events strictly in plan order.
+  // See Note [Same order on every rank].
+  void ProcessEvents() {
+    const int32_t T = plan.num_tensors;
+    while (next_event < T && arrived[plan.order[next_event]]) {
+      const int32_t t = plan.order[next_event];
+      for (int32_t b : tensor_blocks[t]) {
+        if (--deps[b] == 0) heap.emplace(plan.blocks[b].priority, b);
+      }
+      Release(plan.phase1_windows[next_event]);
+      ++next_event;
+    }
+  }
+
+  bool CanLaunch(int32_t b) const {
+    const BlockTrace& tr = trace[b];
+    if (in_flight_count >= tr.window) return false;
+    if (plan.credit_bytes > 0 && in_flight_count > 0 &&
+        in_flight_bytes + plan.blocks[b].bytes > plan.credit_bytes) {
+      return false;  // an oversized block waits until it can go alone
+    }
+    return true;
+  }
+
+  void OnDone(uint64_t gen, int32_t b, const Status& s) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (gen != generation || done[b]) return;
+    trace[b].end_ns = NowNs();
+    done[b] = 1;
+    ++done_count;
+    --in_flight_count;
+    in_flight_bytes -= plan.blocks[b].bytes;
+    if (!s.ok()) {
+      std::ostringstream m;
+      m << "block " << b << " (tensors " << Join(plan.blocks[b].tensors) << ", channel " << trace[b].channel
+        << ", launch " << trace[b].seq << ") failed: " << s.message;
+      Fail(Status{s.code, m.str()});
+      return;
+    }
+    bool tensor_finished = false;
+    for (int32_t t : plan.blocks[b].tensors) {
+      if (--tensor_pending[t] == 0) tensor_finished = true;
+    }
+    dispatch_cv.notify_one();
+    if (tensor_finished || done_count == NumBlocks()) done_cv.notify_all();
+  }
+
+  // The oldest block still in flight, or -1.
+  int32_t OldestInFlight() {
+    while (!in_flight.empty() && done[in_flight.front()]) in_flight.pop_front();
+    return in_flight.empty() ? -1 : in_flight.front();
+  }
+
+  std::string Describe(int32_t b) const {
+    std::ostringstream m;
+    m << "block " << b << " (tensors " << Join(plan.blocks[b].tensors) << ", " << plan.blocks[b].bytes
+      << " bytes, channel " << trace[b].channel << ", launch " << trace[b].seq << ", "
+      << (flushed ? "phase 2" : "phase 1") << ")";
+    return m.str();
+  }
+};
+
+// Note [Dispatch loop]
+// The constraints that shape this loop:
+//  1. Only this thread launches, so launches happen in exactly the order of
+//     the launch sequence (Note [Same order on every rank]).
+//  2. Backend::Launch runs without the lock: a backend may complete inline
+//     and re-enter OnDone, and a real collective launch may take a while.
+//  3. Nothing polls: the thread sleeps on dispatch_cv until a release or a
+//     completion may allow a launch, or until the oldest block in flight
+//     would exceed the timeout (the only timed wake).
+//  4. Several launches are taken per lock hold to keep the per-block cost
+//     far below a microsecond.
+void Scheduler::DispatchLoop(std::shared_ptr<Core> core) {
+  std::vector<std::pair<int32_t, int32_t>> batch;  // (block, channel)
+  std::unique_lock<std::mutex> lock(core->mu);
+  uint64_t gen = 0;
+  while (true) {
+    if (core->stop) return;
+    batch.clear();
+    if (core->error.ok()) {
+      while (!core->launch_queue.empty() && core->CanLaunch(core->launch_queue.front())) {
+        const int32_t b = core->launch_queue.front();
+        core->launch_queue.pop_front();
+        BlockTrace& tr = core->trace[b];
+        tr.seq = core->seq++;
+        tr.channel = static_cast<int32_t>(tr.seq % core->plan.channels);
+        tr.launch_ns = NowNs();
+        ++core->in_flight_count;
+        core->in_flight_bytes += core->plan.blocks[b].bytes;
+        core->in_flight.push_back(b);
+        batch.emplace_back(b, tr.channel);
+      }
+    }
+    if (!batch.empty()) {
+      gen = core->generation;
+      lock.unlock();
+      for (const auto& [b, channel] : batch) {
+        core->backend->Launch(b, channel, [core, gen, b = b](Status s) { core->OnDone(gen, b, s); });
+      }
+      lock.lock();
+      continue;
+    }
+    const int32_t oldest = core->error.ok() ? core->OldestInFlight() : -1;
+    if (oldest < 0) {
+      core->dispatch_cv.wait(lock);
+      continue;
+    }
+    const auto deadline = Clock::time_point(std::chrono::nanoseconds(core->trace[oldest].launch_ns)) + core->timeout;
+    if (core->dispatch_cv.wait_until(lock, deadline) == std::cv_status::timeout && !core->stop &&
+        core->error.ok() && !core->done[oldest] && core->trace[oldest].launch_ns != 0 &&
+        Clock::now() >= deadline) {
+      std::ostringstream m;
+      m << core->Describe(oldest) << " did not complete within " << core->timeout.count() / 1000.0
+        << " s: a peer is dead, stalled, or issuing different collectives";
+      core->Fail(Status::Timeout(m.str()));
+    }
+  }
+}
+
+Scheduler::Scheduler(Backend* backend, std::chrono::milliseconds timeout)
+    : core_(std::make_shared<Core>(backend, timeout)) {
+  if (backend == nullptr) throw std::invalid_argument("Scheduler needs a backend");
+  if (timeout.count() <= 0) throw std::invalid_argument("Scheduler timeout must be positive");
+  thread_ = std::thread(DispatchLoop, core_);
+}
+
+Scheduler::~Scheduler() { Shutdown(); }
+
+void Scheduler::SetPlan(PlanSpec plan) {
+  ValidatePlan(plan);
+  std::lock_guard<std::mutex> lock(core_->mu);
+  Core& c = *core_;
+  if (!c.error.ok()) throw SchedulerError(c.error);
+  if (c.open && c.done_count != c.NumBlocks()) {
+    throw std::logic_error("SetPlan while an iteration still has blocks pending");
+  }
+  c.plan = std::move(plan);
+  c.tensor_blocks.assign(c.plan.num_tensors, {});
+  for (int32_t b = 0; b < c.NumBlocks(); ++b) {
+    for (int32_t t : c.plan.blocks[b].tensors) c.tensor_blocks[t].push_back(b);
+  }
+  c.open = false;
+}
+
+void Scheduler::StartIteration() {
+  std::lock_guard<std::mutex> lock(core_->mu);
+  Core& c = *core_;
+  if (c.stop) throw SchedulerError(Status::Shutdown("scheduler is shut down"));
+  if (!c.error.ok()) throw SchedulerError(c.error);
+  if (c.open && c.done_count != c.NumBlocks()) {
+    throw std::logic_error("StartIteration while the previous iteration still has blocks pending");
+  }
+  const int32_t T = c.plan.num_tensors;
+  const int32_t B = c.NumBlocks();
+  ++c.generation;
+  c.open = true;
+  c.arrived.assign(T, 0);
+  c.ready_ns.assign(T, 0);
+  c.next_event = 0;
+  c.flushed = false;
+  c.phase2_group = 0;
+  c.groups = 0;
+  c.deps.resize(B);
+  c.done.assign(B, 0);
+  c.trace.assign(B, BlockTrace{});
+  for (int32_t b = 0; b < B; ++b) {
+    c.deps[b] = static_cast<int32_t>(c.plan.blocks[b].tensors.size());
+    c.trace[b].block = b;
+  }
+  c.tensor_pending.resize(T);
+  for (int32_t t = 0; t < T; ++t) c.tensor_pending[t] = static_cast<int32_t>(c.tensor_blocks[t].size());
+  c.heap = {};
+  c.launch_queue.clear();
+  c.in_flight.clear();
+  c.in_flight_count = 0;
+  c.in_flight_bytes = 0;
+  c.seq = 0;
+  c.done_count = 0;
+}
+
+void Scheduler::MarkReady(int32_t tensor) {
+  std::lock_guard<std::mutex> lock(core_->mu);
+  Core& c = *core_;
+  if (!c.error.ok()) throw SchedulerError(c.error);
+  if (!c.open) throw std::logic_error("MarkReady before StartIteration");
+  if (tensor < 0 || tensor >= c.plan.num_tensors) {
+    throw std::out_of_range("MarkReady: tensor " + std::to_string(tensor) + " out of range");
+  }
+  if (c.arrived[tensor]) {
+    throw std::logic_error("tensor " + std::to_string(tensor) + " marked ready twice in one iteration");
+  }
+  c.arrived[tensor] = 1;
+  c.ready_ns[tensor] = NowNs();
+  c.ProcessEvents();
+}
+
+void Scheduler::Flush() {
+  std::lock_guard<std::mutex> lock(core_->mu);
+  Core& c = *core_;
+  if (!c.error.ok()) throw SchedulerError(c.error);
+  if (!c.open) throw std::logic_error("Flush before StartIteration");
+  if (c.flushed) return;
+  const int64_t now = NowNs();
+  for (int32_t t = 0; t < c.plan.num_tensors; ++t) {
+    if (!c.arrived[t]) {
+      c.arrived[t] = 1;
+      c.ready_ns[t] = now;
+    }
+  }
+  c.ProcessEvents();
+  c.flushed = true;
+  const auto& w = c.plan.phase2_windows;
+  while (!c.heap.empty()) {
+    c.Release(w[std::min<size_t>(c.phase2_group, w.size() - 1)]);
+    ++c.phase2_group;
+  }
+}
+
+void Scheduler::WaitTensor(int32_t tensor, std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(core_->mu);
+  Core& c = *core_;
+  if (tensor < 0 || tensor >= c.plan.num_tensors) {
+    throw std::out_of_range("WaitTensor: tensor " + std::to_string(tensor) + " out of range");
+  }
+  const bool finished = c.done_cv.wait_for(lock, timeout, [&] {
+    return c.stop || !c.error.ok() || !c.open || c.tensor_pending[tensor] == 0;
+  });
+  if (!c.error.ok()) throw SchedulerError(c.error);
+  if (c.stop) throw SchedulerError(Status::Shutdown("scheduler shut down while waiting"));
+  if (!c.open) return;
+  if (!finished) {
+    std::ostringstream m;
+    m << "tensor " << tensor << " not reduced within " << timeout.count() / 1000.0 << " s ("
+      << c.tensor_pending[tensor] << " of its blocks pending; "
+      << (c.arrived[tensor] ? "its gradient was marked ready" : "its gradient was never marked ready") << ", "
+      << (c.flushed ? "after the flush" : "before the flush") << ")";
+    throw SchedulerError(Status::Timeout(m.str()));
+  }
+}
+
+void Scheduler::WaitAll(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(core_->mu);
+  Core& c = *core_;
+  const bool finished = c.done_cv.wait_for(lock, timeout, [&] {
+    return c.stop || !c.error.ok() || !c.open || c.done_count == c.NumBlocks();
+  });
+  if (!c.error.ok()) throw SchedulerError(c.error);
+  if (c.stop) throw SchedulerError(Status::Shutdown("scheduler shut down while waiting"));
+  if (!finished) {
+    std::ostringstream m;
+    m << "iteration not reduced within " << timeout.count() / 1000.0 << " s (" << c.NumBlocks() - c.done_count
+      << " of " << c.NumBlocks() << " blocks pending, " << c.launch_queue.size() << " queued, "
+      << c.in_flight_count << " in flight, " << (c.flushed ? "after the flush" : "before the flush") << ")";
+    throw SchedulerError(Status::Timeout(m.str()));
+  }
+}
+
+bool Scheduler::TensorDone(int32_t tensor) {
+  std::lock_guard<std::mutex> lock(core_->mu);
+  Core& c = *core_;
+  if (tensor < 0 || tensor >= c.plan.num_tensors) return false;
+  return !c.open || c.tensor_pending[tensor] == 0;
+}
+
+bool Scheduler::Idle() {
+  std::lock_guard<std::mutex> lock(core_->mu);
+  return !core_->open || core_->done_count == core_->NumBlocks();
+}
+
+void Scheduler::Shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(core_->mu);
+    if (core_->stop && !thread_.joinable()) return;
+    core_->stop = true;
+    if (core_->open && core_->done_count != core_->NumBlocks()) {
+      core_->Fail(Status::Shutdown("scheduler shut down with " +
+                                   std::to_string(core_->NumBlocks() - core_->done_count) + " blocks pending"));
+    }
+    core_->dispatch_cv.notify_all();
+    core_->done_cv.notify_all();
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+std::vector<BlockTrace> Scheduler::Trace() {
+  std::lock_guard<std::mutex> lock(core_->mu);
+  return core_->trace;
+}
+
+std::vector<int64_t> Scheduler::ReadyTimes() {
+  std::lock_guard<std::mutex> lock(core_->mu);
+  return core_->ready_ns;
+}
+
+Status Scheduler::status() {
+  std::lock_guard<std::mutex> lock(core_->mu);
+  return core_->error;
+}
+
+int32_t Scheduler::num_blocks() {
+  std::lock_guard<std::mutex> lock(core_->mu);
+  return core_->NumBlocks();
+}
+
+int32_t Scheduler::num_tensors() {
+  std::lock_guard<std::mutex> lock(core_->mu);
+  return core_->plan.num_tensors;
+}
+
+}  // namespace dcredit

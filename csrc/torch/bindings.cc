@@ -1,0 +1,198 @@
+// pybind11 module dcredit_opt._C: an Engine is a Scheduler plus its Backend.
+//
+// Every call that can block releases the GIL. Python never runs on our
+// threads: completions land in the scheduler's tables, and Python reads them
+// when it asks (wait_tensor, tensor_done).
+#include <torch/extension.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../core/backends.h"
+#include "../core/scheduler.h"
+#include "torch_backend.h"
+
+namespace dcredit {
+namespace {
+
+class TimeoutError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+std::chrono::milliseconds ToMs(double seconds) {
+  if (!(seconds > 0)) throw std::invalid_argument("timeout_s must be positive, got " + std::to_string(seconds));
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0 + 0.5));
+}
+
+// Turns a scheduler failure into the Python exception that says what it is.
+template <typename F>
+void Rethrow(F&& f) {
+  try {
+    f();
+  } catch (const SchedulerError& e) {
+    if (e.status.code == StatusCode::kTimeout) throw TimeoutError(e.what());
+    throw;
+  }
+}
+
+class Engine {
+ public:
+  static std::unique_ptr<Engine> Torch(std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups, double timeout_s) {
+    auto backend = std::make_unique<TorchBackend>(std::move(groups));
+    TorchBackend* torch = backend.get();
+    auto engine = std::make_unique<Engine>(std::move(backend), timeout_s);
+    engine->torch_ = torch;
+    return engine;
+  }
+  static std::unique_ptr<Engine> Manual(double timeout_s) {
+    auto backend = std::make_unique<ManualBackend>();
+    ManualBackend* manual = backend.get();
+    auto engine = std::make_unique<Engine>(std::move(backend), timeout_s);
+    engine->manual_ = manual;
+    return engine;
+  }
+  static std::unique_ptr<Engine> Noop(double timeout_s) {
+    return std::make_unique<Engine>(std::make_unique<NoopBackend>(), timeout_s);
+  }
+
+  Engine(std::unique_ptr<Backend> backend, double timeout_s)
+      : backend_(std::move(backend)), scheduler_(std::make_unique<Scheduler>(backend_.get(), ToMs(timeout_s))) {}
+
+  ~Engine() { scheduler_->Shutdown(); }
+
+  void SetPlan(int32_t num_tensors, std::vector<int32_t> order, const std::vector<int32_t>& segments,
+               const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels,
+               const std::vector<int64_t>& bytes, const std::vector<int32_t>& priorities,
+               const std::vector<std::vector<int32_t>>& block_tensors, std::vector<int32_t> phase1_windows,
+               std::vector<int32_t> phase2_windows, int64_t credit_bytes, int32_t channels,
+               const std::vector<at::Tensor>& buffers, double postscale) {
+    const size_t B = segments.size();
+    if (offsets.size() != B || numels.size() != B || bytes.size() != B || priorities.size() != B ||
+        block_tensors.size() != B) {
+      throw std::invalid_argument("set_plan: per-block lists differ in length");
+    }
+    PlanSpec plan;
+    plan.num_tensors = num_tensors;
+    plan.order = std::move(order);
+    plan.blocks.resize(B);
+    for (size_t b = 0; b < B; ++b) {
+      plan.blocks[b] = BlockSpec{segments[b], offsets[b], numels[b], bytes[b], priorities[b], block_tensors[b]};
+    }
+    plan.phase1_windows = std::move(phase1_windows);
+    plan.phase2_windows = std::move(phase2_windows);
+    plan.credit_bytes = credit_bytes;
+    plan.channels = channels;
+    ValidatePlan(plan);
+    if (torch_ != nullptr) {
+      if (channels > torch_->num_channels()) {
+        throw std::invalid_argument("plan wants " + std::to_string(channels) + " channels, the engine has " +
+                                    std::to_string(torch_->num_channels()));
+      }
+      if (!scheduler_->Idle()) throw std::logic_error("set_plan while blocks are pending");
+      torch_->SetBlocks(buffers, plan.blocks, postscale);
+    }
+    scheduler_->SetPlan(std::move(plan));
+  }
+
+  Scheduler& scheduler() { return *scheduler_; }
+  ManualBackend& manual() {
+    if (manual_ == nullptr) throw std::logic_error("not a manual engine");
+    return *manual_;
+  }
+
+ private:
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<Scheduler> scheduler_;
+  TorchBackend* torch_ = nullptr;
+  ManualBackend* manual_ = nullptr;
+};
+
+}  // namespace
+}  // namespace dcredit
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace dcredit;
+  namespace py = pybind11;
+  using release = py::call_guard<py::gil_scoped_release>;
+
+  py::register_exception<SchedulerError>(m, "SchedulerError", PyExc_RuntimeError);
+  py::register_exception<TimeoutError>(m, "Timeout", PyExc_TimeoutError);
+
+  m.attr("RELEASE_ALL") = kReleaseAll;
+
+  py::class_<Engine>(m, "Engine")
+      .def_static("torch", &Engine::Torch, py::arg("groups"), py::arg("timeout_s"),
+                  "An engine whose blocks are all-reduced on `groups` (one per channel).")
+      .def_static("manual", &Engine::Manual, py::arg("timeout_s"),
+                  "An engine whose launches wait until `complete()` is called (tests).")
+      .def_static("noop", &Engine::Noop, py::arg("timeout_s"),
+                  "An engine whose launches complete at once (timing the scheduler alone).")
+      .def("set_plan", &Engine::SetPlan, py::arg("num_tensors"), py::arg("order"), py::arg("segments"),
+           py::arg("offsets"), py::arg("numels"), py::arg("bytes"), py::arg("priorities"),
+           py::arg("block_tensors"), py::arg("phase1_windows"), py::arg("phase2_windows"),
+           py::arg("credit_bytes"), py::arg("channels"), py::arg("buffers"), py::arg("postscale"), release())
+      .def(
+          "start_iteration", [](Engine& e) { e.scheduler().StartIteration(); }, release())
+      .def(
+          "mark_ready", [](Engine& e, int32_t t) { e.scheduler().MarkReady(t); }, py::arg("tensor"), release())
+      .def(
+          "flush", [](Engine& e) { e.scheduler().Flush(); }, release())
+      .def(
+          "wait_tensor",
+          [](Engine& e, int32_t t, double timeout_s) {
+            Rethrow([&] { e.scheduler().WaitTensor(t, ToMs(timeout_s)); });
+          },
+          py::arg("tensor"), py::arg("timeout_s"), release())
+      .def(
+          "wait_all", [](Engine& e, double timeout_s) { Rethrow([&] { e.scheduler().WaitAll(ToMs(timeout_s)); }); },
+          py::arg("timeout_s"), release())
+      .def(
+          "tensor_done", [](Engine& e, int32_t t) { return e.scheduler().TensorDone(t); }, py::arg("tensor"),
+          release())
+      .def(
+          "idle", [](Engine& e) { return e.scheduler().Idle(); }, release())
+      .def(
+          "shutdown", [](Engine& e) { e.scheduler().Shutdown(); }, release())
+      .def("error",
+           [](Engine& e) -> py::object {
+             Status s = e.scheduler().status();
+             if (s.ok()) return py::none();
+             return py::str(s.message);
+           })
+      .def("num_blocks", [](Engine& e) { return e.scheduler().num_blocks(); })
+      .def("num_tensors", [](Engine& e) { return e.scheduler().num_tensors(); })
+      .def(
+          "trace",
+          [](Engine& e) {
+            std::vector<BlockTrace> tr = e.scheduler().Trace();
+            py::list out;
+            for (const BlockTrace& t : tr) {
+              out.append(py::make_tuple(t.block, t.channel, t.window, t.group, t.seq, t.release_ns, t.launch_ns,
+                                        t.end_ns));
+            }
+            return out;
+          },
+          "Per block: (block, channel, window, group, seq, release_ns, launch_ns, end_ns).")
+      .def("ready_times", [](Engine& e) { return e.scheduler().ReadyTimes(); })
+      .def("pending",
+           [](Engine& e) {
+             py::list out;
+             for (const auto& l : e.manual().Pending()) out.append(py::make_tuple(l.block, l.channel));
+             return out;
+           })
+      .def("history",
+           [](Engine& e) {
+             py::list out;
+             for (const auto& l : e.manual().History()) out.append(py::make_tuple(l.block, l.channel));
+             return out;
+           })
+      .def(
+          "complete",
+          [](Engine& e, int32_t block, bool ok, const std::string& message) {
+            return e.manual().Complete(block, ok ? Status::Ok() : Status::Error(message));
+          },
+          py::arg("block"), py::arg("ok") = true, py::arg("message") = "", release());
+}

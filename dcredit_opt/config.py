@@ -1,0 +1,121 @@
+"""The one configuration object, and the only place that reads the environment."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Mapping
+
+log = logging.getLogger("dcredit_opt")
+
+MiB = 1024 * 1024
+
+# 4 MiB blocks: large enough that a block's startup cost (alpha) is a few
+# percent of its transfer on a 1-10 Gbit/s link, small enough that a
+# high-priority gradient waits at most a few milliseconds behind one.
+DEFAULT_BLOCK_BYTES = 4 * MiB
+
+
+@dataclasses.dataclass
+class Config:
+    """How dcredit-opt schedules one optimizer's gradients.
+
+    Every field can be overridden by an environment variable ``DCREDIT_<FIELD>``
+    (upper case), read once by :meth:`from_env`.
+    """
+
+    policy: str = "dcredit"
+    """Planner policy used once the job has profiled itself (``profile_iters``).
+    One of wfbp, ddp, mgwfbp, bytescheduler, usbyte, dear, dcredit, or "fixed" to keep
+    the fixed plan below for the whole job."""
+
+    block_bytes: int = DEFAULT_BLOCK_BYTES
+    """Block size of the fixed plan (before or without profiling), in bytes."""
+
+    window: int = 2
+    """Fixed plan: blocks released per gradient-ready event and per phase-2 group
+    (the credit window, in blocks). -1 releases every ready block at once."""
+
+    credit_bytes: int = 0
+    """Bytes allowed in flight at once; 0 means the window (in blocks) is the only limit."""
+
+    channels: int = 2
+    """Process groups (communicators) that blocks rotate over, so that a window of
+    k blocks really runs k collectives at once."""
+
+    overlap_forward: bool = True
+    """Phase 2: ``step()`` returns before every gradient is reduced, and each layer's
+    next forward waits only for its own parameters. Off: ``step()`` waits (WFBP-style)."""
+
+    profile_iters: int = 0
+    """Iterations measured at the start of the job before rank 0 plans; 0 keeps the
+    fixed plan."""
+
+    timeout_s: float = 30.0
+    """Longest wait for any collective or gradient before raising, in seconds."""
+
+    timeline_path: str | None = None
+    """Write a Chrome/Perfetto trace of blocks and windows here (one file per rank)."""
+
+    check_finite: bool = False
+    """Raise if a reduced gradient holds NaN or Inf (costs one pass over the gradients)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        if not isinstance(self.block_bytes, int) or self.block_bytes <= 0:
+            raise ValueError(f"Config.block_bytes must be a positive number of bytes, got {self.block_bytes!r}")
+        if not isinstance(self.window, int) or (self.window <= 0 and self.window != -1):
+            raise ValueError(f"Config.window must be a positive number of blocks or -1 (all), got {self.window!r}")
+        if not isinstance(self.credit_bytes, int) or self.credit_bytes < 0:
+            raise ValueError(f"Config.credit_bytes must be >= 0 (0 = no byte limit), got {self.credit_bytes!r}")
+        if not isinstance(self.channels, int) or not 1 <= self.channels <= 64:
+            raise ValueError(f"Config.channels must be an integer in 1..64, got {self.channels!r}")
+        if not isinstance(self.profile_iters, int) or self.profile_iters < 0:
+            raise ValueError(f"Config.profile_iters must be >= 0, got {self.profile_iters!r}")
+        if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise ValueError(f"Config.timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
+        known = ("fixed", "wfbp", "ddp", "mgwfbp", "bytescheduler", "usbyte", "dear", "dcredit")
+        if self.policy not in known:
+            raise ValueError(f"Config.policy {self.policy!r} is unknown; known policies: {', '.join(known)}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "Config":
+        """Defaults, then ``DCREDIT_*`` variables, then ``overrides``."""
+        environ = os.environ if environ is None else environ
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict = {}
+        known_vars = {f"DCREDIT_{name.upper()}": name for name in fields}
+        for var, raw in environ.items():
+            if not var.startswith("DCREDIT_"):
+                continue
+            name = known_vars.get(var)
+            if name is None:
+                log.warning("ignoring unknown environment variable %s; known: %s", var, ", ".join(sorted(known_vars)))
+                continue
+            values[name] = _parse(var, raw, fields[name].type)
+        values.update(overrides)
+        return cls(**values)
+
+
+def _parse(var: str, raw: str, annotation: str):
+    text = raw.strip()
+    try:
+        if annotation == "bool":
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if annotation == "int":
+            return int(text)
+        if annotation == "float":
+            return float(text)
+        if annotation.startswith("str | None"):
+            return text or None
+        return text
+    except ValueError:
+        raise ValueError(f"environment variable {var}={raw!r} is not a valid {annotation}") from None

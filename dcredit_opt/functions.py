@@ -1,0 +1,125 @@
+"""Horovod-style helpers: broadcast parameters and optimizer state from one rank.
+
+Nothing received from a peer is unpickled: tensors travel as tensors, and the
+optimizer state's structure travels as JSON text in a uint8 tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from . import runtime
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _broadcast_(tensor: torch.Tensor, root_rank: int) -> None:
+    """In-place broadcast that also works for tensors the backend cannot send directly."""
+    dev = _device()
+    if tensor.device == dev and tensor.is_contiguous():
+        dist.broadcast(tensor, src=root_rank)
+        return
+    tmp = tensor.detach().to(dev).contiguous()
+    dist.broadcast(tmp, src=root_rank)
+    with torch.no_grad():
+        tensor.copy_(tmp)
+
+
+def _check_root(root_rank: int) -> None:
+    if not isinstance(root_rank, int) or not 0 <= root_rank < runtime.size():
+        raise ValueError(f"root_rank must be a rank in 0..{runtime.size() - 1}, got {root_rank!r}")
+
+
+def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable, root_rank: int = 0) -> None:
+    """Overwrite ``params`` (a ``state_dict()`` or ``named_parameters()``) with ``root_rank``'s values."""
+    runtime.init()
+    _check_root(root_rank)
+    items = list(params.items()) if isinstance(params, Mapping) else list(params)
+    for item in items:
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise ValueError("params must be a state_dict() or a sequence of (name, tensor) pairs")
+    if runtime.size() == 1:
+        return
+    for _, tensor in sorted(items, key=lambda kv: kv[0]):
+        if isinstance(tensor, torch.Tensor):
+            with torch.no_grad():
+                _broadcast_(tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor, root_rank)
+
+
+def _broadcast_text(text: str | None, root_rank: int) -> str:
+    dev = _device()
+    if runtime.rank() == root_rank:
+        payload = torch.tensor(list(text.encode()), dtype=torch.uint8, device=dev)
+        length = torch.tensor([payload.numel()], dtype=torch.int64, device=dev)
+    else:
+        length = torch.zeros(1, dtype=torch.int64, device=dev)
+    dist.broadcast(length, src=root_rank)
+    if runtime.rank() != root_rank:
+        payload = torch.empty(int(length.item()), dtype=torch.uint8, device=dev)
+    dist.broadcast(payload, src=root_rank)
+    return bytes(payload.cpu().tolist()).decode()
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
+    """Give every rank ``root_rank``'s optimizer state and hyperparameters.
+
+    Ranks whose optimizer has no state yet (a fresh start beside a restored
+    checkpoint on the root) get the root's state structure first.
+    """
+    runtime.init()
+    _check_root(root_rank)
+    if runtime.size() == 1:
+        return
+    if hasattr(optimizer, "_dc_apply_pending"):
+        optimizer._dc_apply_pending()
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    description = None
+    if runtime.rank() == root_rank:
+        state = []
+        for i, p in enumerate(params):
+            entries = {}
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    entries[key] = {"tensor": list(value.shape), "dtype": str(value.dtype).replace("torch.", "")}
+                elif isinstance(value, (int, float, bool)) or value is None:
+                    entries[key] = {"value": value}
+                else:
+                    raise TypeError(f"optimizer state entry '{key}' of parameter {i} has type "
+                                    f"{type(value).__name__}, which cannot be broadcast")
+            state.append(entries)
+        groups = [{k: v for k, v in g.items() if k != "params" and _jsonable(v)} for g in optimizer.param_groups]
+        description = json.dumps({"params": len(params), "state": state, "groups": groups})
+    desc = json.loads(_broadcast_text(description, root_rank))
+    if desc["params"] != len(params) or len(desc["groups"]) != len(optimizer.param_groups):
+        raise ValueError(f"optimizer on rank {runtime.rank()} has {len(params)} parameters in "
+                         f"{len(optimizer.param_groups)} groups; rank {root_rank} has {desc['params']} in "
+                         f"{len(desc['groups'])}")
+    for group, hyper in zip(optimizer.param_groups, desc["groups"]):
+        group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in hyper.items()})
+    for p, entries in zip(params, desc["state"]):
+        st = optimizer.state[p]
+        for key, spec in entries.items():
+            if "value" in spec:
+                st[key] = spec["value"]
+                continue
+            dtype = getattr(torch, spec["dtype"])
+            current = st.get(key)
+            if not (isinstance(current, torch.Tensor) and list(current.shape) == spec["tensor"]
+                    and current.dtype == dtype):
+                device = p.device if spec["tensor"] else torch.device("cpu")
+                st[key] = current = torch.zeros(spec["tensor"], dtype=dtype, device=device)
+            _broadcast_(current, root_rank)
+
+
+def _jsonable(value) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False

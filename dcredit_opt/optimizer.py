@@ -1,0 +1,488 @@
+"""The drop-in wrapper: hooks, the lazy step, synchronize.
+
+Note [Lazy step]
+----------------
+With phase 2 on, ``step()`` flushes the scheduler and returns at once: the
+remaining blocks are still travelling, highest priority (nearest the input)
+first. The update of each parameter is applied later, on the main thread,
+just before the first forward of a module that owns it (a global module
+forward pre-hook, installed only while updates are pending), by running the
+wrapped optimizer's own ``step()`` on that parameter alone, with the
+hyperparameters that were in force when ``step()`` was called. Optimizer
+state therefore stays exactly what a synchronous step would have made.
+Everything else that could observe a parameter first applies what is
+pending: ``synchronize()``, ``state_dict()``/``load_state_dict()`` of the
+optimizer and of every module that owns a parameter, and the next backward.
+What cannot be seen is a direct read of ``p.data`` outside any forward
+between ``step()`` and the next forward; ``synchronize()`` is the cure.
+
+Gradients live in flat buffers owned here (one per dtype, laid out by the
+plan); after its hook, ``p.grad`` is a view of its slot, so a finished
+reduction is visible in ``p.grad`` with no copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import hashlib
+import warnings
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from . import _ext, runtime
+from .config import Config
+from .layout import build_layout, fixed_plan
+from .planner.plan import Plan, validate
+
+
+class ReduceOp(enum.Enum):
+    AVERAGE = "average"
+    SUM = "sum"
+
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+
+
+class DCreditError(RuntimeError):
+    """Misuse detected during training (wrong call order, bad gradient)."""
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, backward_passes_per_step: int = 1,
+                         op: ReduceOp = Average, gradient_predivide_factor: float = 1.0,
+                         config: Config | None = None, sparse_as_dense: bool = False):
+    """Wrap ``optimizer`` so that its gradients are averaged across ranks.
+
+    Same names and meaning as ``horovod.torch.DistributedOptimizer``. The
+    returned object is an instance of a subclass of ``optimizer``'s class that
+    shares its parameter groups and state, so LR schedulers and
+    ``isinstance`` checks keep working.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("torch.optim.LBFGS is not supported: it re-evaluates the closure inside step()")
+    if getattr(optimizer, "_dc_names", None) is not None:
+        raise ValueError("optimizer is already a dcredit_opt.DistributedOptimizer")
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be a positive integer, got {backward_passes_per_step!r}")
+    if op not in (Average, Sum):
+        raise ValueError(f"op must be dcredit_opt.Average or dcredit_opt.Sum, got {op!r}")
+    if not (isinstance(gradient_predivide_factor, (int, float)) and gradient_predivide_factor > 0):
+        raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor!r}")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if config is None:
+        config = Config.from_env()
+    elif not isinstance(config, Config):
+        raise TypeError(f"config must be a dcredit_opt.Config, got {type(config).__name__}")
+    config.validate()
+    names, params = _named_tracked_params(optimizer, named_parameters)
+    _check_devices(names, params)
+
+    base = optimizer.__class__
+    body = {k: v for k, v in _DistributedOptimizer.__dict__.items() if k not in ("__dict__", "__weakref__")}
+    body["_dc_base"] = base
+    cls = type(base.__name__, (base,), body)
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)
+    wrapped._dc_setup(names, params, backward_passes_per_step, op, float(gradient_predivide_factor), config,
+                      sparse_as_dense)
+    return wrapped
+
+
+def _named_tracked_params(optimizer, named_parameters):
+    """Parameters we reduce, in forward (registration) order, with their names."""
+    in_optimizer = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            in_optimizer.setdefault(id(p), p)
+    if named_parameters is None:
+        named = [(f"param_groups.{gi}.{pi}", p) for gi, g in enumerate(optimizer.param_groups)
+                 for pi, p in enumerate(g["params"])]
+    else:
+        named = list(named_parameters)
+        for item in named:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                                 "usually produced by model.named_parameters()")
+        all_names = [k for k, _ in named]
+        dups = sorted({k for k in all_names if all_names.count(k) > 1})
+        if dups:
+            raise ValueError(f"Parameter names in named_parameters must be unique. Found duplicates: {', '.join(dups)}")
+        named_ids = {id(p) for _, p in named}
+        unnamed = [p for pid, p in in_optimizer.items() if pid not in named_ids]
+        if unnamed:
+            shapes = ", ".join(str(tuple(p.shape)) for p in unnamed[:5])
+            raise ValueError(f"named_parameters was specified, but {len(unnamed)} model parameter(s) were not "
+                             f"named (shapes {shapes}). Python object ids: "
+                             f"{', '.join(str(id(p)) for p in unnamed[:5])}")
+    names, params, seen = [], [], set()
+    for name, p in named:
+        if id(p) in seen or id(p) not in in_optimizer or not p.requires_grad:
+            continue  # tied weights once; frozen and foreign parameters never
+        seen.add(id(p))
+        names.append(name)
+        params.append(p)
+    return names, params
+
+
+def _check_devices(names, params):
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        first = {}
+        for n, p in zip(names, params):
+            first.setdefault(p.device, n)
+        described = ", ".join(f"'{n}' on {d}" for d, n in first.items())
+        raise ValueError(f"parameters are on different devices ({described}); one DistributedOptimizer "
+                         "reduces parameters of one device")
+
+
+class _DistributedOptimizer:
+    """Body of the generated subclass; see :func:`DistributedOptimizer`."""
+
+    # ---- set-up ---------------------------------------------------------
+
+    def _dc_setup(self, names, params, bpps, op, predivide, config, sparse_as_dense):
+        runtime.init(timeout_s=config.timeout_s)
+        self._dc_config = config
+        self._dc_names = names
+        self._dc_params = params
+        self._dc_index = {id(p): i for i, p in enumerate(params)}
+        self._dc_bpps = bpps
+        self._dc_sparse_as_dense = sparse_as_dense
+        world = runtime.size()
+        self._dc_prescale = 1.0 / predivide if op == Average else 1.0
+        self._dc_postscale = predivide / world if op == Average else 1.0
+        self._dc_group_of = []
+        for p in params:
+            self._dc_group_of.append(next(gi for gi, g in enumerate(self.param_groups)
+                                          if any(q is p for q in g["params"])))
+        _check_same_model_on_all_ranks(names, params)
+        T = len(params)
+        self._dc_counts = [0] * T
+        self._dc_marked = [False] * T
+        self._dc_pending = [False] * T
+        self._dc_npending = 0
+        self._dc_open = False
+        self._dc_flushed = False
+        self._dc_synchronized = False
+        self._dc_skip = False
+        self._dc_snapshot = None
+        self._dc_steps = 0
+        self._dc_module_params = weakref.WeakKeyDictionary()
+        self._dc_hooked_modules = weakref.WeakSet()
+        self._dc_forward_hook = None
+        self._dc_discovering = True
+        self._dc_forward_seen = False
+        self._dc_engine = _ext.load().Engine.torch(runtime.channel_groups(config.channels), float(config.timeout_s))
+        self._dc_plan = None
+        self._dc_set_plan(fixed_plan(
+            [p.numel() for p in params], [p.element_size() for p in params], config.block_bytes,
+            config.window, config.channels, config.credit_bytes, config.overlap_forward))
+        me = weakref.ref(self)
+        self._dc_grad_hooks = [p.register_post_accumulate_grad_hook(_weak_grad_hook(me, i))
+                               for i, p in enumerate(params)]
+        self._dc_install_forward_hook()
+
+    def _dc_set_plan(self, plan: Plan) -> None:
+        """Switch to ``plan``; only between iterations (nothing in flight)."""
+        params = self._dc_params
+        validate(plan, numels=[p.numel() for p in params], max_channels=self._dc_config.channels,
+                 dtypes=[p.dtype for p in params])
+        layout = build_layout(plan, [str(p.dtype) for p in params], [p.element_size() for p in params])
+        device = params[0].device if params else torch.device("cpu")
+        dtype_of = {str(p.dtype): p.dtype for p in params}
+        buffers = [torch.zeros(n, dtype=dtype_of[k], device=device)
+                   for k, n in zip(layout.segment_keys, layout.segment_numels)]
+        slots = [buffers[layout.tensor_segment[i]].narrow(0, layout.tensor_offset[i], p.numel()).view(p.shape)
+                 for i, p in enumerate(params)]
+        self._dc_engine.set_plan(
+            plan.num_tensors, list(plan.order), list(layout.block_segment), list(layout.block_offset),
+            list(layout.block_numel), list(layout.block_bytes), list(layout.block_priority),
+            [list(t) for t in layout.block_tensors], list(plan.phase1_windows or [-1] * plan.num_tensors),
+            list(plan.phase2_windows), plan.credit_bytes, plan.channels, buffers, self._dc_postscale)
+        self._dc_plan, self._dc_layout, self._dc_buffers, self._dc_slots = plan, layout, buffers, slots
+
+    # ---- backward: hooks ------------------------------------------------
+
+    def _dc_on_grad(self, i: int, p: torch.Tensor) -> None:
+        count = self._dc_counts[i] + 1
+        if count > self._dc_bpps:
+            raise DCreditError(
+                f"gradient of parameter '{self._dc_names[i]}' was computed {count} times before step(), "
+                f"but backward_passes_per_step={self._dc_bpps}. Call step() after every "
+                f"{self._dc_bpps} backward pass(es), or raise backward_passes_per_step.")
+        self._dc_counts[i] = count
+        if count < self._dc_bpps:
+            return
+        if not self._dc_open:
+            self._dc_begin()
+        self._dc_stage(i, p)
+        self._dc_marked[i] = True
+        self._dc_engine.mark_ready(i)
+
+    def _dc_begin(self) -> None:
+        if self._dc_npending:
+            self._dc_apply(range(len(self._dc_params)))  # parameters no forward used
+        self._dc_engine.start_iteration()
+        self._dc_open = True
+        self._dc_flushed = False
+        self._dc_synchronized = False
+        self._dc_marked = [False] * len(self._dc_params)
+
+    def _dc_stage(self, i: int, p: torch.Tensor) -> None:
+        """Put this rank's gradient of tensor ``i`` into its slot (pre-scaled) and alias ``p.grad``."""
+        slot = self._dc_slots[i]
+        g = p.grad
+        if g is None:
+            slot.zero_()  # unused on this rank: contribute zeros, as Horovod does
+        elif slot.numel() and g.data_ptr() == slot.data_ptr():
+            if self._dc_prescale != 1.0:
+                slot.mul_(self._dc_prescale)
+            return
+        else:
+            if g.is_sparse:
+                if not self._dc_sparse_as_dense:
+                    raise DCreditError(
+                        f"parameter '{self._dc_names[i]}' has a sparse gradient; pass sparse_as_dense=True "
+                        "to DistributedOptimizer to reduce it as a dense tensor")
+                g = g.to_dense()
+            if self._dc_prescale != 1.0:
+                torch.mul(g, self._dc_prescale, out=slot)
+            else:
+                slot.copy_(g)
+        p.grad = slot
+
+    def _dc_flush(self) -> None:
+        """End of backward: unmarked tensors (unused here) join with what they have."""
+        for i, p in enumerate(self._dc_params):
+            if not self._dc_marked[i]:
+                self._dc_stage(i, p)
+                self._dc_marked[i] = True
+        self._dc_engine.flush()
+        self._dc_flushed = True
+
+    # ---- the public optimizer API ----------------------------------------
+
+    def synchronize(self) -> None:
+        """Finish reducing this iteration's gradients (and apply any pending update)."""
+        if self._dc_npending:
+            self._dc_apply(range(len(self._dc_params)))
+        if self._dc_open and not self._dc_synchronized:
+            if not self._dc_flushed:
+                self._dc_flush()
+            self._dc_engine.wait_all(float(self._dc_config.timeout_s))
+            self._dc_synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Use after ``synchronize()``: ``step()`` then does not synchronize again."""
+        self._dc_skip = True
+        try:
+            yield
+        finally:
+            self._dc_skip = False
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._dc_synchronized and not self._dc_skip:
+            warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                          "optimizer.synchronize(). This can cause training slowdown. You may want to "
+                          "consider using optimizer.skip_synchronize() context if you use "
+                          "optimizer.synchronize() in your code.")
+        if not self._dc_open:
+            if not any(self._dc_counts):
+                raise DCreditError("step() called, but no gradient was computed since the last step(): "
+                                   "call loss.backward() before optimizer.step()")
+            self._dc_begin()  # fewer backward passes than backward_passes_per_step: reduce what there is
+        if not self._dc_flushed:
+            self._dc_flush()
+        self._dc_snapshot = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        self._dc_counts = [0] * len(self._dc_params)
+        self._dc_open = False
+        self._dc_pending = [True] * len(self._dc_params)
+        self._dc_npending = len(self._dc_params)
+        self._dc_steps += 1
+        if self._dc_steps >= 2:
+            self._dc_discovering = False
+        # Until a forward has been seen, the modules to hook are unknown: apply now.
+        lazy = (self._dc_plan.overlap_forward and self._dc_config.overlap_forward and self._dc_forward_seen
+                and not self._dc_synchronized)
+        self._dc_synchronized = False
+        if lazy:
+            self._dc_install_forward_hook()
+        else:
+            self._dc_apply(range(len(self._dc_params)))
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._dc_open and any(self._dc_marked) and not self._dc_synchronized:
+            raise DCreditError("optimizer.zero_grad() was called after loss.backward() but before "
+                               "optimizer.step() or optimizer.synchronize(): the gradients are being reduced")
+        for i, p in enumerate(self._dc_params):
+            if self._dc_pending[i] and p.grad is not None and p.grad.data_ptr() == self._dc_slots[i].data_ptr():
+                # The slot holds the reduced gradient a pending update still needs.
+                p.grad = None if set_to_none else torch.zeros_like(p)
+        self._dc_base.zero_grad(self, set_to_none=set_to_none)
+
+    def state_dict(self):
+        self._dc_apply_pending()
+        return self._dc_base.state_dict(self)
+
+    def load_state_dict(self, state_dict):
+        self._dc_apply_pending()
+        return self._dc_base.load_state_dict(self, state_dict)
+
+    def add_param_group(self, param_group):
+        raise ValueError("add_param_group() on a DistributedOptimizer is not supported: add the group to the "
+                         "wrapped optimizer before calling dcredit_opt.DistributedOptimizer")
+
+    # ---- phase 2: applying updates ----------------------------------------
+
+    def _dc_apply_pending(self) -> None:
+        if self._dc_npending:
+            self._dc_apply(range(len(self._dc_params)))
+
+    def _dc_apply(self, indices) -> None:
+        """Wait for tensors ``indices`` and run the wrapped step on those still pending."""
+        todo = [i for i in indices if self._dc_pending[i]]
+        if not todo:
+            return
+        timeout = float(self._dc_config.timeout_s)
+        for i in todo:
+            try:
+                self._dc_engine.wait_tensor(i, timeout)
+            except (RuntimeError, TimeoutError) as e:
+                raise type(e)(f"while waiting for the gradient of '{self._dc_names[i]}' (tensor {i}) "
+                              f"on rank {runtime.rank()}: {e}") from e
+            if self._dc_config.check_finite and not bool(torch.isfinite(self._dc_slots[i]).all()):
+                raise DCreditError(f"the reduced gradient of '{self._dc_names[i]}' holds NaN or Inf "
+                                   "(Config.check_finite is on)")
+        params, slots = self._dc_params, self._dc_slots
+        groups = self.param_groups
+        saved_params = [g["params"] for g in groups]
+        saved_hyper = [{k: g[k] for k in snap} for g, snap in zip(groups, self._dc_snapshot)]
+        saved_grads = [params[i].grad for i in todo]
+        members = [[] for _ in groups]
+        for i in todo:
+            members[self._dc_group_of[i]].append(params[i])
+        try:
+            for g, m, snap in zip(groups, members, self._dc_snapshot):
+                g["params"] = m
+                g.update(snap)
+            for i in todo:
+                params[i].grad = slots[i]
+            self._dc_base.step(self)
+        finally:
+            for g, ps, hyper in zip(groups, saved_params, saved_hyper):
+                g["params"] = ps
+                g.update(hyper)
+            for i, grad in zip(todo, saved_grads):
+                params[i].grad = grad
+        for i in todo:
+            self._dc_pending[i] = False
+        self._dc_npending -= len(todo)
+        if not self._dc_npending and not self._dc_discovering:
+            self._dc_remove_forward_hook()
+
+    def _dc_install_forward_hook(self) -> None:
+        if self._dc_forward_hook is None:
+            self._dc_forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(
+                _weak_forward_hook(weakref.ref(self)))
+
+    def _dc_remove_forward_hook(self) -> None:
+        if self._dc_forward_hook is not None:
+            self._dc_forward_hook.remove()
+            self._dc_forward_hook = None
+
+    def _dc_before_forward(self, module: torch.nn.Module) -> None:
+        self._dc_forward_seen = True
+        own = self._dc_module_params.get(module)
+        if own is None:
+            own = tuple(self._dc_index[id(p)] for p in module._parameters.values()
+                        if p is not None and id(p) in self._dc_index)
+            self._dc_module_params[module] = own
+            if own and module not in self._dc_hooked_modules:
+                # model.state_dict()/load_state_dict() must see applied updates.
+                me = weakref.ref(self)
+                module.register_state_dict_pre_hook(_weak_apply_hook(me))
+                module.register_load_state_dict_pre_hook(_weak_apply_hook(me))
+                self._dc_hooked_modules.add(module)
+        if own and self._dc_npending:
+            self._dc_apply(own)
+
+    def _dc_close(self) -> None:
+        """Detach from the model: hooks removed, engine shut down."""
+        self._dc_remove_forward_hook()
+        for h in self._dc_grad_hooks:
+            h.remove()
+        self._dc_grad_hooks = []
+        self._dc_engine.shutdown()
+
+
+def _weak_grad_hook(ref, i):
+    def hook(p):
+        opt = ref()
+        if opt is not None:
+            opt._dc_on_grad(i, p)
+    return hook
+
+
+def _weak_forward_hook(ref):
+    def hook(module, args):
+        opt = ref()
+        if opt is not None:
+            opt._dc_before_forward(module)
+    return hook
+
+
+def _weak_apply_hook(ref):
+    def hook(module, *args, **kwargs):
+        opt = ref()
+        if opt is not None:
+            opt._dc_apply_pending()
+    return hook
+
+
+def _check_same_model_on_all_ranks(names, params) -> None:
+    """Compare names, shapes and dtypes across ranks before any gradient moves.
+
+    A mismatch would otherwise surface as a hang or as silently mixed
+    gradients. Only fixed-size integer tensors cross the network.
+    """
+    world = runtime.size()
+    if world == 1:
+        return
+    device = params[0].device if params and params[0].is_cuda else torch.device("cpu")
+    digests = [_digest(f"{n}|{tuple(p.shape)}|{p.dtype}") for n, p in zip(names, params)]
+    total = _digest("/".join(str(d) for d in digests))
+    mine = torch.tensor([len(params), total], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    if all(bool(torch.equal(g, gathered[0])) for g in gathered):
+        return
+    longest = max(int(g[0]) for g in gathered)
+    padded = torch.full((longest + 1,), -1, dtype=torch.int64, device=device)
+    padded[: len(digests)] = torch.tensor(digests, dtype=torch.int64)
+    per_rank = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(per_rank, padded)
+    table = torch.stack(per_rank).cpu()
+    first = int((table != table[0]).any(dim=0).nonzero()[0])
+    differing = [r for r in range(world) if table[r, first] != table[0, first]]
+    here = (f"'{names[first]}' with shape {tuple(params[first].shape)} and dtype {params[first].dtype}"
+            if first < len(names) else "no parameter")
+    counts = [int(g[0]) for g in gathered]
+    raise ValueError(f"the model differs between ranks: at parameter position {first}, rank {runtime.rank()} has "
+                     f"{here}; ranks {differing} differ from rank 0 there (parameter counts per rank: {counts})")
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+
