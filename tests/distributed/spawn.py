@@ -1,0 +1,101 @@
+"""Run a function on N local ranks, each its own process, and collect results.
+
+The test process picks a free port, starts ``world_size`` Python processes
+with torchrun's environment variables, and waits for all of them with a
+timeout, so a hang fails the test instead of stalling the suite. Each rank
+calls ``module.function(**kwargs)`` and saves what it returns.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankFailure(AssertionError):
+    def __init__(self, message: str, returncodes: list, outputs: list):
+        super().__init__(message)
+        self.returncodes = returncodes
+        self.outputs = outputs
+
+
+def run(function, world_size: int, timeout_s: float = 120.0, env: dict | None = None,
+        expect_failure: bool = False, **kwargs) -> list:
+    """Results of ``function(**kwargs)`` on every rank, in rank order.
+
+    With ``expect_failure`` a failing rank is not an error: the return codes
+    and outputs are returned instead, for tests of error paths.
+    """
+    module = function.__module__
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="dcredit-test-") as out:
+        procs, logs = [], []
+        for rank in range(world_size):
+            e = dict(os.environ)
+            e.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+                      "PYTHONPATH": str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")})
+            e.update(env or {})
+            log = open(Path(out) / f"log{rank}.txt", "w+")
+            logs.append(log)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "tests.distributed.spawn", module, function.__name__, out,
+                 json.dumps(kwargs)], env=e, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+        deadline = time.monotonic() + timeout_s
+        timed_out = False
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                break
+        if timed_out:
+            for p in procs:
+                p.kill()
+            for p in procs:
+                p.wait(timeout=30)
+        outputs = []
+        for log in logs:
+            log.seek(0)
+            outputs.append(log.read())
+            log.close()
+        codes = [p.returncode for p in procs]
+        if timed_out:
+            raise RankFailure(f"ranks did not finish within {timeout_s} s:\n" + _tails(outputs), codes, outputs)
+        if expect_failure:
+            return [codes, outputs]
+        if any(codes):
+            raise RankFailure(f"rank(s) failed with exit codes {codes}:\n" + _tails(outputs), codes, outputs)
+        return [torch.load(Path(out) / f"result{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def _tails(outputs: list) -> str:
+    return "\n".join(f"--- rank {r} ---\n{text[-3000:]}" for r, text in enumerate(outputs))
+
+
+def _main() -> None:
+    module, name, out, kwargs = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+    torch.set_num_threads(1)
+    result = getattr(importlib.import_module(module), name)(**kwargs)
+    torch.save(result, Path(out) / f"result{os.environ['RANK']}.pt")
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,50 @@
+"""F1: training through dcredit_opt equals synchronous data parallelism."""
+
+import itertools
+
+import pytest
+
+from . import spawn, workers
+
+TOL = 2e-5  # float32 sums in a different order; 20 steps of Adam amplify little
+
+
+def _check(results):
+    for key in results[0]:
+        diffs = [r[key][0] for r in results]
+        sums = [r[key][1] for r in results]
+        assert max(diffs) < TOL, f"{key}: parameters differ from the synchronous reference by {max(diffs)}"
+        assert len({round(s, 6) for s in sums}) == 1, f"{key}: ranks disagree: {sums}"
+
+
+@pytest.mark.timeout(600)
+def test_every_optimizer_phase2_and_windows_on_2_ranks():
+    configs = [dict(opt=o, phase2=p2, window=w, block_bytes=96)
+               for o, p2, w in itertools.product(workers.OPTIMIZERS, (True, False), (1, 2, 4))]
+    _check(spawn.run(workers.equivalence, 2, timeout_s=540, configs=configs))
+
+
+@pytest.mark.timeout(300)
+def test_4_ranks_small_blocks_and_release_all():
+    configs = [dict(opt="sgd", phase2=True, window=w, block_bytes=64, channels=c)
+               for w, c in ((1, 1), (2, 2), (4, 4), (-1, 2))]
+    configs.append(dict(opt="adam", phase2=False, window=2, block_bytes=1 << 20))
+    _check(spawn.run(workers.equivalence, 4, timeout_s=280, configs=configs))
+
+
+SCENARIOS = ["backward_passes", "clipping", "unused_on_one_rank", "frozen", "eval_after_step", "checkpoint",
+             "lr_scheduler"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_scenario_matches_reference(name):
+    results = spawn.run(workers.scenario, 2, timeout_s=160, name=name)
+    for r in results:
+        assert r["diff"] < TOL, f"{name}: differs from the reference by {r['diff']}"
+        for key, value in r.items():
+            if key.endswith("_diff"):
+                assert value < TOL, f"{name}: {key} = {value}"
+            elif isinstance(value, bool):
+                assert value, f"{name}: {key} is False"
+    assert len({round(r["checksum"], 6) for r in results}) == 1, f"{name}: ranks disagree"

@@ -1,0 +1,218 @@
+"""What each rank runs in the distributed tests.
+
+Every worker trains a real model with dcredit_opt and, beside it, a
+synchronous reference that needs no communication: each rank regenerates
+every rank's batch (they are seeded by step and rank), averages the
+gradients itself, and steps the same optimizer. Results must agree to float
+tolerance.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+import dcredit_opt as dc
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-4),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=5e-2),
+    "adadelta": lambda ps: torch.optim.Adadelta(ps, lr=1.0),
+}
+
+
+class Net(nn.Module):
+    """Tensors of awkward sizes: most span several small blocks, some fit in one."""
+
+    def __init__(self, branch: bool = False, frozen: bool = False):
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.mid = nn.Linear(32, 61)  # a prime width
+        self.norm = nn.LayerNorm(61)
+        self.out = nn.Linear(61, 7)
+        self.branch = nn.Linear(61, 7) if branch else None
+        if frozen:
+            self.mid.requires_grad_(False)
+
+    def forward(self, x, use_branch: bool = False):
+        h = self.norm(torch.relu(self.mid(torch.relu(self.inp(x)))))
+        y = self.out(h)
+        if use_branch and self.branch is not None:
+            y = y + self.branch(h)
+        return y
+
+
+def batch(step: int, rank: int, n: int = 8):
+    g = torch.Generator().manual_seed(7919 * step + rank)
+    return torch.randn(n, 16, generator=g), torch.randn(n, 7, generator=g)
+
+
+def loss_of(model, data, **kw):
+    x, y = data
+    return nn.functional.mse_loss(model(x, **kw), y)
+
+
+def reference_grads(ref, step: int, world: int, passes: int = 1, uses_branch=lambda r: False) -> None:
+    """Synchronous data parallelism by hand: sum each rank's local gradient, divide by world."""
+    for p in ref.parameters():
+        p.grad = None
+    for r in range(world):
+        for k in range(passes):
+            loss_of(ref, batch(step * passes + k, r), use_branch=uses_branch(r)).backward()
+    for p in ref.parameters():
+        if p.grad is not None:
+            p.grad /= world
+        elif p.requires_grad and ref.branch is not None and any(p is q for q in ref.branch.parameters()):
+            p.grad = torch.zeros_like(p)
+
+
+def max_diff(a: nn.Module, b: nn.Module) -> float:
+    return max(float((p - q).abs().max()) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def checksum(model: nn.Module) -> float:
+    return float(sum(p.double().sum() for p in model.state_dict().values()))
+
+
+def _make(opt_name, config, **net_kw):
+    torch.manual_seed(0)
+    model = Net(**net_kw)
+    ref = copy.deepcopy(model)
+    opt = dc.DistributedOptimizer(OPTIMIZERS[opt_name](model.parameters()),
+                                  named_parameters=model.named_parameters(), config=config)
+    return model, ref, opt, OPTIMIZERS[opt_name](ref.parameters())
+
+
+def equivalence(configs: list, steps: int = 20) -> dict:
+    """For each config: train ``steps`` steps, return (max |param - reference|, checksum)."""
+    dc.init()
+    world, rank = dc.size(), dc.rank()
+    out = {}
+    for cfg in configs:
+        config = dc.Config(block_bytes=cfg["block_bytes"], window=cfg["window"], channels=cfg.get("channels", 2),
+                           overlap_forward=cfg["phase2"])
+        model, ref, opt, ropt = _make(cfg["opt"], config)
+        for step in range(steps):
+            opt.zero_grad()
+            loss_of(model, batch(step, rank)).backward()
+            opt.step()
+            reference_grads(ref, step, world)
+            ropt.step()
+        opt.synchronize()
+        out[repr(sorted(cfg.items()))] = (max_diff(model, ref), checksum(model))
+        opt._dc_close()
+    return out
+
+
+def scenario(name: str, steps: int = 12) -> dict:
+    """One of the F1 scenarios; returns the worst difference from the reference and a checksum."""
+    dc.init()
+    world, rank = dc.size(), dc.rank()
+    config = dc.Config(block_bytes=128, window=2, channels=2)
+    result = {}
+    if name == "backward_passes":
+        model, ref, opt, ropt = _make("sgd", config)
+        opt = dc.DistributedOptimizer(OPTIMIZERS["sgd"](model.parameters()), named_parameters=model.named_parameters(),
+                                      backward_passes_per_step=2, config=config)
+        for step in range(steps):
+            opt.zero_grad()
+            for k in range(2):
+                loss_of(model, batch(step * 2 + k, rank)).backward()
+            opt.step()
+            reference_grads(ref, step, world, passes=2)
+            ropt.step()
+    elif name == "clipping":
+        model, ref, opt, ropt = _make("sgd", config)
+        for step in range(steps):
+            opt.zero_grad()
+            loss_of(model, batch(step, rank)).backward()
+            opt.synchronize()
+            nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            with opt.skip_synchronize():
+                opt.step()
+            reference_grads(ref, step, world)
+            nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+            ropt.step()
+    elif name == "unused_on_one_rank":
+        model, ref, opt, ropt = _make("adam", config, branch=True)
+
+        def uses(r):
+            return r == 1
+
+        for step in range(steps):
+            opt.zero_grad()
+            loss_of(model, batch(step, rank), use_branch=uses(rank)).backward()
+            opt.step()
+            reference_grads(ref, step, world, uses_branch=uses)
+            ropt.step()
+    elif name == "frozen":
+        model, ref, opt, ropt = _make("sgd", config, frozen=True)
+        before = model.mid.weight.detach().clone()
+        for step in range(steps):
+            opt.zero_grad()
+            loss_of(model, batch(step, rank)).backward()
+            opt.step()
+            reference_grads(ref, step, world)
+            ropt.step()
+        opt.synchronize()
+        result["frozen_unchanged"] = bool(torch.equal(before, model.mid.weight))
+        result["frozen_grad_is_none"] = model.mid.weight.grad is None
+    elif name == "eval_after_step":
+        model, ref, opt, ropt = _make("sgd", config)
+        worst = 0.0
+        for step in range(steps):
+            opt.zero_grad()
+            loss_of(model, batch(step, rank)).backward()
+            opt.step()
+            reference_grads(ref, step, world)
+            ropt.step()
+            probe = batch(10_000 + step, 0)[0]
+            with torch.no_grad():  # the lazy update must land before this forward reads the weights
+                worst = max(worst, float((model(probe) - ref(probe)).abs().max()))
+        result["eval_diff"] = worst
+    elif name == "checkpoint":
+        model, ref, opt, ropt = _make("adam", config)
+        worst_state = 0.0
+        for step in range(steps):
+            opt.zero_grad()
+            loss_of(model, batch(step, rank)).backward()
+            opt.step()
+            reference_grads(ref, step, world)
+            ropt.step()
+            # Right after step(): the module state_dict must already hold the update.
+            worst_state = max(worst_state, max(float((a - b).abs().max()) for a, b in
+                                               zip(model.state_dict().values(), ref.state_dict().values())))
+            if step == steps // 2:
+                saved_model = copy.deepcopy(model.state_dict())
+                saved_opt = copy.deepcopy(opt.state_dict())
+                opt._dc_close()
+                torch.manual_seed(123)
+                model = Net()  # different initial weights, replaced by the checkpoint
+                opt = dc.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()),
+                                              named_parameters=model.named_parameters(), config=config)
+                model.load_state_dict(saved_model)
+                opt.load_state_dict(saved_opt)
+        result["state_dict_diff"] = worst_state
+    elif name == "lr_scheduler":
+        model, ref, opt, ropt = _make("sgd", config)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        rsched = torch.optim.lr_scheduler.StepLR(ropt, step_size=2, gamma=0.5)
+        for step in range(steps):
+            opt.zero_grad(set_to_none=(step % 2 == 0))
+            loss_of(model, batch(step, rank)).backward()
+            opt.step()
+            sched.step()  # changes lr before the lazy update is applied: it must not apply to it
+            reference_grads(ref, step, world)
+            ropt.step()
+            rsched.step()
+    else:
+        raise ValueError(name)
+    opt.synchronize()
+    result["diff"] = max_diff(model, ref)
+    result["checksum"] = checksum(model)
+    return result
