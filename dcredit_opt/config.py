@@ -30,6 +30,10 @@ class Config:
     One of wfbp, ddp, mgwfbp, bytescheduler, usbyte, dear, dcredit, or "fixed" to keep
     the fixed plan below for the whole job."""
 
+    backend: str = "auto"
+    """Who carries the collectives: "torch" (torch.distributed: Gloo, NCCL), "horovod",
+    "mpi" (mpi4py), or "auto" (Horovod when it is initialised, else torch.distributed)."""
+
     block_bytes: int = DEFAULT_BLOCK_BYTES
     """Block size of the fixed plan (before or without profiling), in bytes."""
 
@@ -78,6 +82,8 @@ class Config:
             raise ValueError(f"Config.profile_iters must be >= 0, got {self.profile_iters!r}")
         if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise ValueError(f"Config.timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
+        if self.backend not in ("auto", "torch", "horovod", "mpi"):
+            raise ValueError(f"Config.backend {self.backend!r} is unknown; known: auto, torch, horovod, mpi")
         known = ("fixed", "wfbp", "ddp", "mgwfbp", "bytescheduler", "usbyte", "dear", "dcredit")
         if self.policy not in known:
             raise ValueError(f"Config.policy {self.policy!r} is unknown; known policies: {', '.join(known)}")

@@ -32,7 +32,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from . import _ext, runtime
+from . import backends, runtime
 from .config import Config
 from .layout import build_layout, fixed_plan
 from .planner.plan import Plan, validate
@@ -178,7 +178,8 @@ class _DistributedOptimizer:
         self._dc_forward_hook = None
         self._dc_discovering = True
         self._dc_forward_seen = False
-        self._dc_engine = _ext.load().Engine.torch(runtime.channel_groups(config.channels), float(config.timeout_s))
+        self._dc_backend = backends.create(config.backend, config.channels, config.timeout_s)
+        self._dc_engine = self._dc_backend.engine
         self._dc_plan = None
         self._dc_set_plan(fixed_plan(
             [p.numel() for p in params], [p.element_size() for p in params], config.block_bytes,
@@ -204,7 +205,9 @@ class _DistributedOptimizer:
             plan.num_tensors, list(plan.order), list(layout.block_segment), list(layout.block_offset),
             list(layout.block_numel), list(layout.block_bytes), list(layout.block_priority),
             [list(t) for t in layout.block_tensors], list(plan.phase1_windows or [-1] * plan.num_tensors),
-            list(plan.phase2_windows), plan.credit_bytes, plan.channels, buffers, self._dc_postscale)
+            list(plan.phase2_windows), plan.credit_bytes, plan.channels,
+            self._dc_backend.buffers_for_engine(buffers), self._dc_postscale)
+        self._dc_backend.set_blocks(buffers, layout, self._dc_postscale)
         self._dc_plan, self._dc_layout, self._dc_buffers, self._dc_slots = plan, layout, buffers, slots
 
     # ---- backward: hooks ------------------------------------------------
@@ -424,7 +427,7 @@ class _DistributedOptimizer:
         for h in self._dc_grad_hooks:
             h.remove()
         self._dc_grad_hooks = []
-        self._dc_engine.shutdown()
+        self._dc_backend.close()
 
 
 def _weak_grad_hook(ref, i):

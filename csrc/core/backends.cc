@@ -6,6 +6,20 @@ void ManualBackend::Launch(int32_t block, int32_t channel, Done done) {
   std::lock_guard<std::mutex> lock(mu_);
   pending_.push_back({{block, channel}, std::move(done)});
   history_.push_back({block, channel});
+  cv_.notify_one();
+}
+
+bool ManualBackend::NextLaunch(std::chrono::milliseconds timeout, Launched* out) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!cv_.wait_for(lock, timeout, [&] { return closed_ || taken_ < history_.size(); }) || closed_) return false;
+  *out = history_[taken_++];
+  return true;
+}
+
+void ManualBackend::Close() {
+  std::lock_guard<std::mutex> lock(mu_);
+  closed_ = true;
+  cv_.notify_all();
 }
 
 std::vector<ManualBackend::Launched> ManualBackend::Pending() {
@@ -42,6 +56,7 @@ void ManualBackend::Clear() {
   std::lock_guard<std::mutex> lock(mu_);
   pending_.clear();
   history_.clear();
+  taken_ = 0;
 }
 
 }  // namespace dcredit

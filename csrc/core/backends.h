@@ -1,6 +1,8 @@
 // Backends with no network, for tests and for timing the scheduler alone.
 #pragma once
 
+#include <chrono>
+#include <condition_variable>
 #include <mutex>
 #include <utility>
 #include <vector>
@@ -15,7 +17,9 @@ class NoopBackend : public Backend {
   void Launch(int32_t /*block*/, int32_t /*channel*/, Done done) override { done(Status::Ok()); }
 };
 
-// Holds every launch until the test completes it, in any order it likes.
+// Holds every launch until someone completes it, in any order: tests drive
+// it by hand, and backends whose collectives are only reachable from Python
+// (Horovod, mpi4py) drive it from their own threads with NextLaunch/Complete.
 class ManualBackend : public Backend {
  public:
   struct Launched {
@@ -24,6 +28,11 @@ class ManualBackend : public Backend {
   };
 
   void Launch(int32_t block, int32_t channel, Done done) override;
+  // The next launch not yet taken, in launch order; false on timeout or
+  // after Close(). For a driver thread that starts the real collective.
+  bool NextLaunch(std::chrono::milliseconds timeout, Launched* out);
+  // Wakes NextLaunch callers for good.
+  void Close();
   // Launches not yet completed, in launch order.
   std::vector<Launched> Pending();
   // Every launch so far, in launch order.
@@ -34,6 +43,9 @@ class ManualBackend : public Backend {
 
  private:
   std::mutex mu_;
+  std::condition_variable cv_;
+  bool closed_ = false;
+  size_t taken_ = 0;  // launches handed out by NextLaunch
   std::vector<std::pair<Launched, Done>> pending_;
   std::vector<Launched> history_;
 };

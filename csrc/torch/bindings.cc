@@ -190,6 +190,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return out;
            })
       .def(
+          "next_launch",
+          [](Engine& e, double timeout_s) -> py::object {
+            ManualBackend::Launched l{};
+            bool got;
+            {
+              py::gil_scoped_release unlocked;
+              got = e.manual().NextLaunch(ToMs(timeout_s), &l);
+            }
+            if (!got) return py::none();
+            return py::make_tuple(l.block, l.channel);
+          },
+          py::arg("timeout_s"), "The next (block, channel) to start, or None on timeout or close.")
+      .def(
+          "close_launches", [](Engine& e) { e.manual().Close(); }, release())
+      .def(
           "complete",
           [](Engine& e, int32_t block, bool ok, const std::string& message) {
             return e.manual().Complete(block, ok ? Status::Ok() : Status::Error(message));
