@@ -41,7 +41,16 @@ horovod: install
 	VENV=$(VENV) bash .ci/install_horovod.sh
 
 lint: install
-	$(VENV)/bin/ruff check dcredit_opt tests examples benchmarks
+	$(VENV)/bin/ruff check --line-length 120 dcredit_opt tests examples benchmarks
 
 clean:
 	rm -rf build *.egg-info dcredit_opt/_C*.so dcredit_opt/_build_info.py $(EXT_STAMP)
+
+# The C++ core alone (no torch): invariants and a multi-threaded stress test.
+test-cpp:
+	bash tests/cpp/run.sh plain
+
+# The same tests under ThreadSanitizer, then AddressSanitizer + UBSan; any report fails.
+sanitize:
+	bash tests/cpp/run.sh thread
+	bash tests/cpp/run.sh address

@@ -52,7 +52,7 @@ class Config:
     """Phase 2: ``step()`` returns before every gradient is reduced, and each layer's
     next forward waits only for its own parameters. Off: ``step()`` waits (WFBP-style)."""
 
-    profile_iters: int = 0
+    profile_iters: int = 5
     """Iterations measured at the start of the job before rank 0 plans; 0 keeps the
     fixed plan."""
 

@@ -52,7 +52,8 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable, root_ran
                 _broadcast_(tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor, root_rank)
 
 
-def _broadcast_text(text: str | None, root_rank: int) -> str:
+def broadcast_text(text: str | None, root_rank: int) -> str:
+    """``root_rank``'s ``text`` on every rank, as UTF-8 bytes in a uint8 tensor (no pickle)."""
     dev = _device()
     if runtime.rank() == root_rank:
         payload = torch.tensor(list(text.encode()), dtype=torch.uint8, device=dev)
@@ -95,7 +96,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
             state.append(entries)
         groups = [{k: v for k, v in g.items() if k != "params" and _jsonable(v)} for g in optimizer.param_groups]
         description = json.dumps({"params": len(params), "state": state, "groups": groups})
-    desc = json.loads(_broadcast_text(description, root_rank))
+    desc = json.loads(broadcast_text(description, root_rank))
     if desc["params"] != len(params) or len(desc["groups"]) != len(optimizer.param_groups):
         raise ValueError(f"optimizer on rank {runtime.rank()} has {len(params)} parameters in "
                          f"{len(optimizer.param_groups)} groups; rank {root_rank} has {desc['params']} in "

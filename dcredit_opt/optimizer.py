@@ -26,16 +26,19 @@ from __future__ import annotations
 import contextlib
 import enum
 import hashlib
+import json
 import warnings
 import weakref
 
 import torch
 import torch.distributed as dist
 
-from . import backends, runtime
+from . import backends, profiler, runtime, timeline
 from .config import Config
 from .layout import build_layout, fixed_plan
+from .functions import broadcast_text
 from .planner.plan import Plan, validate
+from .planning import make_plan
 
 
 class ReduceOp(enum.Enum):
@@ -181,6 +184,12 @@ class _DistributedOptimizer:
         self._dc_backend = backends.create(config.backend, config.channels, config.timeout_s)
         self._dc_engine = self._dc_backend.engine
         self._dc_plan = None
+        self._dc_staged_plan = None
+        self._dc_profile = None
+        self._dc_recorder = (profiler.Recorder(names, params, config.profile_iters)
+                             if config.policy != "fixed" and config.profile_iters > 0 and params else None)
+        self._dc_timeline = [] if config.timeline_path else None
+        self._dc_iteration = 0
         self._dc_set_plan(fixed_plan(
             [p.numel() for p in params], [p.element_size() for p in params], config.block_bytes,
             config.window, config.channels, config.credit_bytes, config.overlap_forward))
@@ -231,6 +240,14 @@ class _DistributedOptimizer:
     def _dc_begin(self) -> None:
         if self._dc_npending:
             self._dc_apply(range(len(self._dc_params)))  # parameters no forward used
+        if self._dc_timeline is not None and self._dc_iteration:
+            self._dc_write_timeline()
+        if self._dc_staged_plan is not None:
+            # Every rank stages the same plan at the same step(), so every
+            # rank switches here, in the same iteration.
+            plan, self._dc_staged_plan = self._dc_staged_plan, None
+            self._dc_set_plan(plan)
+        self._dc_iteration += 1
         self._dc_engine.start_iteration()
         self._dc_open = True
         self._dc_flushed = False
@@ -315,14 +332,19 @@ class _DistributedOptimizer:
         self._dc_steps += 1
         if self._dc_steps >= 2:
             self._dc_discovering = False
-        # Until a forward has been seen, the modules to hook are unknown: apply now.
+        # Until a forward has been seen, the modules to hook are unknown: apply
+        # now. While profiling, too: a forward must not include waiting.
         lazy = (self._dc_plan.overlap_forward and self._dc_config.overlap_forward and self._dc_forward_seen
-                and not self._dc_synchronized)
+                and not self._dc_synchronized and self._dc_recorder is None)
         self._dc_synchronized = False
         if lazy:
             self._dc_install_forward_hook()
         else:
             self._dc_apply(range(len(self._dc_params)))
+        if self._dc_recorder is not None:
+            self._dc_recorder.on_step(self._dc_engine.ready_times())
+            if self._dc_recorder.done:
+                self._dc_finish_profiling()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -392,7 +414,7 @@ class _DistributedOptimizer:
         for i in todo:
             self._dc_pending[i] = False
         self._dc_npending -= len(todo)
-        if not self._dc_npending and not self._dc_discovering:
+        if not self._dc_npending and not self._dc_discovering and self._dc_recorder is None:
             self._dc_remove_forward_hook()
 
     def _dc_install_forward_hook(self) -> None:
@@ -418,8 +440,65 @@ class _DistributedOptimizer:
                 module.register_state_dict_pre_hook(_weak_apply_hook(me))
                 module.register_load_state_dict_pre_hook(_weak_apply_hook(me))
                 self._dc_hooked_modules.add(module)
+        if own and self._dc_recorder is not None:
+            self._dc_recorder.on_forward(own)
         if own and self._dc_npending:
             self._dc_apply(own)
+
+    # ---- profiling, planning, timeline ---------------------------------------
+
+    def _dc_finish_profiling(self) -> None:
+        """Every rank: measure the network; rank 0: plan; everyone: stage rank 0's plan."""
+        recorder, self._dc_recorder = self._dc_recorder, None
+        if not self._dc_npending:
+            self._dc_remove_forward_hook()
+        config = self._dc_config
+        device = self._dc_params[0].device
+        alpha, beta, _ = profiler.measure_alpha_beta(runtime.channel_groups(1)[0], device)
+        text = None
+        if runtime.rank() == 0:
+            try:
+                self._dc_profile = profiler.build_profile(recorder, alpha, beta, runtime.size())
+                plan = make_plan(self._dc_profile, config.policy, channels=config.channels,
+                                 overlap_forward=config.overlap_forward)
+                validate(plan, numels=[p.numel() for p in self._dc_params], max_channels=config.channels,
+                         dtypes=[p.dtype for p in self._dc_params])
+                text = plan.to_json()
+            except Exception as e:  # every rank must hear about it, or the others would wait
+                text = json.dumps({"error": f"{type(e).__name__}: {e}"})
+        text = broadcast_text(text, root_rank=0)
+        data = json.loads(text)
+        if "error" in data:
+            raise DCreditError(f"rank 0 could not plan with policy {config.policy!r}: {data['error']}")
+        self._dc_staged_plan = Plan.from_dict(data)
+
+    @property
+    def plan(self) -> Plan:
+        """The plan in force (the staged one, once profiling has produced it)."""
+        return self._dc_staged_plan or self._dc_plan
+
+    @property
+    def profile(self):
+        """What profiling measured (rank 0 only; None elsewhere or before)."""
+        return self._dc_profile
+
+    def _dc_write_timeline(self) -> None:
+        if len(self._dc_timeline) > 200_000:
+            return  # enough for any viewer; keep memory bounded on long jobs
+        rows = self._dc_engine.trace()
+        ready = self._dc_engine.ready_times()
+        stamps = [r[6] for r in rows if r[6]] + [t for t in ready if t]
+        if not stamps:
+            return
+        if not self._dc_timeline:
+            self._dc_timeline_origin = min(stamps)
+        self._dc_timeline.extend(timeline.block_events(
+            rows, self._dc_names, self._dc_layout.block_tensors, ready, runtime.rank(),
+            self._dc_timeline_origin, self._dc_iteration))
+        path = self._dc_config.timeline_path
+        timeline.write(path.replace("{rank}", str(runtime.rank())) if "{rank}" in path
+                       else f"{path}.rank{runtime.rank()}.json" if runtime.size() > 1 else path,
+                       self._dc_timeline)
 
     def _dc_close(self) -> None:
         """Detach from the model: hooks removed, engine shut down."""

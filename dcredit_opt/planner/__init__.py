@@ -1,0 +1,28 @@
+"""The planner: pure functions from a measured profile to an executable plan.
+
+``plan`` (the format the runtime executes), ``profile`` (what was measured),
+``cost`` (the alpha-beta model), ``simulate`` (one iteration replayed under
+the runtime's rules), ``dcredit`` and ``policies`` (D-Credit and the
+baselines). No processes, no torch.
+"""
+
+from .plan import ALL, Plan, PlanError, validate
+from .policies import POLICIES, make_plan
+from .profile import Profile, ProfileError, TensorProfile, bytes_of
+from .simulate import SimResult, lower_bound, simulate
+
+__all__ = [
+    "ALL",
+    "POLICIES",
+    "Plan",
+    "PlanError",
+    "Profile",
+    "ProfileError",
+    "SimResult",
+    "TensorProfile",
+    "bytes_of",
+    "lower_bound",
+    "make_plan",
+    "simulate",
+    "validate",
+]

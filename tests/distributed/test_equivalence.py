@@ -48,3 +48,16 @@ def test_scenario_matches_reference(name):
             elif isinstance(value, bool):
                 assert value, f"{name}: {key} is False"
     assert len({round(r["checksum"], 6) for r in results}) == 1, f"{name}: ranks disagree"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("policy", ["dcredit", "bytescheduler", "mgwfbp"])
+def test_profiled_plan_is_agreed_and_switched_together(policy):
+    results = spawn.run(workers.scenario, 2, timeout_s=220, name=f"profiled_{policy}")
+    for r in results:
+        assert r["diff"] < TOL, f"{policy}: differs from the reference by {r['diff']}"
+        assert r["policy"] == policy
+    plans0, plans1 = results[0]["plans"], results[1]["plans"]
+    assert plans0 == plans1, "ranks ran different plans in some iteration"
+    switch = [i for i in range(1, len(plans0)) if plans0[i] != plans0[i - 1]]
+    assert switch == [3], f"expected one switch, right after the 3 profiled iterations: {switch}"

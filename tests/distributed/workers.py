@@ -95,7 +95,7 @@ def equivalence(configs: list, steps: int = 20) -> dict:
     out = {}
     for cfg in configs:
         config = dc.Config(block_bytes=cfg["block_bytes"], window=cfg["window"], channels=cfg.get("channels", 2),
-                           overlap_forward=cfg["phase2"])
+                           overlap_forward=cfg["phase2"], policy="fixed")
         model, ref, opt, ropt = _make(cfg["opt"], config)
         for step in range(steps):
             opt.zero_grad()
@@ -113,7 +113,7 @@ def scenario(name: str, steps: int = 12) -> dict:
     """One of the F1 scenarios; returns the worst difference from the reference and a checksum."""
     dc.init()
     world, rank = dc.size(), dc.rank()
-    config = dc.Config(block_bytes=128, window=2, channels=2)
+    config = dc.Config(block_bytes=128, window=2, channels=2, policy="fixed")
     result = {}
     if name == "backward_passes":
         model, ref, opt, ropt = _make("sgd", config)
@@ -210,6 +210,21 @@ def scenario(name: str, steps: int = 12) -> dict:
             reference_grads(ref, step, world)
             ropt.step()
             rsched.step()
+    elif name.startswith("profiled_"):
+        # The job measures itself for 3 iterations, rank 0 plans, all switch.
+        policy = name.removeprefix("profiled_")
+        config = dc.Config(block_bytes=128, window=2, channels=2, policy=policy, profile_iters=3)
+        model, ref, opt, ropt = _make("adam", config)
+        plans = []
+        for step in range(steps):
+            opt.zero_grad()
+            loss_of(model, batch(step, rank)).backward()
+            plans.append(opt._dc_plan.to_json())
+            opt.step()
+            reference_grads(ref, step, world)
+            ropt.step()
+        result["plans"] = plans
+        result["policy"] = opt.plan.policy
     else:
         raise ValueError(name)
     opt.synchronize()

@@ -1,0 +1,278 @@
+"""Every scheduling policy as a function ``profile -> Plan``, and a registry.
+
+The baselines are plans for the same runtime as D-Credit, so that all of
+them are compared on equal terms (DESIGN.md section 4): they differ only in
+how gradients are cut or merged, in priority, in the windows, and in whether
+``step()`` waits (``overlap_forward``). See ``plan.py`` for what each field
+makes the runtime do, and Note [Group window] in ``simulate.py``.
+
+DeFT is not implemented: its speed comes from delayed updates (a layer's
+update may use a gradient from an earlier iteration), which changes what is
+trained, and Invariant 3 of DESIGN.md requires results equal to synchronous
+data parallelism. ``make_plan(profile, "deft")`` says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+from .dcredit import DEFAULT_BLOCK_BYTES, dcredit, partition_by_bytes
+from .plan import ALL, POLICY_NAMES, Plan
+from .profile import Profile
+from .simulate import ready_times, simulate
+
+DDP_BUCKET_CAP_BYTES = 25 << 20
+"""PyTorch DDP's ``bucket_cap_mb`` default."""
+DDP_FIRST_BUCKET_BYTES = 1 << 20
+"""PyTorch DDP's first bucket: small, so that the first all-reduce starts early in backward."""
+
+
+def _whole_tensors(profile: Profile) -> tuple[tuple[int, ...], ...]:
+    """One block per tensor; a tensor without elements has no block."""
+    return tuple((t.numel,) if t.numel else () for t in profile.tensors)
+
+
+def _event_times(profile: Profile) -> list[float]:
+    """When the runtime processes each event, with events in the profile's ready order."""
+    ready = ready_times(profile)
+    out, latest = [], 0.0
+    for t in profile.order():
+        latest = max(latest, ready[t])
+        out.append(latest)
+    return out
+
+
+def _send_as_ready(profile: Profile, policy: str, *, merges: Sequence[Sequence[int]] = (),
+                   overlap_forward: bool = False, channels: int = 1) -> Plan:
+    """Whole tensors (or merges) released as soon as they are ready: ALL at every event.
+
+    A group released with ALL has as window the blocks it took (Note [Group
+    window]); each event here releases at most one block, so collectives run
+    one after another in ready order, as on one NCCL stream or Gloo process
+    group. Nothing is left for the flush, so the phase-2 window is never used.
+    """
+    T = profile.num_tensors
+    return Plan(
+        numels=profile.numels,
+        order=profile.order(),
+        partition=_whole_tensors(profile),
+        merges=tuple(tuple(m) for m in merges if len(m) > 1),
+        phase1_windows=(ALL,) * T,
+        phase2_windows=(max(1, T),),
+        channels=channels,
+        overlap_forward=overlap_forward,
+        policy=policy,
+    )
+
+
+def wfbp(profile: Profile, *, channels: int = 1) -> Plan:
+    """Wait-free backpropagation: each gradient all-reduced alone as soon as it is ready; step() waits."""
+    return _send_as_ready(profile, "wfbp", channels=channels)
+
+
+def ddp_buckets(profile: Profile, *, bucket_cap_bytes: int = DDP_BUCKET_CAP_BYTES,
+                first_bucket_bytes: int = DDP_FIRST_BUCKET_BYTES) -> list[list[int]]:
+    """DDP-style buckets: neighbours in ready order, one dtype, at most the cap.
+
+    The first bucket is capped at ``first_bucket_bytes``, later ones at
+    ``bucket_cap_bytes``; a tensor larger than the cap is a bucket alone.
+    (DDP itself closes a bucket once it *reaches* the cap, so its buckets
+    may exceed it by one tensor; here the cap is never exceeded.) A tensor
+    without elements has no block and so ends the bucket being filled, since
+    a merge must be a run of neighbours with one block each.
+    """
+    if bucket_cap_bytes <= 0 or first_bucket_bytes <= 0:
+        raise ValueError("bucket caps must be positive")
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    filled = 0
+    for t in profile.order():
+        tensor = profile.tensors[t]
+        if tensor.numel == 0:
+            if current:
+                buckets.append(current)
+            current, filled = [], 0
+            continue
+        cap = first_bucket_bytes if not buckets else bucket_cap_bytes
+        if current and (tensor.dtype != profile.tensors[current[0]].dtype or filled + tensor.nbytes > cap):
+            buckets.append(current)
+            current, filled = [], 0
+        current.append(t)
+        filled += tensor.nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def ddp(profile: Profile, *, bucket_cap_bytes: int = DDP_BUCKET_CAP_BYTES,
+        first_bucket_bytes: int = DDP_FIRST_BUCKET_BYTES, channels: int = 1) -> Plan:
+    """PyTorch-DDP-style buckets (:func:`ddp_buckets`), each all-reduced when complete; step() waits."""
+    buckets = ddp_buckets(profile, bucket_cap_bytes=bucket_cap_bytes, first_bucket_bytes=first_bucket_bytes)
+    return _send_as_ready(profile, "ddp", merges=buckets, channels=channels)
+
+
+def startup_sharing_merges(profile: Profile) -> list[list[int]]:
+    """MG-WFBP/OASR-WFBP merging: join the next gradient when waiting for it costs less than a start-up.
+
+    Model: collectives run one after another on the link; a group could
+    start at ``s = max(its last gradient's event, link free)``. Sending it
+    now and the next gradient (ready at ``r``) separately ends no earlier
+    than ``s + 2*alpha + beta*(both)``; waiting and sending both together
+    ends at ``max(r, s) + alpha + beta*(both)``. Merging is better exactly
+    when ``r < s + alpha``. The decision is greedy, one neighbour at a time,
+    in ready order; dtypes are not mixed and tensors without elements end a
+    group (they have no block to merge).
+    """
+    alpha, beta = profile.alpha_s, profile.beta_s_per_byte
+    order = profile.order()
+    events = _event_times(profile)
+    groups: list[list[int]] = []
+    current: list[int] = []
+    start = free = 0.0
+
+    def close() -> None:
+        nonlocal current, free
+        if current:
+            free = start + alpha + beta * sum(profile.tensors[u].nbytes for u in current)
+            groups.append(current)
+            current = []
+
+    for i, t in enumerate(order):
+        tensor = profile.tensors[t]
+        if tensor.numel == 0:
+            close()
+            continue
+        same_dtype = bool(current) and tensor.dtype == profile.tensors[current[0]].dtype
+        if not (same_dtype and events[i] < start + alpha):
+            close()
+        current.append(t)
+        start = max(events[i], free)
+    close()
+    return groups
+
+
+def mgwfbp(profile: Profile, *, channels: int = 1) -> Plan:
+    """WFBP with start-up sharing merges (:func:`startup_sharing_merges`); step() waits."""
+    return _send_as_ready(profile, "mgwfbp", merges=startup_sharing_merges(profile), channels=channels)
+
+
+def bytescheduler(profile: Profile, *, block_bytes: int = DEFAULT_BLOCK_BYTES, credit_blocks: int = 4,
+                  channels: int = 1) -> Plan:
+    """ByteScheduler: equal blocks, priority by forward index, one fixed credit of ``credit_blocks``.
+
+    The credit is a window: at every event and at the flush up to
+    ``credit_blocks`` blocks are released, each group with that window, so
+    at most ``credit_blocks`` are ever in flight. With equal blocks this is
+    ByteScheduler's byte credit of ``credit_blocks * block_bytes``. Blocks
+    left in the heap can be overtaken by higher-priority gradients (its
+    preemption between blocks). Unlike ByteScheduler, which launches
+    whenever credit returns, the runtime decides only at events (Note
+    [Same order on every rank]), so at most ``credit_blocks`` are released
+    per event.
+    """
+    if credit_blocks < 1:
+        raise ValueError(f"credit_blocks must be >= 1, got {credit_blocks}")
+    return Plan(
+        numels=profile.numels,
+        order=profile.order(),
+        partition=partition_by_bytes(profile, block_bytes),
+        phase1_windows=(credit_blocks,) * profile.num_tensors,
+        phase2_windows=(credit_blocks,),
+        channels=channels,
+        overlap_forward=True,
+        policy="bytescheduler",
+    )
+
+
+def tune_bytescheduler(profile: Profile, *, block_sizes: Sequence[int] | None = None,
+                       credits: Sequence[int] = (1, 2, 4, 8, 16), channels: int = 1,
+                       update_s: float = 0.0) -> Plan:
+    """The ByteScheduler plan with the shortest simulated iteration over ``block_sizes x credits``.
+
+    ByteScheduler tunes its partition size and credit online (Bayesian
+    optimisation); a grid over the simulator is the offline equivalent.
+    Default sizes: powers of two from the largest tensor down by a factor of
+    up to 1024. Ties keep the first (smallest block, then smallest credit).
+    """
+    if block_sizes is None:
+        largest = max((t.nbytes for t in profile.tensors), default=1)
+        top = 1 << max(0, math.ceil(math.log2(max(largest, 1))))
+        block_sizes = sorted({max(1, top >> k) for k in range(11)})
+    best, best_s = None, math.inf
+    for size in block_sizes:
+        for credit in credits:
+            plan = bytescheduler(profile, block_bytes=size, credit_blocks=credit, channels=channels)
+            s = simulate(plan, profile, update_s=update_s).iteration_s
+            if s < best_s:
+                best, best_s = plan, s
+    if best is None:
+        raise ValueError("tune_bytescheduler needs at least one block size and one credit")
+    return best
+
+
+def usbyte_block_bytes(profile: Profile, min_block_bytes: int, max_block_bytes: int) -> list[int]:
+    """Block size per tensor, growing geometrically from the input (min) to the output (max).
+
+    Why: tensors near the input are ready last in backward and needed first
+    in forward, so most of their communication overlaps the forward, where
+    fine blocks let a layer's forward start as soon as its own small blocks
+    are in. Tensors near the output are ready first, while backward still
+    has a long time to run, so large blocks that pay fewer start-ups cost
+    nothing in waiting.
+    """
+    if not 0 < min_block_bytes <= max_block_bytes:
+        raise ValueError(f"need 0 < min_block_bytes <= max_block_bytes, got {min_block_bytes}, {max_block_bytes}")
+    L = profile.num_tensors
+    ratio = max_block_bytes / min_block_bytes
+    return [max(1, round(min_block_bytes * ratio ** (l / (L - 1)))) if L > 1 else min_block_bytes
+            for l in range(L)]
+
+
+def usbyte(profile: Profile, *, min_block_bytes: int = DEFAULT_BLOCK_BYTES // 4,
+           max_block_bytes: int = DEFAULT_BLOCK_BYTES * 4, credit_blocks: int = 4, channels: int = 1) -> Plan:
+    """US-Byte: unequal blocks (:func:`usbyte_block_bytes`) under a fixed credit, as ByteScheduler."""
+    sizes = usbyte_block_bytes(profile, min_block_bytes, max_block_bytes)
+    plan = bytescheduler(profile, credit_blocks=credit_blocks, channels=channels)
+    return dataclasses.replace(plan, partition=partition_by_bytes(profile, sizes), policy="usbyte")
+
+
+def dear(profile: Profile, *, channels: int = 1) -> Plan:
+    """DeAR approximated with all-reduce only, the one collective the runtime has.
+
+    DeAR splits each all-reduce into a reduce-scatter during backward and an
+    all-gather just before the layer's next forward, and fuses small
+    tensors. Kept here: fusion (by the start-up sharing rule of
+    :func:`startup_sharing_merges`), communication in backward as soon as
+    gradients are ready (ALL at every event), and decoupling from
+    ``step()``: each layer's forward waits only for its own gradients
+    (``overlap_forward=True``). Lost: the all-gather half, which DeAR hides
+    under the forward, is paid in backward here. Since everything is
+    released in backward, the phase-2 window is never used.
+    """
+    return _send_as_ready(profile, "dear", merges=startup_sharing_merges(profile), overlap_forward=True,
+                          channels=channels)
+
+
+POLICIES: dict[str, Callable[..., Plan]] = {
+    "wfbp": wfbp,
+    "ddp": ddp,
+    "mgwfbp": mgwfbp,
+    "bytescheduler": bytescheduler,
+    "usbyte": usbyte,
+    "dear": dear,
+    "dcredit": dcredit,
+}
+assert set(POLICIES) <= set(POLICY_NAMES), "every policy must be a name plan.validate accepts"
+
+
+def make_plan(profile: Profile, policy: str, **kwargs) -> Plan:
+    """``POLICIES[policy](profile, **kwargs)``, with a clear error for an unknown name."""
+    if policy not in POLICIES:
+        known = ", ".join(sorted(POLICIES))
+        if policy == "deft":
+            raise ValueError(f"policy 'deft' is not implemented: its delayed updates change training results "
+                             f"(DESIGN.md invariant 3); known policies: {known}")
+        raise ValueError(f"unknown policy {policy!r}; known policies: {known}")
+    return POLICIES[policy](profile, **kwargs)

@@ -1,0 +1,438 @@
+"""A discrete-event replay of one steady-state iteration of a plan.
+
+The scheduler rules are those of the runtime, to the letter (see
+``plan.py``, Note [Same order on every rank] and Note [Credit window], and
+``csrc/core/scheduler.cc``): events are processed strictly in
+``plan.order``, each at the time its own gradient *and every earlier one in
+``order``* is ready; at event ``i`` the blocks whose tensors have all been
+processed enter the heap and ``phase1_windows[i]`` of them are released, in
+(priority, block id) order, as one group; at the end of backward the rest
+is released in groups of ``phase2_windows``. The head of the launch
+sequence launches when fewer than its group's window are in flight and the
+byte credit allows; launch ``n`` goes on channel ``n % channels``.
+
+Note [Group window]
+-------------------
+A group released with a positive count ``w`` has window ``w`` even when the
+heap held fewer than ``w`` blocks; a group released with ``ALL`` has the
+number of blocks it took. This is the runtime's rule (``Release`` in
+``scheduler.cc``). Consequence used by the planner: windows only limit
+*concurrency*, so a group of one block with window 4 may launch while three
+blocks of earlier groups are still in flight.
+
+Network model
+-------------
+Only the network is a shared resource; backward, forward and the optimizer
+run on a separate compute resource. A collective of ``n`` bytes, once
+started, first spends ``alpha`` seconds of latency that uses no bandwidth,
+then its ``n`` bytes are served by one link of rate ``1/beta`` bytes per
+second shared equally among the collectives transferring at that moment
+(processor sharing). So ``k`` blocks launched together finish at
+``alpha + beta * (their total bytes)``: the window cost ``T(k)`` of
+DESIGN.md section 4, and a collective never finishes before
+``alpha + beta * n`` after it starts. By default a collective starts at its
+launch whatever its channel (channels are recorded, as the runtime assigns
+them); with ``channel_fifo=True`` a collective starts only when the
+previous one on its channel has finished, which is how one process group
+behaves when it executes its collectives in order.
+
+Iteration
+---------
+Time 0 is the start of backward. Backward runs the tensors in the
+profile's ready order, each taking ``bwd_s``; a gradient is ready at the end
+of its backward. Then:
+
+* ``overlap_forward=True`` (phase 2, lazy step): the forward of tensor ``l``
+  (forward order) starts at ``max(fwd_end[l-1], done(l))`` plus that
+  tensor's share of the optimizer update, where ``done(l)`` is the end of
+  the last block covering ``l``; ``fwd_end[-1]`` is the end of backward.
+* ``overlap_forward=False``: ``step()`` waits for everything; the forward
+  starts at ``max(backward end, last block end) + update_s`` and runs
+  without waits.
+
+``iteration_s`` is the end of the last forward: backward, plus the
+communication that is not hidden, plus forward. In steady state the next
+backward starts right then, so it is the period of training.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import math
+
+from .plan import ALL, Plan, blocks_of, validate
+from .profile import Profile, bytes_of
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockTiming:
+    """One block's life in the simulated iteration (seconds from the start of backward)."""
+
+    block_id: int
+    tensors: tuple[int, ...]
+    offset: int
+    numel: int
+    nbytes: int
+    priority: int
+    group: int
+    """Release group, numbered in release order (the runtime's ``group``)."""
+    window: int
+    """The group's window (Note [Group window])."""
+    release_s: float
+    launch_s: float
+    end_s: float
+    launch_index: int
+    """Position in the launch sequence (the runtime's ``seq``)."""
+    channel: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SimResult:
+    iteration_s: float
+    """End of the last forward, from the start of backward."""
+    backward_end_s: float
+    comm_end_s: float
+    """End of the last block (the backward end when there are no blocks)."""
+    ready_s: tuple[float, ...]
+    """When each tensor's gradient became ready (by forward index)."""
+    event_s: tuple[float, ...]
+    """When event ``i`` (tensor ``plan.order[i]``) was processed."""
+    blocks: tuple[BlockTiming, ...]
+    """By block id."""
+    launch_sequence: tuple[int, ...]
+    """Block ids in launch order: a function of the plan alone (Note [Same order on every rank])."""
+    forward_start_s: tuple[float, ...]
+    """Per tensor (forward index): when its forward computation started."""
+    forward_end_s: tuple[float, ...]
+
+
+def lower_bound(profile: Profile) -> float:
+    """``max(compute, communication)``: no plan's ``iteration_s`` is below it under this model.
+
+    Compute is all forward and backward, which run one after another on the
+    compute resource. Communication is one all-reduce of every byte: the
+    link serves at most ``1/beta`` bytes per second and the first collective
+    cannot transfer before its ``alpha`` has elapsed (no plan pays less).
+    """
+    compute = sum(t.fwd_s + t.bwd_s for t in profile.tensors)
+    total = profile.total_bytes
+    comm = profile.alpha_s + profile.beta_s_per_byte * total if total > 0 else 0.0
+    return max(compute, comm)
+
+
+def ready_times(profile: Profile) -> tuple[float, ...]:
+    """When each gradient becomes ready (by forward index): backward in the profile's ready order."""
+    ready = [0.0] * profile.num_tensors
+    now = 0.0
+    for t in profile.order():
+        now += profile.tensors[t].bwd_s
+        ready[t] = now
+    return tuple(ready)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockTable:
+    """A plan's blocks laid against a profile: what the simulator and the planners both need."""
+
+    layout: tuple[tuple[tuple[int, ...], int, int, int], ...]
+    """``blocks_of(plan)``: (tensors, offset, numel, priority) by block id."""
+    nbytes: tuple[int, ...]
+    enters_at: tuple[tuple[int, ...], ...]
+    """Per event: the blocks that enter the heap there (their last tensor's event)."""
+    ready_s: tuple[float, ...]
+    event_s: tuple[float, ...]
+    """Event ``i`` is processed once its tensor and every earlier one in ``order`` are ready."""
+    backward_end_s: float
+
+
+def block_table(plan: Plan, profile: Profile) -> BlockTable:
+    ready = ready_times(profile)
+    events, latest = [], 0.0
+    for t in plan.order:
+        latest = max(latest, ready[t])
+        events.append(latest)
+    itemsize = [bytes_of(t.dtype) for t in profile.tensors]
+    layout = tuple(blocks_of(plan))
+    position = {t: i for i, t in enumerate(plan.order)}
+    enters_at: list[list[int]] = [[] for _ in plan.order]
+    for b, (tensors, _, _, _) in enumerate(layout):
+        enters_at[max(position[t] for t in tensors)].append(b)
+    return BlockTable(
+        layout=layout,
+        nbytes=tuple(numel * itemsize[tensors[0]] for tensors, _, numel, _ in layout),
+        enters_at=tuple(tuple(e) for e in enters_at),
+        ready_s=ready,
+        event_s=tuple(events),
+        # The ready times' own sum, so the flush is at the last event's time exactly.
+        backward_end_s=max(ready, default=0.0),
+    )
+
+
+def simulate(plan: Plan, profile: Profile, *, update_s: float = 0.0, channel_fifo: bool = False) -> SimResult:
+    """Replay one iteration of ``plan`` on ``profile``'s timings (see the module docstring).
+
+    ``update_s`` is the optimizer's time for the whole model, shared among
+    tensors in proportion to their bytes.
+    """
+    _check_args(plan, profile, update_s)
+    run = _Run(plan, profile, channel_fifo)
+    run.run()
+    return run.result(update_s)
+
+
+class FlushSnapshot:
+    """Phase 1 simulated once, to try several ``phase2_windows`` from the flush on.
+
+    Phase 1 does not depend on the phase-2 windows, so every branch starts
+    from the same state.
+    """
+
+    def __init__(self, plan: Plan, profile: Profile, *, channel_fifo: bool = False) -> None:
+        _check_args(plan, profile, 0.0)
+        self._run = _Run(plan, profile, channel_fifo)
+        self._run.run(stop_at_flush=True)
+        self.pending = self._run.in_flight + len(self._run.queue)
+        """Blocks released in phase 1 and not finished at the flush."""
+
+    def result(self, phase2_windows: tuple[int, ...], *, update_s: float = 0.0) -> SimResult:
+        return self._branch(phase2_windows, update_s).result(update_s)
+
+    def iteration_s(self, phase2_windows: tuple[int, ...], *, update_s: float = 0.0) -> float:
+        """``result(...).iteration_s`` without building the per-block records."""
+        ends = self._branch(phase2_windows, update_s).forward(update_s)[1]
+        return ends[-1] if ends else 0.0
+
+    def _branch(self, phase2_windows: tuple[int, ...], update_s: float) -> _Run:
+        plan = dataclasses.replace(self._run.plan, phase2_windows=tuple(phase2_windows))
+        _check_args(plan, None, update_s)
+        branch = self._run.clone(plan)
+        branch.run()
+        return branch
+
+
+def _check_args(plan: Plan, profile: Profile | None, update_s: float) -> None:
+    if profile is None:
+        validate(plan)
+    else:
+        validate(plan, numels=profile.numels, dtypes=profile.dtypes)
+    if not (math.isfinite(update_s) and update_s >= 0):
+        raise ValueError(f"update_s must be finite and >= 0, got {update_s}")
+
+
+class _Run:
+    """The event loop; one instance per simulation (or per branch, see :meth:`clone`)."""
+
+    _MUTABLE_LISTS = ("heap", "window", "group", "release_s", "launch_s", "end_s", "launch_index", "channel",
+                      "sequence", "latency", "transfer", "channel_busy")
+
+    def __init__(self, plan: Plan, profile: Profile, channel_fifo: bool) -> None:
+        self.plan = plan
+        self.alpha = profile.alpha_s
+        self.beta = profile.beta_s_per_byte
+        self.fifo = channel_fifo
+        self.table = block_table(plan, profile)
+        self.fwd = [tp.fwd_s for tp in profile.tensors]
+        self.tensor_bytes = profile.nbytes
+        self.nbytes = self.table.nbytes
+        B = len(self.nbytes)
+        self.heap: list[tuple[int, int]] = []
+        self.queue: collections.deque[int] = collections.deque()  # released, not launched
+        self.window = [0] * B
+        self.group = [-1] * B
+        self.release_s = [math.nan] * B
+        self.launch_s = [math.nan] * B
+        self.end_s = [math.nan] * B
+        self.launch_index = [-1] * B
+        self.channel = [-1] * B
+        self.sequence: list[int] = []
+        self.groups = 0
+        self.in_flight = 0
+        self.in_flight_bytes = 0
+        self.now = 0.0
+        self.next_event = 0
+        self.flushed = False
+        # Network state: collectives in their latency phase (end time, block);
+        # collectives transferring, in virtual time (see run); and, with
+        # channel FIFO, each channel's running collective and its waiting line.
+        self.latency: list[tuple[float, int]] = []
+        self.served = 0.0
+        self.transfer: list[tuple[float, int]] = []
+        self.channel_busy = [False] * plan.channels
+        self.channel_wait: list[collections.deque[int]] = [collections.deque() for _ in range(plan.channels)]
+
+    def clone(self, plan: Plan) -> _Run:
+        """An independent copy of this run's state that will go on with ``plan`` (same layout)."""
+        other = object.__new__(_Run)
+        other.__dict__.update(self.__dict__)
+        for name in self._MUTABLE_LISTS:
+            setattr(other, name, list(getattr(self, name)))
+        other.queue = collections.deque(self.queue)
+        other.channel_wait = [collections.deque(w) for w in self.channel_wait]
+        other.plan = plan
+        return other
+
+    # -- scheduler (the runtime's rules) --------------------------------------
+
+    def _release(self, requested: int) -> None:
+        take = len(self.heap) if requested == ALL else min(requested, len(self.heap))
+        if take <= 0:
+            return
+        window = take if requested == ALL else requested  # Note [Group window]
+        for _ in range(take):
+            _, b = heapq.heappop(self.heap)
+            self.window[b] = window
+            self.group[b] = self.groups
+            self.release_s[b] = self.now
+            self.queue.append(b)
+        self.groups += 1
+
+    def _process_event(self, i: int) -> None:
+        layout = self.table.layout
+        for b in self.table.enters_at[i]:
+            heapq.heappush(self.heap, (layout[b][3], b))
+        self._release(self.plan.window_at(i))
+
+    def _flush(self) -> None:
+        sizes = self.plan.phase2_windows
+        g = 0
+        while self.heap:
+            self._release(sizes[min(g, len(sizes) - 1)])
+            g += 1
+        self.flushed = True
+
+    def _try_launch(self) -> None:
+        credit = self.plan.credit_bytes
+        while self.queue:
+            b = self.queue[0]
+            if self.in_flight >= self.window[b]:
+                return
+            if credit > 0 and self.in_flight > 0 and self.in_flight_bytes + self.nbytes[b] > credit:
+                return
+            self.queue.popleft()
+            n = len(self.sequence)
+            self.sequence.append(b)
+            self.launch_index[b] = n
+            self.channel[b] = n % self.plan.channels
+            self.launch_s[b] = self.now
+            self.in_flight += 1
+            self.in_flight_bytes += self.nbytes[b]
+            c = self.channel[b]
+            if self.fifo and self.channel_busy[c]:
+                self.channel_wait[c].append(b)
+            else:
+                self._start(b)
+
+    # -- network ----------------------------------------------------------------
+
+    def _start(self, b: int) -> None:
+        self.channel_busy[self.channel[b]] = True
+        heapq.heappush(self.latency, (self.now + self.alpha, b))
+
+    def _complete(self, b: int) -> None:
+        self.end_s[b] = self.now
+        self.in_flight -= 1
+        self.in_flight_bytes -= self.nbytes[b]
+        c = self.channel[b]
+        self.channel_busy[c] = False
+        if self.fifo and self.channel_wait[c]:
+            self._start(self.channel_wait[c].popleft())
+
+    def run(self, stop_at_flush: bool = False) -> None:
+        """Advance to the end of the iteration, or to the instant of the flush, before it releases."""
+        # Processor sharing in virtual time: every transferring collective is
+        # served the same bytes, so one counter (`served`, bytes per collective
+        # since time 0) tracks them all, and a collective that starts
+        # transferring at `served = v` finishes when it reaches `v + nbytes`:
+        # a heap of those marks gives the next completion in O(log n).
+        T = self.plan.num_tensors
+        event_s = self.table.event_s
+        inf = math.inf
+        if self.next_event == T and not self.flushed and self.now >= self.table.backward_end_s:
+            self._flush()  # resuming a branch stopped at the flush
+            self._try_launch()
+        while True:
+            if self.next_event < T:
+                t_release = event_s[self.next_event]
+            else:
+                t_release = inf if self.flushed else self.table.backward_end_s
+            t_latency = self.latency[0][0] if self.latency else inf
+            n = len(self.transfer)
+            t_transfer = self.now + (self.transfer[0][0] - self.served) * self.beta * n if n else inf
+            t = min(t_release, t_latency, t_transfer)
+            if t == inf:
+                return
+            if n:
+                if t == t_transfer:
+                    self.served = self.transfer[0][0]
+                else:
+                    self.served += (t - self.now) / (self.beta * n)
+            self.now = t
+            # Order at one instant: completions, then releases, then launches,
+            # as in the runtime where a completion wakes the dispatch thread.
+            while self.transfer and self.transfer[0][0] - self.served <= 1e-9 * self.nbytes[self.transfer[0][1]]:
+                self._complete(heapq.heappop(self.transfer)[1])
+            while self.latency and self.latency[0][0] <= self.now:
+                _, b = heapq.heappop(self.latency)
+                if self.beta == 0:
+                    self._complete(b)
+                else:
+                    heapq.heappush(self.transfer, (self.served + self.nbytes[b], b))
+            while self.next_event < T and event_s[self.next_event] <= self.now:
+                self._process_event(self.next_event)
+                self.next_event += 1
+            if self.next_event == T and not self.flushed and t_release <= self.now:
+                if stop_at_flush:
+                    return
+                self._flush()
+            self._try_launch()
+
+    # -- forward ----------------------------------------------------------------
+
+    def forward(self, update_s: float) -> tuple[list[float], list[float]]:
+        """Forward start and end times per tensor (module docstring, Iteration)."""
+        plan = self.plan
+        T = plan.num_tensors
+        done = [-math.inf] * T
+        for b, (tensors, _, _, _) in enumerate(self.table.layout):
+            for t in tensors:
+                done[t] = max(done[t], self.end_s[b])
+        backward_end = self.table.backward_end_s
+        total = sum(self.tensor_bytes)
+        share = [update_s * self.tensor_bytes[t] / total if total else update_s / T for t in range(T)]
+        starts, ends = [], []
+        if plan.overlap_forward:
+            prev = backward_end
+            for t in range(T):
+                start = max(prev, done[t]) + share[t]
+                prev = start + self.fwd[t]
+                starts.append(start)
+                ends.append(prev)
+        else:
+            prev = max(backward_end, max(self.end_s, default=backward_end)) + update_s
+            for t in range(T):
+                starts.append(prev)
+                prev += self.fwd[t]
+                ends.append(prev)
+        return starts, ends
+
+    def result(self, update_s: float) -> SimResult:
+        layout = self.table.layout
+        backward_end = self.table.backward_end_s
+        starts, ends = self.forward(update_s)
+        blocks = tuple(
+            BlockTiming(b, tensors, offset, numel, self.nbytes[b], priority, self.group[b], self.window[b],
+                        self.release_s[b], self.launch_s[b], self.end_s[b], self.launch_index[b], self.channel[b])
+            for b, (tensors, offset, numel, priority) in enumerate(layout))
+        return SimResult(
+            iteration_s=ends[-1] if ends else 0.0,
+            backward_end_s=backward_end,
+            comm_end_s=max(self.end_s, default=backward_end),
+            ready_s=self.table.ready_s,
+            event_s=self.table.event_s,
+            blocks=blocks,
+            launch_sequence=tuple(self.sequence),
+            forward_start_s=tuple(starts),
+            forward_end_s=tuple(ends),
+        )

@@ -1,0 +1,121 @@
+"""Measuring the live job: per-tensor compute times and the network's alpha/beta.
+
+During the first ``Config.profile_iters`` iterations the optimizer steps
+eagerly (so a forward never includes waiting for gradients) and this module
+records, per iteration, when each module that owns a parameter starts its
+forward, and when each gradient became ready (the scheduler's own
+timestamps). Then every rank joins a short all-reduce sweep on the job's
+channels; rank 0 fits alpha/beta, builds a :class:`~dcredit_opt.planner.profile.Profile`,
+plans, and broadcasts the plan as JSON; every rank validates it and switches
+at the same iteration. With profiling off the optimizer pays one ``if`` per
+hook.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from .planner.cost import fit_alpha_beta
+from .planner.profile import Profile, TensorProfile, canonical_dtype
+
+# A sweep from latency-bound to bandwidth-bound messages; 4 repeats each,
+# median taken, so one slow outlier does not bend the fit.
+SWEEP_BYTES = (1 << 12, 1 << 15, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
+SWEEP_REPEATS = 4
+
+
+class Recorder:
+    """Timestamps of one optimizer's profiled iterations."""
+
+    def __init__(self, names, params, iterations: int):
+        self.names = list(names)
+        self.params = list(params)
+        self.iterations = iterations
+        self.forward_start: list[dict[int, int]] = []  # per iteration: tensor -> ns of its module's first forward
+        self.ready: list[list[int]] = []  # per iteration: tensor -> ns its gradient was ready
+        self._current: dict[int, int] | None = None
+
+    @property
+    def done(self) -> bool:
+        return len(self.ready) >= self.iterations
+
+    def on_forward(self, tensors) -> None:
+        """A module owning ``tensors`` starts its forward."""
+        if self._current is None:
+            self._current = {}
+        now = time.perf_counter_ns()
+        for t in tensors:
+            self._current.setdefault(t, now)
+
+    def on_step(self, ready_ns) -> None:
+        """An iteration ended; ``ready_ns`` are the scheduler's per-tensor ready times."""
+        fwd, self._current = self._current or {}, None
+        if len(fwd) < len(self.params):
+            return  # a forward we did not see whole (before the hook existed): not a sample
+        # The scheduler stamps with std::steady_clock and perf_counter_ns reads
+        # the same CLOCK_MONOTONIC on Linux, so the two series compare directly.
+        self.forward_start.append(fwd)
+        self.ready.append(list(ready_ns))
+
+    def compute_times(self) -> tuple[list[float], list[float], tuple[int, ...]]:
+        """Median forward and backward seconds per tensor, and the measured ready order."""
+        T = len(self.params)
+        fwd_samples = [[] for _ in range(T)]
+        bwd_samples = [[] for _ in range(T)]
+        orders = []
+        for fwd, ready in zip(self.forward_start, self.ready):
+            by_start = sorted(range(T), key=lambda t: (fwd[t], t))
+            starts = sorted(set(fwd.values()))
+            order = tuple(sorted(range(T), key=lambda t: (ready[t], -t)))
+            orders.append(order)
+            first_ready = ready[order[0]]
+            # The last module's forward, the loss and the first backward share
+            # the gap to the first ready gradient; split it evenly.
+            tail = max(0, first_ready - starts[-1]) / 2
+            next_start = {s: (starts[k + 1] if k + 1 < len(starts) else starts[-1] + tail)
+                          for k, s in enumerate(starts)}
+            charged = set()
+            for t in by_start:
+                s = fwd[t]
+                fwd_samples[t].append(0.0 if s in charged else (next_start[s] - s) / 1e9)
+                charged.add(s)
+            prev = first_ready - tail
+            for t in order:
+                bwd_samples[t].append(max(0, ready[t] - prev) / 1e9)
+                prev = ready[t]
+        fwd_s = [statistics.median(s) if s else 0.0 for s in fwd_samples]
+        bwd_s = [statistics.median(s) if s else 0.0 for s in bwd_samples]
+        ready_order = statistics.mode(orders) if orders else tuple(reversed(range(T)))
+        return fwd_s, bwd_s, ready_order
+
+
+def measure_alpha_beta(group, device: torch.device) -> tuple[float, float, list[tuple[int, float]]]:
+    """All-reduce sweep on ``group``; returns (alpha_s, beta_s_per_byte, samples)."""
+    samples = []
+    for nbytes in SWEEP_BYTES:
+        buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+        dist.all_reduce(buf, group=group)  # warm the connection and the allocator
+        times = []
+        for _ in range(SWEEP_REPEATS):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            dist.all_reduce(buf, group=group)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+        samples.append((nbytes, statistics.median(times)))
+    alpha, beta = fit_alpha_beta([s for s, _ in samples], [t for _, t in samples])
+    return alpha, beta, samples
+
+
+def build_profile(recorder: Recorder, alpha: float, beta: float, world_size: int) -> Profile:
+    fwd_s, bwd_s, order = recorder.compute_times()
+    tensors = [TensorProfile(name=n, numel=p.numel(), dtype=canonical_dtype(p.dtype), forward_index=i,
+                             fwd_s=fwd_s[i], bwd_s=bwd_s[i])
+               for i, (n, p) in enumerate(zip(recorder.names, recorder.params))]
+    return Profile(tensors=tensors, alpha_s=alpha, beta_s_per_byte=beta, world_size=world_size,
+                   ready_order=order)

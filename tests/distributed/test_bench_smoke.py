@@ -1,0 +1,81 @@
+"""The benchmark harness end to end: real ranks on loopback, the tiny model.
+
+Checks behaviour (launches run, the record is complete and valid), never
+speed: a benchmark is not a timed test.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ITERS, WARMUP, ROUNDS = 3, 1, 2
+HARNESS_TIMEOUT_S = 240
+
+
+@pytest.fixture
+def report(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO_ROOT))
+    from benchmarks import report
+
+    return report
+
+
+def run_harness(tmp_path: Path, schemes: list[str]) -> dict:
+    argv = [sys.executable, "-m", "benchmarks.harness", "--models", "tiny",
+            "--network", "loopback", "--ranks", "2", "--iters", str(ITERS),
+            "--warmup", str(WARMUP), "--rounds", str(ROUNDS), "--schemes", ",".join(schemes),
+            "--results-dir", str(tmp_path), "--name", "smoke", "--no-progress",
+            "--launch-timeout-s", "90"]
+    proc = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=HARNESS_TIMEOUT_S, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (path,) = tmp_path.glob("*-smoke.json")
+    assert path.with_suffix(".md").exists() and path.with_suffix(".png").exists()
+    return json.loads(path.read_text())
+
+
+def check_record(record: dict, report, schemes: list[str]) -> None:
+    assert report.validate_record(record) == []
+    assert record["config"]["schemes"] == schemes
+    assert record["config"]["network"].startswith("loopback")
+    assert record["hardware"]["cores"] >= 1 and record["versions"]["torch"]
+    runs = record["runs"]
+    # Interleaved: every scheme once per round, in order.
+    assert [r["scheme"] for r in runs] == schemes * ROUNDS
+    assert [r["round"] for r in runs] == [k for k in range(ROUNDS) for _ in schemes]
+    for r in runs:
+        assert r["status"] == "ok", r["error"]
+        assert len(r["iter_times_s"]) == ITERS
+        assert all(t > 0 for t in r["iter_times_s"])
+    (res,) = record["results"]
+    rows = {row["scheme"]: row for row in res["rows"]}
+    assert set(rows) == set(schemes)
+    for row in rows.values():
+        assert row["n"] == ITERS * ROUNDS
+        assert row["min_s"] <= row["median_s"] <= row["max_s"]
+    assert res["bound_s"] == rows["compute"]["median_s"]  # no `comm` run: compute alone
+
+
+@pytest.mark.timeout(HARNESS_TIMEOUT_S + 30)
+def test_harness_compute_and_ddp(tmp_path, report):
+    schemes = ["compute", "ddp"]
+    record = run_harness(tmp_path, schemes)
+    check_record(record, report, schemes)
+    ddp = next(r for r in record["results"][0]["rows"] if r["scheme"] == "ddp")
+    assert ddp["speedup_vs_ddp"] == 1.0
+
+
+@pytest.mark.timeout(HARNESS_TIMEOUT_S + 30)
+def test_harness_dcredit(tmp_path, report):
+    pytest.importorskip("dcredit_opt._C", reason="the C++ runtime is not built")
+    import dcredit_opt as dc
+
+    missing = [n for n in ("init", "Config", "DistributedOptimizer") if not hasattr(dc, n)]
+    if missing:
+        pytest.skip(f"dcredit_opt does not provide {missing} yet")
+    schemes = ["compute", "ddp", "dc-dcredit"]
+    check_record(run_harness(tmp_path, schemes), report, schemes)
