@@ -260,7 +260,7 @@ class _DistributedOptimizer:
         g = p.grad
         if g is None:
             slot.zero_()  # unused on this rank: contribute zeros, as Horovod does
-        elif slot.numel() and g.data_ptr() == slot.data_ptr():
+        elif _is_view_of(g, slot):
             if self._dc_prescale != 1.0:
                 slot.mul_(self._dc_prescale)
             return
@@ -352,7 +352,7 @@ class _DistributedOptimizer:
             raise DCreditError("optimizer.zero_grad() was called after loss.backward() but before "
                                "optimizer.step() or optimizer.synchronize(): the gradients are being reduced")
         for i, p in enumerate(self._dc_params):
-            if self._dc_pending[i] and p.grad is not None and p.grad.data_ptr() == self._dc_slots[i].data_ptr():
+            if self._dc_pending[i] and _is_view_of(p.grad, self._dc_slots[i]):
                 # The slot holds the reduced gradient a pending update still needs.
                 p.grad = None if set_to_none else torch.zeros_like(p)
         self._dc_base.zero_grad(self, set_to_none=set_to_none)
@@ -507,6 +507,12 @@ class _DistributedOptimizer:
             h.remove()
         self._dc_grad_hooks = []
         self._dc_backend.close()
+
+
+def _is_view_of(grad, slot) -> bool:
+    """``grad`` is ``slot`` (our buffer), so the reduction already lands in it."""
+    return (grad is not None and not grad.is_sparse and slot.numel() > 0
+            and grad.data_ptr() == slot.data_ptr() and grad.shape == slot.shape)
 
 
 def _weak_grad_hook(ref, i):
