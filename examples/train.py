@@ -85,6 +85,9 @@ def main():
     torch.distributed.all_gather(gathered, mine)
     agree = all(torch.equal(g, gathered[0]) for g in gathered)
     if dc.rank() == 0:
+        plan = opt.plan
+        print(f"plan in force: {plan.policy}, {sum(len(p) for p in plan.partition)} blocks over "
+              f"{plan.channels} channel(s), phase 2 {'on' if plan.overlap_forward else 'off'}")
         print(f"throughput: {samples / elapsed:.1f} samples/s on {dc.size()} rank(s)")
         print(f"ranks agree on the parameters: {agree}")
     dc.shutdown()
