@@ -14,12 +14,16 @@ def make_plan(profile: Profile, policy: str, *, channels: int, overlap_forward: 
     """The plan the runtime runs for ``policy`` on ``profile``.
 
     ``bytescheduler`` means the best fixed block size and credit for this
-    profile (searched over the simulator), never an arbitrary default; a plan
+    profile (searched over the simulator), never an arbitrary default, and
+    ``dcredit`` likewise gets its best block size (its windows it chooses
+    itself), so the two are compared on equal terms; a plan
     never uses more channels than the runtime has, and phase 2 stays off when
     the user turned it off.
     """
     if policy == "bytescheduler":
         build = policies.tune_bytescheduler
+    elif policy == "dcredit":
+        build = policies.tune_dcredit
     else:
         build = lambda prof, **kw: policies.make_plan(prof, policy, **kw)  # noqa: E731
         if policy in policies.POLICIES:

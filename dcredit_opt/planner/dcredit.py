@@ -11,10 +11,13 @@ Events are processed at ``e_0 <= e_1 <= ...`` (simulate.py). The planner
 keeps ``free``, the time the link finishes what was released so far, each
 group costing ``T`` after ``max(e_i, free)``. At event ``i`` let
 ``idle = e_{i+1} - max(e_i, free)`` be the link's idle time until the next
-gradient is ready and ``dt = idle - alpha``. Release, highest priority
-first, the fewest blocks whose transfer ``beta * bytes`` reaches ``dt``
-when ``dt > 0`` (``ceil(dt / (beta * S))`` blocks when all are full-size),
-one block when ``-alpha < dt <= 0``, none when ``idle <= 0``: blocks kept in
+gradient is ready and ``dt = idle - alpha``. When ``idle > 0``, release,
+highest priority first, the fewest blocks whose bytes reach
+``max(dt / beta, S)``; otherwise none. With full-size blocks this is the
+design's rule exactly: ``ceil(dt / (beta * S))`` blocks when ``dt > 0``, one
+when ``-alpha < dt <= 0``, none when ``dt <= -alpha``. Counting bytes rather
+than blocks matters for small tensors (each one short block): a "block"
+of a 400-byte bias would otherwise pay a whole start-up. Blocks kept in
 the heap can still be overtaken by higher-priority gradients, while the
 link is kept busy until the next decision. One addition: blocks that no
 later gradient can overtake (their priority beats every block still to
@@ -301,7 +304,7 @@ def dcredit(profile: Profile, *, block_bytes: int = DEFAULT_BLOCK_BYTES, channel
     batches = _phase2_batches(table, state, profile, update_s)
     windows = windows_for_batches(batches)
     if refine and batches:
-        snapshot = FlushSnapshot(plan, profile)
+        snapshot = FlushSnapshot(plan, profile, table=table)  # phase-1 windows do not change the layout
         k = snapshot.pending
         if k:
             candidates = list(dict.fromkeys([windows, (windows[0] + k, *windows[1:]), (batches[0] + k, *batches[1:])]))

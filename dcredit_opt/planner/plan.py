@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Sequence
+from collections.abc import Sequence
 
 ALL = -1
 """A phase-1 window that releases every ready block at that event."""
@@ -127,7 +127,7 @@ class Plan:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Plan":
+    def from_dict(cls, data: dict) -> Plan:
         if not isinstance(data, dict):
             raise PlanError(f"a plan must be a JSON object, got {type(data).__name__}")
         fields = {f.name for f in dataclasses.fields(cls)}
@@ -149,7 +149,7 @@ class Plan:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
+    def from_json(cls, text: str) -> Plan:
         return cls.from_dict(json.loads(text))
 
     @property

@@ -62,7 +62,7 @@ import dataclasses
 import heapq
 import math
 
-from .plan import ALL, Plan, blocks_of, validate
+from .plan import ALL, Plan, PlanError, blocks_of, validate
 from .profile import Profile, bytes_of
 
 
@@ -78,6 +78,8 @@ class BlockTiming:
     priority: int
     group: int
     """Release group, numbered in release order (the runtime's ``group``)."""
+    event: int
+    """The event whose processing released it; ``len(plan.order)`` for the flush."""
     window: int
     """The group's window (Note [Group window])."""
     release_s: float
@@ -189,9 +191,11 @@ class FlushSnapshot:
     from the same state.
     """
 
-    def __init__(self, plan: Plan, profile: Profile, *, channel_fifo: bool = False) -> None:
+    def __init__(self, plan: Plan, profile: Profile, *, channel_fifo: bool = False,
+                 table: BlockTable | None = None) -> None:
+        """``table``, if given, must be ``block_table(plan, profile)`` (planners have it already)."""
         _check_args(plan, profile, 0.0)
-        self._run = _Run(plan, profile, channel_fifo)
+        self._run = _Run(plan, profile, channel_fifo, table)
         self._run.run(stop_at_flush=True)
         self.pending = self._run.in_flight + len(self._run.queue)
         """Blocks released in phase 1 and not finished at the flush."""
@@ -205,18 +209,19 @@ class FlushSnapshot:
         return ends[-1] if ends else 0.0
 
     def _branch(self, phase2_windows: tuple[int, ...], update_s: float) -> _Run:
-        plan = dataclasses.replace(self._run.plan, phase2_windows=tuple(phase2_windows))
-        _check_args(plan, None, update_s)
-        branch = self._run.clone(plan)
+        # The rest of the plan was validated with the profile already.
+        windows = tuple(phase2_windows)
+        if not windows or any(not isinstance(w, int) or w <= 0 for w in windows):
+            raise PlanError("plan 'phase2_windows' must be a non-empty list of positive group sizes")
+        if not (math.isfinite(update_s) and update_s >= 0):
+            raise ValueError(f"update_s must be finite and >= 0, got {update_s}")
+        branch = self._run.clone(dataclasses.replace(self._run.plan, phase2_windows=windows))
         branch.run()
         return branch
 
 
-def _check_args(plan: Plan, profile: Profile | None, update_s: float) -> None:
-    if profile is None:
-        validate(plan)
-    else:
-        validate(plan, numels=profile.numels, dtypes=profile.dtypes)
+def _check_args(plan: Plan, profile: Profile, update_s: float) -> None:
+    validate(plan, numels=profile.numels, dtypes=profile.dtypes)
     if not (math.isfinite(update_s) and update_s >= 0):
         raise ValueError(f"update_s must be finite and >= 0, got {update_s}")
 
@@ -224,15 +229,15 @@ def _check_args(plan: Plan, profile: Profile | None, update_s: float) -> None:
 class _Run:
     """The event loop; one instance per simulation (or per branch, see :meth:`clone`)."""
 
-    _MUTABLE_LISTS = ("heap", "window", "group", "release_s", "launch_s", "end_s", "launch_index", "channel",
+    _MUTABLE_LISTS = ("heap", "window", "group", "event", "release_s", "launch_s", "end_s", "launch_index", "channel",
                       "sequence", "latency", "transfer", "channel_busy")
 
-    def __init__(self, plan: Plan, profile: Profile, channel_fifo: bool) -> None:
+    def __init__(self, plan: Plan, profile: Profile, channel_fifo: bool, table: BlockTable | None = None) -> None:
         self.plan = plan
         self.alpha = profile.alpha_s
         self.beta = profile.beta_s_per_byte
         self.fifo = channel_fifo
-        self.table = block_table(plan, profile)
+        self.table = table or block_table(plan, profile)
         self.fwd = [tp.fwd_s for tp in profile.tensors]
         self.tensor_bytes = profile.nbytes
         self.nbytes = self.table.nbytes
@@ -241,6 +246,7 @@ class _Run:
         self.queue: collections.deque[int] = collections.deque()  # released, not launched
         self.window = [0] * B
         self.group = [-1] * B
+        self.event = [-1] * B
         self.release_s = [math.nan] * B
         self.launch_s = [math.nan] * B
         self.end_s = [math.nan] * B
@@ -275,7 +281,7 @@ class _Run:
 
     # -- scheduler (the runtime's rules) --------------------------------------
 
-    def _release(self, requested: int) -> None:
+    def _release(self, requested: int, event: int) -> None:
         take = len(self.heap) if requested == ALL else min(requested, len(self.heap))
         if take <= 0:
             return
@@ -284,6 +290,7 @@ class _Run:
             _, b = heapq.heappop(self.heap)
             self.window[b] = window
             self.group[b] = self.groups
+            self.event[b] = event
             self.release_s[b] = self.now
             self.queue.append(b)
         self.groups += 1
@@ -292,13 +299,13 @@ class _Run:
         layout = self.table.layout
         for b in self.table.enters_at[i]:
             heapq.heappush(self.heap, (layout[b][3], b))
-        self._release(self.plan.window_at(i))
+        self._release(self.plan.window_at(i), i)
 
     def _flush(self) -> None:
         sizes = self.plan.phase2_windows
         g = 0
         while self.heap:
-            self._release(sizes[min(g, len(sizes) - 1)])
+            self._release(sizes[min(g, len(sizes) - 1)], self.plan.num_tensors)
             g += 1
         self.flushed = True
 
@@ -422,8 +429,9 @@ class _Run:
         backward_end = self.table.backward_end_s
         starts, ends = self.forward(update_s)
         blocks = tuple(
-            BlockTiming(b, tensors, offset, numel, self.nbytes[b], priority, self.group[b], self.window[b],
-                        self.release_s[b], self.launch_s[b], self.end_s[b], self.launch_index[b], self.channel[b])
+            BlockTiming(b, tensors, offset, numel, self.nbytes[b], priority, self.group[b], self.event[b],
+                        self.window[b], self.release_s[b], self.launch_s[b], self.end_s[b], self.launch_index[b],
+                        self.channel[b])
             for b, (tensors, offset, numel, priority) in enumerate(layout))
         return SimResult(
             iteration_s=ends[-1] if ends else 0.0,

@@ -1,0 +1,73 @@
+"""Hypothesis strategies shared by the planner tests: profiles and arbitrary valid plans."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import strategies as st
+
+from dcredit_opt.planner.plan import ALL, Plan, validate
+from dcredit_opt.planner.profile import Profile, TensorProfile
+
+times = st.floats(min_value=0.0, max_value=2.0, allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def profiles(draw, max_tensors: int = 6, max_numel: int = 40, allow_empty: bool = True,
+             dtypes: tuple[str, ...] = ("float32", "float16"), shuffled: bool = True) -> Profile:
+    T = draw(st.integers(1, max_tensors))
+    tensors = tuple(
+        TensorProfile(f"t{i}", draw(st.integers(0 if allow_empty else 1, max_numel)), draw(st.sampled_from(dtypes)),
+                      i, draw(times), draw(times))
+        for i in range(T))
+    alpha = draw(st.just(0.0) | st.floats(0.0, 1.0))
+    beta = draw(st.just(0.0) | st.floats(1e-4, 0.05))
+    ready = draw(st.permutations(range(T))) if shuffled and draw(st.booleans()) else None
+    return Profile(tensors, alpha, beta, 2, None if ready is None else tuple(ready))
+
+
+@st.composite
+def plans_for(draw, profile: Profile) -> Plan:
+    """Any plan the runtime accepts for ``profile``: random order, cuts, merges, windows, credit."""
+    T = profile.num_tensors
+    order = tuple(draw(st.permutations(range(T)))) if draw(st.booleans()) else profile.order()
+    partition = []
+    for t in profile.tensors:
+        if t.numel == 0:
+            partition.append(())
+            continue
+        cuts = sorted(draw(st.lists(st.integers(1, t.numel - 1), unique=True, max_size=3))) if t.numel > 1 else []
+        bounds = [0, *cuts, t.numel]
+        partition.append(tuple(b - a for a, b in itertools.pairwise(bounds)))
+    merges, run = [], []
+    for t in order:
+        mergeable = len(partition[t]) == 1 and (not run or profile.tensors[t].dtype == profile.tensors[run[0]].dtype)
+        if mergeable and draw(st.booleans()):
+            run.append(t)
+            continue
+        if len(run) > 1:
+            merges.append(tuple(run))
+        run = [t] if len(partition[t]) == 1 else []
+    if len(run) > 1:
+        merges.append(tuple(run))
+    plan = Plan(
+        numels=profile.numels,
+        order=order,
+        partition=tuple(partition),
+        merges=tuple(merges),
+        priority=tuple(draw(st.permutations(range(T)))) if draw(st.booleans()) else None,
+        phase1_windows=(None if draw(st.booleans())
+                        else tuple(draw(st.sampled_from([ALL, 0, 1, 2, 3, 5])) for _ in range(T))),
+        phase2_windows=tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=3))),
+        credit_bytes=draw(st.just(0) | st.integers(1, 200)),
+        channels=draw(st.integers(1, 3)),
+        overlap_forward=draw(st.booleans()),
+    )
+    validate(plan, numels=profile.numels, dtypes=profile.dtypes)
+    return plan
+
+
+@st.composite
+def profile_and_plan(draw, **kwargs) -> tuple[Profile, Plan]:
+    profile = draw(profiles(**kwargs))
+    return profile, draw(plans_for(profile))
