@@ -39,6 +39,14 @@ test-distributed: install
 demo: install
 	$(VENV)/bin/torchrun --nproc_per_node 2 --master_port 29531 examples/train.py
 
+# The full comparison on an emulated network: ranks in network namespaces
+# joined by rate-limited veth pairs (needs root; falls back to loopback with a
+# warning). Results land in benchmarks/results/ as dated files.
+BENCH_ARGS ?= --models vgg,gpt --rates 1gbit --ranks 2 --iters 15 --warmup 3 --rounds 2 \
+	--schemes compute,comm,ddp,horovod,dc-wfbp,dc-mgwfbp,dc-bytescheduler,dc-usbyte,dc-dear,dc-dcredit
+bench: install horovod
+	$(PY) -m benchmarks.harness $(BENCH_ARGS)
+
 horovod: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" VENV=$(VENV) bash .ci/install_horovod.sh
 
@@ -56,3 +64,10 @@ test-cpp:
 sanitize:
 	bash tests/cpp/run.sh thread
 	bash tests/cpp/run.sh address
+
+# The CUDA build of the extension, compiled with this machine's CUDA toolkit
+# against the CUDA torch in a separate venv (.venv-cuda, about 5.5 GB); needs
+# no GPU. CI runs it only when DCREDIT_CUDA_CHECK=1.
+.PHONY: cuda-check
+cuda-check:
+	bash .ci/cuda_check.sh

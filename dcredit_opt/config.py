@@ -32,7 +32,8 @@ class Config:
 
     backend: str = "auto"
     """Who carries the collectives: "torch" (torch.distributed: Gloo, NCCL), "horovod",
-    "mpi" (mpi4py), or "auto" (Horovod when it is initialised, else torch.distributed)."""
+    "mpi" (mpi4py), or "auto": whoever set up the job (Horovod when it is initialised or
+    horovodrun launched us, mpi4py under mpirun/mpiexec, else torch.distributed)."""
 
     block_bytes: int = DEFAULT_BLOCK_BYTES
     """Block size of the fixed plan (before or without profiling), in bytes."""
@@ -63,13 +64,25 @@ class Config:
     """Write a Chrome/Perfetto trace of blocks and windows here (one file per rank)."""
 
     check_finite: bool = False
-    """Raise if a reduced gradient holds NaN or Inf (costs one pass over the gradients)."""
+    """Raise DCreditError from ``step()`` if a reduced gradient holds NaN or Inf, before any
+    update (the step is skipped). Costs one pass over the gradients, and that ``step()``
+    waits for every block instead of overlapping them with the next forward."""
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
+        for name in ("block_bytes", "window", "credit_bytes", "channels", "profile_iters"):
+            if isinstance(getattr(self, name), bool):  # bool is an int subclass; never a count
+                raise ValueError(f"Config.{name} must be an integer, got {getattr(self, name)!r}")
+        for name in ("overlap_forward", "check_finite"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Config.{name} must be True or False, got {getattr(self, name)!r}")
+        if self.timeline_path is not None and not isinstance(self.timeline_path, str):
+            raise ValueError(f"Config.timeline_path must be a path string or None, got {self.timeline_path!r}")
+        if isinstance(self.timeout_s, bool):
+            raise ValueError(f"Config.timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
         if not isinstance(self.block_bytes, int) or self.block_bytes <= 0:
             raise ValueError(f"Config.block_bytes must be a positive number of bytes, got {self.block_bytes!r}")
         if not isinstance(self.window, int) or (self.window <= 0 and self.window != -1):

@@ -157,10 +157,7 @@ struct Scheduler::Core {
     --in_flight_count;
     in_flight_bytes -= plan.blocks[b].bytes;
     if (!s.ok()) {
-      std::ostringstream m;
-      m << "block " << b << " (tensors " << Join(plan.blocks[b].tensors) << ", channel " << trace[b].channel
-        << ", launch " << trace[b].seq << ") failed: " << s.message;
-      Fail(Status{s.code, m.str()});
+      Fail(Status{s.code, Describe(b) + " failed: " + s.message});
       return;
     }
     bool tensor_finished = false;
@@ -175,6 +172,14 @@ struct Scheduler::Core {
   int32_t OldestInFlight() {
     while (!in_flight.empty() && done[in_flight.front()]) in_flight.pop_front();
     return in_flight.empty() ? -1 : in_flight.front();
+  }
+
+  // For a wait that timed out: the block holding things up, if one is in flight.
+  std::string Stuck() {
+    const int32_t oldest = OldestInFlight();
+    if (oldest < 0) return "";
+    return "; oldest in flight: " + Describe(oldest) + ", a peer may be dead, stalled, or issuing different "
+           "collectives";
   }
 
   std::string Describe(int32_t b) const {
@@ -205,13 +210,14 @@ void Scheduler::DispatchLoop(std::shared_ptr<Core> core) {
     if (core->stop) return;
     batch.clear();
     if (core->error.ok()) {
+      const int64_t now = core->launch_queue.empty() ? 0 : NowNs();  // one clock read per batch
       while (!core->launch_queue.empty() && core->CanLaunch(core->launch_queue.front())) {
         const int32_t b = core->launch_queue.front();
         core->launch_queue.pop_front();
         BlockTrace& tr = core->trace[b];
         tr.seq = core->seq++;
         tr.channel = static_cast<int32_t>(tr.seq % core->plan.channels);
-        tr.launch_ns = NowNs();
+        tr.launch_ns = now;
         ++core->in_flight_count;
         core->in_flight_bytes += core->plan.blocks[b].bytes;
         core->in_flight.push_back(b);
@@ -360,7 +366,7 @@ void Scheduler::WaitTensor(int32_t tensor, std::chrono::milliseconds timeout) {
     m << "tensor " << tensor << " not reduced within " << timeout.count() / 1000.0 << " s ("
       << c.tensor_pending[tensor] << " of its blocks pending; "
       << (c.arrived[tensor] ? "its gradient was marked ready" : "its gradient was never marked ready") << ", "
-      << (c.flushed ? "after the flush" : "before the flush") << ")";
+      << (c.flushed ? "after the flush" : "before the flush") << ")" << c.Stuck();
     throw SchedulerError(Status::Timeout(m.str()));
   }
 }
@@ -377,7 +383,8 @@ void Scheduler::WaitAll(std::chrono::milliseconds timeout) {
     std::ostringstream m;
     m << "iteration not reduced within " << timeout.count() / 1000.0 << " s (" << c.NumBlocks() - c.done_count
       << " of " << c.NumBlocks() << " blocks pending, " << c.launch_queue.size() << " queued, "
-      << c.in_flight_count << " in flight, " << (c.flushed ? "after the flush" : "before the flush") << ")";
+      << c.in_flight_count << " in flight, " << (c.flushed ? "after the flush" : "before the flush") << ")"
+      << c.Stuck();
     throw SchedulerError(Status::Timeout(m.str()));
   }
 }
@@ -397,7 +404,6 @@ bool Scheduler::Idle() {
 void Scheduler::Shutdown() {
   {
     std::lock_guard<std::mutex> lock(core_->mu);
-    if (core_->stop && !thread_.joinable()) return;
     core_->stop = true;
     if (core_->open && core_->done_count != core_->NumBlocks()) {
       core_->Fail(Status::Shutdown("scheduler shut down with " +
@@ -406,6 +412,7 @@ void Scheduler::Shutdown() {
     core_->dispatch_cv.notify_all();
     core_->done_cv.notify_all();
   }
+  std::lock_guard<std::mutex> join_lock(join_mu_);
   if (thread_.joinable()) thread_.join();
 }
 

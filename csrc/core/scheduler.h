@@ -130,6 +130,7 @@ class Scheduler {
   struct Core;
   static void DispatchLoop(std::shared_ptr<Core> core);
   std::shared_ptr<Core> core_;
+  std::mutex join_mu_;  // Shutdown may race with itself (the binding releases the GIL)
   std::thread thread_;
 };
 

@@ -47,8 +47,9 @@ one *group*; ``ALL`` releases the whole heap; 0 holds everything back so a
 higher-priority gradient that arrives later can overtake). At the flush (end
 of backward), everything left in the heap is released in priority order in
 groups of ``phase2_windows[0], phase2_windows[1], ...`` blocks, the last size
-repeating. The group a block was released in is its *window*: the block may
-launch only while fewer than ``window`` blocks are in flight, and (when
+repeating. The size asked for is the group's *window* (for ``ALL``, the
+number of blocks it released): a block may launch only while fewer than
+its group's window are in flight, and (when
 ``credit_bytes > 0``) while the bytes in flight plus its own stay within
 ``credit_bytes``. A block larger than ``credit_bytes`` may launch only when
 nothing is in flight: it overdraws the credit alone rather than never

@@ -1,0 +1,1 @@
+"""Benchmarks: rate-limited multi-rank runs on one machine (see README.md)."""

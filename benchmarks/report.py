@@ -1,0 +1,286 @@
+"""The result record (JSON), its schema check, the markdown table and the chart.
+
+A record is self-describing: raw per-iteration times of every launch, the
+summary tables, the machine, the software versions, the git commit and the
+full configuration, so that a number can be traced and re-run later.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from benchmarks.stats import Row
+
+SCHEMA_VERSION = 1
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+
+
+# -- environment -----------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def hardware() -> dict[str, Any]:
+    mem = None
+    try:
+        with open("/proc/meminfo") as f:
+            kib = int(f.readline().split()[1])  # first line: MemTotal
+            mem = round(kib / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return {
+        "cpu_model": cpu_model(),
+        "cores": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "memory_gib": mem,
+        "machine": platform.machine(),
+        "kernel": platform.release(),
+    }
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], check=False, cwd=REPO_ROOT, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _dist_version(name: str) -> str | None:
+    # Package metadata, not an import: importing horovod or dcredit_opt would
+    # load native libraries into the harness (and takes seconds).
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def versions() -> dict[str, Any]:
+    import numpy
+    import torch
+
+    status = _git("status", "--porcelain")
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "horovod": _dist_version("horovod"),
+        "dcredit_opt": _dist_version("dcredit-opt"),
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(status) if status is not None else None,
+    }
+
+
+# -- record ------------------------------------------------------------------------
+
+
+def row_to_dict(row: Row) -> dict[str, Any]:
+    s = row.summary
+    return {
+        "scheme": row.scheme,
+        "n": s.n if s else 0,
+        "median_s": s.median_s if s else None,
+        "q1_s": s.q1_s if s else None,
+        "q3_s": s.q3_s if s else None,
+        "min_s": s.min_s if s else None,
+        "max_s": s.max_s if s else None,
+        "speedup_vs_ddp": row.speedup_vs_ddp,
+        "ratio_to_bound": row.ratio_to_bound,
+        "note": row.note,
+    }
+
+
+# Required keys and their types; `None` allowed where the tuple has type(None).
+_NUM = (int, float)
+_OPT_NUM = (int, float, type(None))
+SCHEMA: dict[str, Any] = {
+    "schema_version": int,
+    "name": str,
+    "date": str,
+    "config": {
+        "models": list, "rates": list, "ranks": int, "iters": int, "warmup": int,
+        "rounds": int, "schemes": list, "batch_sizes": dict, "threads": int,
+        "network": str, "launch_timeout_s": _NUM, "argv": list,
+    },
+    "hardware": {"cpu_model": str, "cores": int},
+    "versions": {"python": str, "torch": str, "git_commit": (str, type(None))},
+    "networks": dict,
+    "runs": [{
+        "model": str, "rate": str, "round": int, "scheme": str, "status": str,
+        "iter_times_s": list, "error": (str, type(None)), "wall_s": _NUM,
+    }],
+    "results": [{
+        "model": str, "rate": str, "bound_s": _OPT_NUM,
+        "rows": [{
+            "scheme": str, "n": int, "median_s": _OPT_NUM, "q1_s": _OPT_NUM,
+            "q3_s": _OPT_NUM, "min_s": _OPT_NUM, "max_s": _OPT_NUM,
+            "speedup_vs_ddp": _OPT_NUM, "ratio_to_bound": _OPT_NUM, "note": str,
+        }],
+    }],
+}
+RUN_STATUSES = ("ok", "failed", "skipped")
+
+
+def _check(value: Any, schema: Any, where: str, errors: list[str]) -> None:
+    if isinstance(schema, dict):
+        if not isinstance(value, dict):
+            errors.append(f"{where}: expected an object")
+            return
+        for key, sub in schema.items():
+            if key not in value:
+                errors.append(f"{where}.{key}: missing")
+            else:
+                _check(value[key], sub, f"{where}.{key}", errors)
+    elif isinstance(schema, list):
+        if not isinstance(value, list):
+            errors.append(f"{where}: expected a list")
+            return
+        for i, item in enumerate(value):
+            _check(item, schema[0], f"{where}[{i}]", errors)
+    elif isinstance(value, bool) or not isinstance(value, schema):
+        # bool is an int in Python; no field here is meant to hold one.
+        errors.append(f"{where}: {type(value).__name__} is not {schema}")
+
+
+def validate_record(record: dict) -> list[str]:
+    """Problems with ``record`` (empty when it matches the schema)."""
+    errors: list[str] = []
+    _check(record, SCHEMA, "record", errors)
+    if errors:
+        return errors
+    if record["schema_version"] != SCHEMA_VERSION:
+        errors.append(f"record.schema_version: {record['schema_version']} != {SCHEMA_VERSION}")
+    for i, run in enumerate(record["runs"]):
+        if run["status"] not in RUN_STATUSES:
+            errors.append(f"record.runs[{i}].status: {run['status']!r} not in {RUN_STATUSES}")
+        if run["status"] == "ok" and not run["iter_times_s"]:
+            errors.append(f"record.runs[{i}]: status ok without iteration times")
+        if run["status"] != "ok" and not run["error"]:
+            errors.append(f"record.runs[{i}]: status {run['status']} without a reason")
+        if not all(isinstance(t, _NUM) and t >= 0 for t in run["iter_times_s"]):
+            errors.append(f"record.runs[{i}].iter_times_s: non-numeric or negative time")
+    return errors
+
+
+def output_paths(name: str, date: datetime.date, results_dir: Path = RESULTS_DIR) -> dict[str, Path]:
+    """``YYYY-MM-DD-<name>.{json,png,md}``; a numeric suffix keeps earlier runs of the day."""
+    stem = f"{date.isoformat()}-{name}"
+    n = 1
+    while True:
+        base = results_dir / (stem if n == 1 else f"{stem}-{n}")
+        paths = {ext: base.with_suffix(f".{ext}") for ext in ("json", "png", "md")}
+        if not any(p.exists() for p in paths.values()):
+            return paths
+        n += 1
+
+
+def write_json(record: dict, path: Path) -> None:
+    errors = validate_record(record)
+    if errors:
+        raise ValueError("result record does not match its schema:\n  " + "\n  ".join(errors))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+
+
+# -- human-readable outputs ----------------------------------------------------------
+
+
+def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if x is None else f"{x:{spec}}{suffix}"
+
+
+def markdown_table(result: dict) -> str:
+    """One (model, rate) result as a markdown table."""
+    head = (f"### {result['model']} @ {result['rate']}  "
+            f"(bound max(compute, comm) = {_fmt(result['bound_s'], '.3f', ' s')})\n\n"
+            "| scheme | n | median (s) | IQR (s) | min-max (s) | speedup vs DDP "
+            "| ratio to bound | note |\n|---|---:|---:|---:|---:|---:|---:|---|\n")
+    lines = []
+    for r in result["rows"]:
+        iqr = None if r["q1_s"] is None else r["q3_s"] - r["q1_s"]
+        span = "-" if r["min_s"] is None else f"{r['min_s']:.3f}-{r['max_s']:.3f}"
+        note = r["note"].replace("|", "/").replace("\n", " ")[:120]
+        lines.append(
+            f"| {r['scheme']} | {r['n']} | {_fmt(r['median_s'], '.3f')} | {_fmt(iqr, '.3f')} "
+            f"| {span} | {_fmt(r['speedup_vs_ddp'], '.2f', 'x')} "
+            f"| {_fmt(r['ratio_to_bound'], '.2f', 'x')} | {note} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def _conditions(cond: dict | None) -> str:
+    if not cond:
+        return "- load: not recorded"
+    start, end = cond["load_avg_1_5_15_start"], cond["load_avg_1_5_15_end"]
+    return (f"- machine load (1-min average) at start {start[0]:.2f}, at end {end[0]:.2f}; "
+            f"run took {cond['wall_s']:.0f} s")
+
+
+def markdown_report(record: dict) -> str:
+    cfg, hw, ver = record["config"], record["hardware"], record["versions"]
+    out = [
+        f"# Benchmark {record['name']} ({record['date']})\n",
+        f"- machine: {hw['cpu_model']}, {hw['cores']} cores",
+        f"- versions: python {ver['python']}, torch {ver['torch']}, "
+        f"horovod {ver.get('horovod') or 'not installed'}, commit {ver['git_commit'] or 'none'}"
+        + (" (dirty)" if ver.get("git_dirty") else ""),
+        f"- network: {cfg['network']}, {cfg['ranks']} ranks, rates {', '.join(cfg['rates'])}",
+        (f"- {cfg['iters']} timed iterations after {cfg['warmup']} warm-up, per launch; "
+         f"{cfg['rounds']} rounds; {cfg['threads']} thread(s) per rank"),
+        f"- batch sizes per rank: {cfg['batch_sizes']}",
+        _conditions(record.get("conditions")),
+        ("- iteration time: wall time between consecutive `opt.step()` returns on rank 0; "
+         "`compute` is one rank without communication, `comm` one flat all-reduce of all "
+         "gradients without compute"),
+        "",
+    ]
+    out += [markdown_table(r) for r in record["results"]]
+    return "\n".join(out)
+
+
+def plot(record: dict, path: Path) -> None:
+    """Bar chart: median iteration time per scheme, one panel per (model, rate)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; must precede pyplot
+    import matplotlib.pyplot as plt
+
+    results = record["results"]
+    if not results:
+        return
+    fig, axes = plt.subplots(1, len(results), figsize=(4.5 * len(results), 4), squeeze=False)
+    for ax, res in zip(axes[0], results):
+        rows = [r for r in res["rows"] if r["median_s"] is not None]
+        names = [r["scheme"] for r in rows]
+        med = [r["median_s"] for r in rows]
+        # Error bars show the interquartile range around the median.
+        err = [[r["median_s"] - r["q1_s"] for r in rows], [r["q3_s"] - r["median_s"] for r in rows]]
+        colors = ["0.7" if n in ("compute", "comm") else "C0" for n in names]
+        ax.bar(range(len(rows)), med, yerr=err, color=colors, capsize=3)
+        if res["bound_s"] is not None:
+            ax.axhline(res["bound_s"], color="C3", linestyle="--", label="max(compute, comm)")
+            ax.legend(loc="upper left", fontsize=8)
+        ax.set_xticks(range(len(rows)), names, rotation=45, ha="right", fontsize=8)
+        ax.set_title(f"{res['model']} @ {res['rate']}")
+        ax.set_ylabel("iteration time (s), median and IQR")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,258 @@
+"""One rank of one benchmark launch: ``python -m benchmarks.worker --scheme S --model M``.
+
+The harness starts one of these per rank (inside the rank's network
+namespace) with the torchrun-style environment ``MASTER_ADDR``,
+``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
+``GLOO_SOCKET_IFNAME``. Rank 0 writes a JSON record to ``--out``: the
+per-iteration times, or the error that stopped it.
+
+Iteration time is the wall time between consecutive returns of
+``opt.step()`` on rank 0 (for ``comm``, of the all-reduce). With a lazy step
+(``step()`` returns before communication is done) the wait lands in the next
+forward pass, which is inside the next interval, as intended: the interval is
+what a training loop experiences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.models import get_model, loss_fn, param_count
+
+DC_POLICIES = ("wfbp", "mgwfbp", "bytescheduler", "usbyte", "dear", "dcredit")
+SCHEMES = ("compute", "comm", "ddp", "horovod") + tuple(f"dc-{p}" for p in DC_POLICIES)
+LR = 0.01
+MOMENTUM = 0.9
+# Generous: a rank may wait on a peer for a whole slow iteration plus start-up,
+# but a lost peer must still end the launch rather than hang it.
+PG_TIMEOUT_S = 180
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--scheme", required=True, choices=SCHEMES)
+    p.add_argument("--model", required=True)
+    p.add_argument("--iters", type=int, required=True, help="timed iterations")
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations first")
+    p.add_argument("--batch-size", type=int, default=None, help="per rank; default: the model's")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="rank 0 writes its JSON record here")
+    args = p.parse_args(argv)
+    if args.iters < 1 or args.warmup < 0:
+        p.error("--iters must be >= 1 and --warmup >= 0")
+    return args
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def _timed_loop(iters: int, warmup: int, one_iter: Callable[[], object]) -> tuple[list[float], object]:
+    """Run ``warmup + iters`` iterations; return the last ``iters`` intervals."""
+    stamps = [time.perf_counter()]
+    last = None
+    for _ in range(warmup + iters):
+        last = one_iter()
+        stamps.append(time.perf_counter())
+    intervals = [b - a for a, b in itertools.pairwise(stamps)]
+    return intervals[warmup:], last
+
+
+def _train_step(model: torch.nn.Module, opt, batch) -> Callable[[], torch.Tensor]:
+    x, y = batch
+
+    def one_iter() -> torch.Tensor:
+        # No arguments: Horovod's optimizer does not take set_to_none, and
+        # torch's default (True) is what we want anyway.
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return one_iter
+
+
+def _init_torch_pg() -> None:
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+
+
+def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+
+
+# -- schemes -------------------------------------------------------------------
+# Each returns (intervals, last loss or None, closer).
+
+
+def run_compute(args, model, batch, rank, world):
+    # One process alone: the compute lower bound, no communication at all.
+    return (*_timed_loop(args.iters, args.warmup, _train_step(model, _sgd(model), batch)), None)
+
+
+def run_comm(args, model, batch, rank, world):
+    # The communication lower bound: every gradient byte in one flat
+    # all-reduce (the fewest start-ups possible), nothing to overlap with.
+    _init_torch_pg()
+    flat = torch.zeros(param_count(model))
+    return (*_timed_loop(args.iters, args.warmup, lambda: dist.all_reduce(flat)),
+            dist.destroy_process_group)
+
+
+def run_ddp(args, model, batch, rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    _init_torch_pg()
+    ddp = DDP(model)  # defaults: 25 MiB buckets, first bucket 1 MiB
+    intervals, loss = _timed_loop(args.iters, args.warmup, _train_step(ddp, _sgd(ddp), batch))
+    return intervals, loss, dist.destroy_process_group
+
+
+def run_horovod(args, model, batch, rank, world):
+    import horovod.torch as hvd
+    from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
+    from horovod.runner.http.http_server import RendezvousServer
+
+    # horovodrun would start Horovod's rendezvous server and launch ranks over
+    # ssh; neither reaches into our namespaces. So rank 0 serves the
+    # rendezvous itself and publishes the port through a torch TCPStore on
+    # MASTER_ADDR:MASTER_PORT (otherwise unused by this scheme). Each rank
+    # is its own host, as with one process per machine.
+    master = os.environ["MASTER_ADDR"]
+    store = dist.TCPStore(master, _env_int("MASTER_PORT", 29500), world, rank == 0,
+                          timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    server = None
+    if rank == 0:
+        server = RendezvousServer(verbose=0)
+        port = server.start()
+        hosts = ",".join(f"rank{r}:1" for r in range(world))
+        server.init(get_host_assignments(parse_hosts(hosts), world))
+        store.set("horovod_rendezvous_port", str(port))
+    port = int(store.get("horovod_rendezvous_port").decode())
+    os.environ.update({
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": master,
+        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(port),
+        "HOROVOD_CONTROLLER": "gloo",
+        "HOROVOD_CPU_OPERATIONS": "gloo",
+        "HOROVOD_GLOO_IFACE": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        "HOROVOD_HOSTNAME": f"rank{rank}",
+        "HOROVOD_RANK": str(rank),
+        "HOROVOD_SIZE": str(world),
+        "HOROVOD_LOCAL_RANK": "0",
+        "HOROVOD_LOCAL_SIZE": "1",
+        "HOROVOD_CROSS_RANK": str(rank),
+        "HOROVOD_CROSS_SIZE": str(world),
+    })
+    hvd.init()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters())
+    intervals, loss = _timed_loop(args.iters, args.warmup, _train_step(model, opt, batch))
+
+    def close():
+        hvd.shutdown()
+        # Keep the rendezvous server alive until every rank has shut down.
+        store.set(f"horovod_done_{rank}", "1")
+        if server is not None:
+            store.wait([f"horovod_done_{r}" for r in range(world)])
+            server.stop()
+
+    return intervals, loss, close
+
+
+def run_dc(args, model, batch, rank, world):
+    import dcredit_opt as dc
+
+    policy = args.scheme.removeprefix("dc-")
+    dc.init()
+    opt = dc.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(),
+                                  config=dc.Config(policy=policy))
+    # The job measures itself for profile_iters iterations, then plans and
+    # switches (one more): time only what runs under the chosen plan.
+    warmup = args.warmup + opt._dc_config.profile_iters + 1
+    intervals, loss = _timed_loop(args.iters, warmup, _train_step(model, opt, batch))
+
+    def close():
+        # A lazy step may leave the last updates in flight; let the optimizer
+        # finish them before the process group goes away.
+        for name in ("close", "shutdown"):
+            fn = getattr(opt, name, None) or getattr(dc, name, None)
+            if callable(fn):
+                fn()
+                break
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+    return intervals, loss, close
+
+
+def _runner(scheme: str):
+    if scheme.startswith("dc-"):
+        return run_dc
+    return {"compute": run_compute, "comm": run_comm, "ddp": run_ddp,
+            "horovod": run_horovod}[scheme]
+
+
+def _write(path: str | None, record: dict) -> None:
+    if path is None:
+        print(json.dumps(record))
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, path)  # the harness never sees a half-written file
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank = _env_int("RANK", 0)
+    world = _env_int("WORLD_SIZE", 1)
+    torch.set_num_threads(args.threads)
+    spec = get_model(args.model)
+    batch_size = args.batch_size or spec.default_batch
+    record = {
+        "scheme": args.scheme, "model": args.model, "rank": rank, "world_size": world,
+        "batch_size": batch_size, "threads": args.threads, "iters": args.iters,
+        "warmup": args.warmup,
+    }
+    try:
+        torch.manual_seed(args.seed)  # same initial weights on every rank
+        model = spec.build()
+        # Different data on every rank, as in data-parallel training.
+        batch = spec.make_batch(batch_size, torch.Generator().manual_seed(args.seed + 1 + rank))
+        record["params"] = param_count(model)
+        t0 = time.perf_counter()
+        intervals, loss, close = _runner(args.scheme)(args, model, batch, rank, world)
+        record["run_s"] = time.perf_counter() - t0
+        record["iter_times_s"] = intervals
+        record["final_loss"] = float(loss) if loss is not None else None
+        if close is not None:
+            close()
+    except BaseException as exc:
+        # Recorded for the harness, then re-raised: the traceback goes to the
+        # rank's log and the exit status says it failed.
+        record["error"] = f"{type(exc).__name__}: {exc}"
+        record["traceback"] = traceback.format_exc()
+        if rank == 0:
+            _write(args.out, record)
+        raise
+    if rank == 0:
+        _write(args.out, record)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

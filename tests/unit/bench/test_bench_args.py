@@ -1,0 +1,73 @@
+import pytest
+
+from benchmarks import harness, worker
+from benchmarks.models import MODELS
+
+
+def test_harness_defaults():
+    a = harness.parse_args([])
+    assert a.models == ["vgg", "gpt"]
+    assert a.rates == ["1gbit"]
+    assert a.ranks == 2
+    assert a.schemes == list(worker.SCHEMES)
+    assert a.network == "auto"
+    assert a.name == "vgg-gpt-1gbit-2r"
+
+
+def test_harness_lists_and_overrides():
+    a = harness.parse_args([
+        "--models", "vgg, gpt", "--rates", "1gbit,10gbit", "--ranks", "4", "--iters", "7",
+        "--warmup", "0", "--rounds", "2", "--schemes", "compute,comm,ddp,dc-dcredit",
+        "--batch-sizes", "vgg=8,gpt=3", "--network", "loopback", "--name", "x",
+    ])
+    assert a.models == ["vgg", "gpt"]
+    assert a.rates == ["1gbit", "10gbit"]
+    assert (a.ranks, a.iters, a.warmup, a.rounds) == (4, 7, 0, 2)
+    assert a.schemes == ["compute", "comm", "ddp", "dc-dcredit"]
+    assert a.batch_sizes == {"vgg": 8, "gpt": 3}
+    assert a.network == "loopback" and a.name == "x"
+
+
+@pytest.mark.parametrize("argv", [
+    ["--models", "alexnet"],
+    ["--schemes", "ddp,nccl"],
+    ["--schemes", "ddp,ddp"],
+    ["--rates", "fast"],
+    ["--rates", "1gb"],
+    ["--ranks", "5"],
+    ["--ranks", "0"],
+    ["--iters", "0"],
+    ["--rounds", "0"],
+    ["--warmup", "-1"],
+    ["--batch-sizes", "vgg=0"],
+    ["--batch-sizes", "alexnet=4"],
+    ["--network", "wifi"],
+    ["--schemes", ""],
+])
+def test_harness_rejects(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        harness.parse_args(argv)
+    assert exc.value.code == 2
+
+
+def test_scheme_list_is_frozen():
+    # Adding a scheme means adding it to the README and the results: do it on purpose.
+    assert worker.SCHEMES == (
+        "compute", "comm", "ddp", "horovod",
+        "dc-wfbp", "dc-mgwfbp", "dc-bytescheduler", "dc-usbyte", "dc-dear", "dc-dcredit",
+    )
+
+
+def test_worker_args():
+    a = worker.parse_args(["--scheme", "dc-dear", "--model", "tiny", "--iters", "3"])
+    assert (a.scheme, a.model, a.iters, a.warmup, a.threads, a.batch_size) == (
+        "dc-dear", "tiny", 3, 2, 1, None)
+    for bad in (["--scheme", "nope", "--model", "tiny", "--iters", "3"],
+                ["--scheme", "ddp", "--model", "tiny", "--iters", "0"],
+                ["--scheme", "ddp", "--model", "tiny"]):
+        with pytest.raises(SystemExit):
+            worker.parse_args(bad)
+
+
+def test_models_registry():
+    assert set(MODELS) == {"vgg", "resnet18", "gpt", "tiny"}

@@ -1,0 +1,158 @@
+import copy
+import datetime
+import json
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import harness, report
+from benchmarks.harness import RunResult
+from benchmarks.stats import Launch
+
+
+def _runs():
+    runs = []
+    for rnd in range(2):
+        for scheme, t in (("compute", 0.5), ("comm", 1.0), ("ddp", 1.4)):
+            runs.append(RunResult(Launch("vgg", "1gbit", rnd, scheme), "ok",
+                                  [t, t + 0.1, t - 0.1], None, 9.0, 16, 34_000_000, 2.3))
+        runs.append(RunResult(Launch("vgg", "1gbit", rnd, "horovod"), "skipped",
+                              error="`import horovod.torch` failed"))
+    runs.append(RunResult(Launch("vgg", "1gbit", 0, "dc-dcredit"), "failed",
+                          error="AttributeError: no init\n--- rank 0 log tail ---\n...", wall_s=3.0))
+    runs.append(RunResult(Launch("vgg", "1gbit", 1, "dc-dcredit"), "skipped",
+                          error="failed in an earlier round: AttributeError: no init"))
+    return runs
+
+
+def make_record():
+    schemes = ["compute", "comm", "ddp", "horovod", "dc-dcredit"]
+    runs = _runs()
+    return {
+        "schema_version": report.SCHEMA_VERSION,
+        "name": "test",
+        "date": "2026-01-02T03:04:05+00:00",
+        "config": {
+            "models": ["vgg"], "rates": ["1gbit"], "ranks": 2, "iters": 3, "warmup": 1,
+            "rounds": 2, "schemes": schemes, "batch_sizes": {"vgg": 16}, "threads": 1,
+            "network": "loopback (NOT rate-limited)", "launch_timeout_s": 300.0,
+            "argv": ["--models", "vgg"],
+        },
+        "hardware": report.hardware(),
+        "versions": {"python": "3.11", "torch": "2.13.0", "git_commit": None},
+        "networks": {"1gbit": {"kind": "LoopbackNetwork"}},
+        "runs": [r.to_dict() for r in runs],
+        "results": harness.summarize_runs(runs, ["vgg"], ["1gbit"], schemes),
+    }
+
+
+def test_summarize_runs_pools_rounds_and_keeps_reasons():
+    (res,) = make_record()["results"]
+    assert res["bound_s"] == pytest.approx(1.0)
+    by = {r["scheme"]: r for r in res["rows"]}
+    assert by["ddp"]["n"] == 6 and by["ddp"]["median_s"] == pytest.approx(1.4)
+    assert by["ddp"]["ratio_to_bound"] == pytest.approx(1.4)
+    assert by["horovod"]["note"].startswith("skipped: `import horovod.torch` failed")
+    # The first line of the first failure, not the log tail.
+    assert by["dc-dcredit"]["note"] == "failed: AttributeError: no init"
+
+
+def test_record_is_valid_and_round_trips_through_json():
+    rec = make_record()
+    assert report.validate_record(rec) == []
+    again = json.loads(json.dumps(rec))
+    assert report.validate_record(again) == []
+    assert again["runs"][0]["iter_times_s"] == pytest.approx([0.5, 0.6, 0.4])
+
+
+def test_hardware_has_cpu_and_cores():
+    hw = report.hardware()
+    assert isinstance(hw["cpu_model"], str) and hw["cpu_model"]
+    assert isinstance(hw["cores"], int) and hw["cores"] >= 1
+
+
+@pytest.mark.parametrize("mutate,expect", [
+    (lambda r: r.pop("hardware"), "record.hardware: missing"),
+    (lambda r: r["config"].pop("rounds"), "record.config.rounds: missing"),
+    (lambda r: r["config"].update(ranks="2"), "record.config.ranks"),
+    (lambda r: r["config"].update(ranks=True), "record.config.ranks"),
+    (lambda r: r["runs"][0].update(status="great"), "status"),
+    (lambda r: r["runs"][0].update(iter_times_s=[]), "without iteration times"),
+    (lambda r: r["runs"][0].update(iter_times_s=[0.1, -1.0]), "negative"),
+    (lambda r: r["runs"][3].update(error=None), "without a reason"),
+    (lambda r: r["results"][0]["rows"][0].pop("median_s"), "median_s: missing"),
+    (lambda r: r.update(schema_version=99), "schema_version"),
+])
+def test_validate_record_catches(mutate, expect):
+    rec = copy.deepcopy(make_record())
+    mutate(rec)
+    errors = report.validate_record(rec)
+    assert any(expect in e for e in errors), errors
+
+
+def test_write_json_refuses_an_invalid_record(tmp_path):
+    rec = make_record()
+    del rec["versions"]
+    with pytest.raises(ValueError, match="versions"):
+        report.write_json(rec, tmp_path / "x.json")
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_output_paths_are_dated_and_never_overwrite(tmp_path):
+    day = datetime.date(2026, 3, 4)
+    p1 = report.output_paths("vgg-1gbit-2r", day, tmp_path)
+    assert p1["json"].name == "2026-03-04-vgg-1gbit-2r.json"
+    assert {p.suffix for p in p1.values()} == {".json", ".png", ".md"}
+    p1["md"].write_text("x")
+    p2 = report.output_paths("vgg-1gbit-2r", day, tmp_path)
+    assert p2["json"].name == "2026-03-04-vgg-1gbit-2r-2.json"
+
+
+def test_markdown_and_plot(tmp_path):
+    rec = make_record()
+    md = report.markdown_report(rec)
+    assert "| ddp | 6 | 1.400 |" in md
+    assert "1.40x" in md  # DDP's ratio to the bound
+    assert "NOT rate-limited" in md
+    report.plot(rec, tmp_path / "chart.png")
+    assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- waiting on ranks never hangs ------------------------------------------------------
+
+
+def _sleeper(seconds: float, code: int = 0) -> subprocess.Popen:
+    prog = f"import time, sys; time.sleep({seconds}); sys.exit({code})"
+    return subprocess.Popen([sys.executable, "-c", prog])
+
+
+@pytest.mark.timeout(60)
+def test_wait_all_ok():
+    assert harness._wait_all([_sleeper(0.1), _sleeper(0.2)], timeout_s=30) is None
+
+
+@pytest.mark.timeout(60)
+def test_wait_all_kills_on_timeout():
+    procs = [_sleeper(60), _sleeper(60)]
+    assert "timed out" in harness._wait_all(procs, timeout_s=1)
+    assert all(p.poll() is not None for p in procs)
+
+
+@pytest.mark.timeout(60)
+def test_wait_all_kills_peers_of_a_failed_rank(monkeypatch):
+    monkeypatch.setattr(harness, "FAIL_GRACE_S", 0.5)
+    procs = [_sleeper(60), _sleeper(0, code=3)]
+    msg = harness._wait_all(procs, timeout_s=30)
+    assert "rank 1 exited with status 3" in msg
+    assert all(p.poll() is not None for p in procs)
+
+
+def test_error_line_names_the_exception():
+    log = ("[W socket.cpp:207] warning\n"
+           "[rank1]: Traceback (most recent call last):\n"
+           "[rank1]:   File \"x.py\", line 1, in f\n"
+           "[rank1]: dcredit_opt._C.SchedulerError: block 45 failed: Connection reset\n")
+    assert harness._error_line(log) == "dcredit_opt._C.SchedulerError: block 45 failed: Connection reset"
+    assert harness._error_line("ValueError: bad\n") == "ValueError: bad"
+    assert harness._error_line("all fine\n") is None

@@ -1,0 +1,585 @@
+"""The C++ credit scheduler, single process, through ``_C.Engine.manual``.
+
+A manual engine holds every launch until the test completes it, so the
+tests decide the completion order and the arrival order of gradients, and
+read the launches back with ``pending()`` and ``history()``. The expected
+launch sequence comes from a reference model written here from the notes in
+``dcredit_opt/planner/plan.py`` (Note [Same order on every rank],
+Note [Credit window]) and Note [Group window] in ``planner/simulate.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import heapq
+import itertools
+import random
+import threading
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dcredit_opt import _ext
+
+C = _ext.load()
+ALL = C.RELEASE_ALL
+
+# Blocks sit in flight for as long as a test likes; this is the scheduler's
+# own collective timeout, far above any step here.
+LONG_S = 60.0
+# How long the engine may take to make a launch the model predicts. Its
+# dispatch thread launches within microseconds of a wake; this only has to
+# cover a loaded machine. Kept short because a wrong launch count shows up as
+# a wait this long, repeated for every example hypothesis tries while
+# shrinking (pytest-timeout's signal is one more failing example to it).
+SYNC_S = 3.0
+# Hypothesis runs many engines per test; no per-example deadline, since the
+# dispatch thread's wake-ups make an example's time vary.
+PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """A scheduler plan in the engine's own terms (one segment, 1-byte elements)."""
+
+    order: tuple[int, ...]
+    block_tensors: tuple[tuple[int, ...], ...]
+    block_bytes: tuple[int, ...]
+    block_priority: tuple[int, ...]
+    phase1: tuple[int, ...]
+    phase2: tuple[int, ...] = (1,)
+    credit_bytes: int = 0
+    channels: int = 1
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.order)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_bytes)
+
+
+def one_block_each(sizes, priorities, phase1, **kw) -> Spec:
+    """Tensor t is block t, ready order 0..T-1."""
+    T = len(sizes)
+    return Spec(tuple(range(T)), tuple((t,) for t in range(T)), tuple(sizes), tuple(priorities), tuple(phase1), **kw)
+
+
+def install(engine, spec: Spec) -> None:
+    offsets = list(itertools.accumulate(spec.block_bytes, initial=0))[:-1]
+    engine.set_plan(spec.num_tensors, list(spec.order), [0] * spec.num_blocks, offsets, list(spec.block_bytes),
+                    list(spec.block_bytes), list(spec.block_priority), [list(t) for t in spec.block_tensors],
+                    list(spec.phase1), list(spec.phase2), spec.credit_bytes, spec.channels, [], 1.0)
+
+
+@contextlib.contextmanager
+def manual_engine(spec: Spec | None = None, timeout_s: float = LONG_S):
+    engine = C.Engine.manual(timeout_s)
+    try:
+        if spec is not None:
+            install(engine, spec)
+        yield engine
+    finally:
+        engine.shutdown()  # joins the dispatch thread even when a test fails
+
+
+# ---- the reference model ------------------------------------------------
+
+
+@dataclasses.dataclass
+class Expected:
+    sequence: list[int]
+    """Block ids in launch order: a function of the plan alone."""
+    position: list[int]
+    """Per block: its launch number."""
+    window: list[int]
+    group: list[int]
+    released_after: list[int]
+    """``released_after[k]``: length of the sequence released once events 0..k-1 are processed."""
+
+
+def reference(spec: Spec) -> Expected:
+    T, B = spec.num_tensors, spec.num_blocks
+    covering = [[] for _ in range(T)]
+    for b, tensors in enumerate(spec.block_tensors):
+        for t in tensors:
+            covering[t].append(b)
+    missing = [len(tensors) for tensors in spec.block_tensors]
+    heap: list[tuple[int, int]] = []  # ready blocks: (priority, id), best first
+    out = Expected([], [-1] * B, [0] * B, [-1] * B, [0])
+    groups = itertools.count()
+
+    def release(requested: int) -> None:
+        take = len(heap) if requested == ALL else min(requested, len(heap))
+        if take == 0:
+            return
+        window = take if requested == ALL else requested  # Note [Group window]
+        group = next(groups)
+        for _ in range(take):
+            _, b = heapq.heappop(heap)
+            out.position[b], out.window[b], out.group[b] = len(out.sequence), window, group
+            out.sequence.append(b)
+
+    # Events strictly in plan order, whatever order they arrive in.
+    for i, t in enumerate(spec.order):
+        for b in covering[t]:
+            missing[b] -= 1
+            if missing[b] == 0:
+                heapq.heappush(heap, (spec.block_priority[b], b))
+        release(spec.phase1[i])
+        out.released_after.append(len(out.sequence))
+    # The flush: the rest in groups of phase2[0], phase2[1], ..., the last repeating.
+    for g in itertools.count():
+        if not heap:
+            break
+        release(spec.phase2[min(g, len(spec.phase2) - 1)])
+    assert sorted(out.sequence) == list(range(B))
+    return out
+
+
+class Launches:
+    """Which blocks are in flight, given the completions so far: the head of
+    the released sequence launches while fewer than its window are in flight
+    and its bytes fit the credit (or it goes alone)."""
+
+    def __init__(self, spec: Spec, expected: Expected) -> None:
+        self.spec, self.expected = spec, expected
+        self.released = self.launched = self.bytes = 0
+        self.in_flight: list[int] = []  # launch order
+
+    def release_up_to(self, n: int) -> None:
+        self.released = max(self.released, n)
+        self._advance()
+
+    def complete(self, b: int) -> None:
+        self.in_flight.remove(b)
+        self.bytes -= self.spec.block_bytes[b]
+        self._advance()
+
+    def _advance(self) -> None:
+        while self.launched < self.released:
+            b = self.expected.sequence[self.launched]
+            size = self.spec.block_bytes[b]
+            if len(self.in_flight) >= self.expected.window[b]:
+                return
+            if self.spec.credit_bytes and self.in_flight and self.bytes + size > self.spec.credit_bytes:
+                return
+            self.in_flight.append(b)
+            self.bytes += size
+            self.launched += 1
+
+
+def check_in_flight(spec: Spec, expected: Expected, pending) -> None:
+    """One snapshot of ``pending()`` (launch order). Between two completions
+    the set only grows, so a snapshot taken after every completion shows each
+    block behind exactly the blocks that were in flight when it launched."""
+    ahead = 0
+    for i, (b, channel) in enumerate(pending):
+        assert channel == expected.position[b] % spec.channels, f"block {b} on channel {channel}"
+        assert i < expected.window[b], f"block {b} launched with {i} in flight, window {expected.window[b]}"
+        if spec.credit_bytes and i:
+            assert ahead + spec.block_bytes[b] <= spec.credit_bytes, (
+                f"block {b} ({spec.block_bytes[b]} bytes) launched behind {ahead} bytes, credit {spec.credit_bytes}")
+        ahead += spec.block_bytes[b]
+
+
+def sync(engine, spec: Spec, expected: Expected, want: list[int]) -> None:
+    """Wait until the engine has launched exactly ``want`` (it launches from
+    its own thread), checking every snapshot on the way."""
+    deadline = time.monotonic() + SYNC_S
+    while True:
+        pending = engine.pending()
+        check_in_flight(spec, expected, pending)
+        blocks = [b for b, _ in pending]
+        early = set(blocks) - set(want)
+        assert not early, f"blocks {sorted(early)} launched; the model has in flight {want}"
+        if blocks == want:
+            return
+        assert time.monotonic() < deadline, f"in flight {blocks}, the model has {want}"
+        time.sleep(0.0002)
+
+
+def drive(engine, spec: Spec, expected: Expected, arrivals, pick) -> list[tuple[int, int]]:
+    """One iteration: gradients in ``arrivals`` become ready in that order
+    (the flush supplies the others), interleaved with completions, as
+    ``pick(n) -> 0..n-1`` chooses. Returns this iteration's launches."""
+    base = len(engine.history())
+    engine.start_iteration()
+    model = Launches(spec, expected)
+    arrived: set[int] = set()
+    processed = next_arrival = 0
+    flushed = False
+    while True:
+        sync(engine, spec, expected, model.in_flight)
+        options = []
+        if next_arrival < len(arrivals):
+            options.append("arrive")
+        if model.in_flight:
+            options.append("complete")
+        if next_arrival == len(arrivals) and not flushed:
+            options.append("flush")
+        if not options:
+            break
+        action = options[pick(len(options))]
+        if action == "arrive":
+            t = arrivals[next_arrival]
+            next_arrival += 1
+            engine.mark_ready(t)
+            arrived.add(t)
+            while processed < spec.num_tensors and spec.order[processed] in arrived:
+                processed += 1
+            # Releases happen inside mark_ready; an early event released nothing.
+            released = {tr[0] for tr in engine.trace() if tr[3] >= 0}
+            assert released == set(expected.sequence[:expected.released_after[processed]])
+            model.release_up_to(expected.released_after[processed])
+        elif action == "complete":
+            b = model.in_flight[pick(len(model.in_flight))]
+            assert engine.complete(b)
+            model.complete(b)
+        else:
+            engine.flush()
+            flushed = True
+            model.release_up_to(spec.num_blocks)
+    assert model.launched == spec.num_blocks
+    engine.wait_all(10.0)
+    for b, channel, window, group, seq, _release, launch_ns, end_ns in engine.trace():
+        assert (seq, channel) == (expected.position[b], expected.position[b] % spec.channels)
+        assert (window, group) == (expected.window[b], expected.group[b])
+        assert 0 < launch_ns <= end_ns
+    return engine.history()[base:]
+
+
+# ---- strategies -----------------------------------------------------------
+
+
+@st.composite
+def specs(draw, max_tensors: int = 6, max_pieces: int = 4) -> Spec:
+    """Random plans: sizes, priorities with ties, windows ALL / 0 / counts,
+    phase-2 sizes, a credit (sometimes below one block), channels, and merges
+    of one-block neighbours in ``order``; block ids in layout order."""
+    T = draw(st.integers(1, max_tensors))
+    order = tuple(draw(st.permutations(range(T))))
+    priority = draw(st.lists(st.integers(0, 3), min_size=T, max_size=T))
+    pieces = draw(st.lists(st.integers(1, max_pieces), min_size=T, max_size=T))
+    joins = draw(st.lists(st.booleans(), min_size=T, max_size=T))
+    block_tensors: list[tuple[int, ...]] = []
+    for i, t in enumerate(order):
+        prev = order[i - 1] if i else None
+        if (joins[i] and prev is not None and pieces[t] == 1 and pieces[prev] == 1
+                and block_tensors[-1][-1] == prev):
+            block_tensors[-1] = block_tensors[-1] + (t,)  # merge into the previous block
+        else:
+            block_tensors.extend([(t,)] * pieces[t])
+    sizes = draw(st.lists(st.integers(1, 1000), min_size=len(block_tensors), max_size=len(block_tensors)))
+    return Spec(
+        order=order,
+        block_tensors=tuple(block_tensors),
+        block_bytes=tuple(sizes),
+        block_priority=tuple(min(priority[t] for t in ts) for ts in block_tensors),
+        phase1=tuple(draw(st.lists(st.sampled_from([ALL, 0]) | st.integers(1, 4), min_size=T, max_size=T))),
+        phase2=tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=3))),
+        credit_bytes=draw(st.just(0) | st.integers(1, 3000)),
+        channels=draw(st.integers(1, 4)),
+    )
+
+
+def arrivals_of(data, spec: Spec) -> list[int]:
+    """A random arrival order of a random subset of the gradients."""
+    perm = data.draw(st.permutations(range(spec.num_tensors)), label="arrivals")
+    return perm[:data.draw(st.integers(0, spec.num_tensors), label="arriving")] if data.draw(st.booleans()) else perm
+
+
+def picker(data):
+    return lambda n: data.draw(st.integers(0, n - 1)) if n > 1 else 0
+
+
+# ---- properties -------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@PROPERTY
+@given(spec=specs(), data=st.data())
+def test_launches_follow_the_reference_model(spec, data):
+    expected = reference(spec)
+    with manual_engine(spec) as engine:
+        history = drive(engine, spec, expected, arrivals_of(data, spec), picker(data))
+    assert [b for b, _ in history] == expected.sequence
+    assert sorted(b for b, _ in history) == list(range(spec.num_blocks))  # each block exactly once
+    assert [c for _, c in history] == [i % spec.channels for i in range(spec.num_blocks)]
+
+
+@pytest.mark.timeout(60)
+@PROPERTY
+@given(spec=specs(), data=st.data())
+def test_same_sequence_for_any_arrival_and_completion_order(spec, data):
+    # Three iterations of one engine, three orders: one launch sequence
+    # (Note [Same order on every rank]).
+    expected = reference(spec)
+    with manual_engine(spec) as engine:
+        runs = [drive(engine, spec, expected, arrivals_of(data, spec), picker(data)) for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2]
+
+
+@pytest.mark.timeout(60)
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=specs(max_tensors=10), seed=st.integers(0, 2**32 - 1))
+def test_same_sequence_under_real_concurrency(spec, seed):
+    # Marks from this thread with random pauses, completions from another
+    # thread in random order and at random times: the timing changes, the
+    # sequence does not.
+    expected = reference(spec)
+    rng = random.Random(seed)
+    with manual_engine(spec) as engine:
+        engine.start_iteration()
+        stop = threading.Event()
+        failures: list[BaseException] = []
+
+        def complete_randomly() -> None:
+            r = random.Random(seed + 1)
+            try:
+                while not stop.is_set():
+                    pending = engine.pending()
+                    check_in_flight(spec, expected, pending)  # sound: we are the only completer
+                    if pending:
+                        engine.complete(r.choice(pending)[0])
+                    time.sleep(r.choice([0, 0, 1e-4, 1e-3]))
+            except (AssertionError, RuntimeError) as e:  # reported by the main thread
+                failures.append(e)
+
+        completer = threading.Thread(target=complete_randomly)
+        completer.start()
+        try:
+            for t in rng.sample(range(spec.num_tensors), spec.num_tensors):
+                engine.mark_ready(t)
+                time.sleep(rng.choice([0, 1e-4, 1e-3]))
+            engine.flush()
+            engine.wait_all(20.0)
+        finally:
+            stop.set()
+            completer.join()
+        assert not failures, failures[0]
+        assert [b for b, _ in engine.history()] == expected.sequence
+
+
+# ---- the rules, one at a time -------------------------------------------------
+
+
+def complete_in_order(engine, blocks, timeout_s: float = 10.0) -> None:
+    """Complete ``blocks`` one by one, each as soon as it has launched."""
+    for b in blocks:
+        deadline = time.monotonic() + timeout_s
+        while not engine.complete(b):
+            assert time.monotonic() < deadline, f"block {b} never launched; in flight {engine.pending()}"
+            time.sleep(0.0002)
+
+
+@pytest.mark.timeout(60)
+def test_priority_order_among_blocks_released_together():
+    # Events 0-2 hold (window 0), event 3 releases all four: by priority, ties by id.
+    spec = one_block_each([1, 1, 1, 1], [2, 0, 1, 0], [0, 0, 0, ALL])
+    with manual_engine(spec) as engine:
+        engine.start_iteration()
+        for t in range(4):
+            engine.mark_ready(t)
+        complete_in_order(engine, [1, 3, 2, 0])
+        engine.wait_all(10.0)
+        assert [b for b, _ in engine.history()] == [1, 3, 2, 0]
+        assert {tr[3] for tr in engine.trace()} == {0}  # one group
+
+
+@pytest.mark.parametrize("first_window", [0, 1])
+@pytest.mark.timeout(60)
+def test_later_higher_priority_tensor_overtakes_held_blocks(first_window):
+    # Tensor 0 (priority 1) has blocks 0-2; event 0 holds all of them (window
+    # 0) or releases one. Tensor 1's block 3 (priority 0) comes next and goes
+    # before the held ones.
+    spec = Spec(order=(0, 1), block_tensors=((0,), (0,), (0,), (1,)), block_bytes=(8, 8, 8, 8),
+                block_priority=(1, 1, 1, 0), phase1=(first_window, 1), phase2=(1,))
+    with manual_engine(spec) as engine:
+        history = drive(engine, spec, reference(spec), [0, 1], lambda n: 0)
+    assert [b for b, _ in history] == ([3, 0, 1, 2] if first_window == 0 else [0, 3, 1, 2])
+
+
+@pytest.mark.timeout(60)
+def test_early_event_waits_for_its_turn():
+    spec = one_block_each([1, 1, 1], [0, 1, 2], [ALL, ALL, ALL])
+    with manual_engine(spec) as engine:
+        engine.start_iteration()
+        engine.mark_ready(2)  # expected last
+        engine.mark_ready(1)
+        assert all(tr[3] == -1 for tr in engine.trace()), "an early event released blocks"
+        time.sleep(0.02)
+        assert engine.pending() == []
+        engine.mark_ready(0)  # events 0, 1, 2 now processed in plan order
+        assert [tr[3] for tr in engine.trace()] == [0, 1, 2]
+        complete_in_order(engine, [0, 1, 2])
+        engine.wait_all(10.0)
+        assert [b for b, _ in engine.history()] == [0, 1, 2]
+
+
+@pytest.mark.timeout(60)
+def test_window_bounds_blocks_in_flight():
+    spec = Spec(order=(0,), block_tensors=((0,),) * 7, block_bytes=(4,) * 7, block_priority=(0,) * 7,
+                phase1=(2,), phase2=(3, 1))
+    expected = reference(spec)
+    assert expected.window == [2, 2, 3, 3, 3, 1, 1]
+    with manual_engine(spec) as engine:
+        engine.start_iteration()
+        engine.mark_ready(0)
+        sync(engine, spec, expected, [0, 1])
+        engine.flush()  # releases 2-4 (window 3), then 5 and 6 (window 1 each)
+        sync(engine, spec, expected, [0, 1, 2])
+        for done, want in [(0, [1, 2, 3]), (1, [2, 3, 4]), (2, [3, 4]), (3, [4]), (4, [5]), (5, [6])]:
+            assert engine.complete(done)
+            sync(engine, spec, expected, want)
+        complete_in_order(engine, [6])
+        engine.wait_all(10.0)
+
+
+@pytest.mark.timeout(60)
+def test_credit_bytes_let_an_oversized_block_go_only_alone():
+    spec = Spec(order=(0,), block_tensors=((0,),) * 5, block_bytes=(60, 60, 30, 250, 10), block_priority=(0,) * 5,
+                phase1=(ALL,), credit_bytes=100)
+    expected = reference(spec)
+    with manual_engine(spec) as engine:
+        engine.start_iteration()
+        engine.mark_ready(0)
+        sync(engine, spec, expected, [0])  # 60 + 60 > 100
+        for done, want in [(0, [1, 2]), (1, [2]), (2, [3]), (3, [4])]:
+            assert engine.complete(done)  # 250 waits for an empty pipe, then overdraws alone
+            sync(engine, spec, expected, want)
+        complete_in_order(engine, [4])
+        engine.wait_all(10.0)
+
+
+@pytest.mark.timeout(60)
+def test_channel_is_launch_index_mod_channels():
+    spec = dataclasses.replace(one_block_each([1] * 7, [0] * 7, [ALL] * 7), channels=3)
+    with manual_engine(spec) as engine:
+        for _ in range(2):  # the launch index restarts every iteration
+            history = drive(engine, spec, reference(spec), list(range(7)), lambda n: n - 1)
+            assert [c for _, c in history] == [0, 1, 2, 0, 1, 2, 0]
+
+
+# ---- failures -------------------------------------------------------------
+
+
+TWO_TENSORS = one_block_each([4, 4], [0, 1], [ALL, ALL])
+
+
+@pytest.mark.timeout(60)
+def test_failed_completion_names_the_block_and_its_tensors():
+    spec = Spec(order=(0, 1, 2), block_tensors=((0,), (1, 2)), block_bytes=(16, 32), block_priority=(0, 1),
+                phase1=(ALL, ALL, ALL))
+    with manual_engine(spec) as engine:
+        engine.start_iteration()
+        engine.flush()
+        complete_in_order(engine, [0])
+        deadline = time.monotonic() + 10
+        while not engine.complete(1, False, "boom"):
+            assert time.monotonic() < deadline
+            time.sleep(0.0002)
+        with pytest.raises(C.SchedulerError, match=r"block 1 \(tensors 1,2.*boom"):
+            engine.wait_all(10.0)
+        with pytest.raises(C.SchedulerError, match="boom"):
+            engine.wait_tensor(2, 10.0)
+        assert "boom" in engine.error()
+        with pytest.raises(C.SchedulerError, match="boom"):  # sticky
+            engine.start_iteration()
+
+
+@pytest.mark.timeout(60)
+def test_timeout_names_the_block_that_hung():
+    with manual_engine(TWO_TENSORS, timeout_s=0.05) as engine:
+        engine.start_iteration()
+        engine.flush()
+        complete_in_order(engine, [0])  # block 1 launches and is never completed
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"block 1 \(tensors 1\b"):
+            engine.wait_all(30.0)
+        assert time.monotonic() - start < 10, "the engine's 0.05 s timeout, not the wait's 30 s"
+
+
+@pytest.mark.timeout(60)
+def test_shutdown_with_pending_blocks_fails_the_waits():
+    caught: list[BaseException] = []
+
+    def wait(call) -> None:
+        try:
+            call()
+        except RuntimeError as e:  # anything else fails the count below
+            caught.append(e)
+
+    with manual_engine(TWO_TENSORS) as engine:
+        engine.start_iteration()
+        engine.flush()
+        sync(engine, TWO_TENSORS, reference(TWO_TENSORS), [0])  # block 1 waits behind block 0
+        # Daemon threads: a regression that hangs them must not hang pytest's exit.
+        waiters = [threading.Thread(target=wait, args=(lambda: engine.wait_all(LONG_S),), daemon=True),
+                   threading.Thread(target=wait, args=(lambda: engine.wait_tensor(1, LONG_S),), daemon=True)]
+        for w in waiters:
+            w.start()
+        time.sleep(0.05)  # let them block
+        start = time.monotonic()
+        engine.shutdown()
+        for w in waiters:
+            w.join(timeout=10)
+        assert time.monotonic() - start < 10 and not any(w.is_alive() for w in waiters)
+        assert len(caught) == 2
+        for e in caught:
+            assert isinstance(e, C.SchedulerError) and isinstance(e, RuntimeError) and not isinstance(e, TimeoutError)
+            assert "shut down" in str(e)
+        with pytest.raises(C.SchedulerError, match="shut down"):
+            engine.wait_all(1.0)
+        with pytest.raises(C.SchedulerError, match="shut down"):
+            engine.start_iteration()
+        engine.shutdown()  # idempotent
+        assert engine.complete(0)  # a collective that ends after the shutdown
+
+
+@pytest.mark.timeout(60)
+def test_misuse_raises():
+    with manual_engine(TWO_TENSORS) as engine:
+        with pytest.raises(RuntimeError, match="before StartIteration"):
+            engine.mark_ready(0)
+        engine.start_iteration()
+        engine.mark_ready(0)
+        with pytest.raises(RuntimeError, match="tensor 0 marked ready twice"):
+            engine.mark_ready(0)
+        with pytest.raises(IndexError, match="tensor 2"):
+            engine.mark_ready(2)
+        with pytest.raises(RuntimeError, match="pending"):
+            engine.start_iteration()
+        engine.flush()
+        engine.flush()  # idempotent
+        complete_in_order(engine, [0, 1])
+        engine.wait_all(10.0)
+        engine.start_iteration()  # fine once everything is done
+        assert engine.error() is None
+
+
+@pytest.mark.parametrize(("field", "change"), [
+    ("order", {"order": [0, 0]}),
+    ("phase1_windows", {"phase1_windows": [ALL]}),
+    ("phase1_windows", {"phase1_windows": [-2, ALL]}),
+    ("phase2_windows", {"phase2_windows": []}),
+    ("phase2_windows", {"phase2_windows": [0]}),
+    ("credit_bytes", {"credit_bytes": -1}),
+    ("channels", {"channels": 0}),
+    ("block 1", {"numels": [4, 0]}),
+    ("block 0 covers no tensor", {"block_tensors": [[], [1]]}),
+    ("block 1 covers a tensor out of range", {"block_tensors": [[0], [2]]}),
+])
+@pytest.mark.timeout(60)
+def test_set_plan_rejects_a_bad_field_by_name(field, change):
+    args = {"num_tensors": 2, "order": [0, 1], "segments": [0, 0], "offsets": [0, 4], "numels": [4, 4],
+            "bytes": [4, 4], "priorities": [0, 1], "block_tensors": [[0], [1]], "phase1_windows": [ALL, ALL],
+            "phase2_windows": [1], "credit_bytes": 0, "channels": 1, "buffers": [], "postscale": 1.0}
+    with manual_engine() as engine:
+        engine.set_plan(**args)
+        with pytest.raises(ValueError, match=field):
+            engine.set_plan(**{**args, **change})
