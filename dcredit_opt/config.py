@@ -104,20 +104,39 @@ class Config:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "Config":
         """Defaults, then ``DCREDIT_*`` variables, then ``overrides``."""
-        environ = os.environ if environ is None else environ
+        process = environ is None
+        environ = os.environ if process else environ
         fields = {f.name: f for f in dataclasses.fields(cls)}
         values: dict = {}
         known_vars = {f"DCREDIT_{name.upper()}": name for name in fields}
+        source = {}
         for var, raw in environ.items():
             if not var.startswith("DCREDIT_"):
                 continue
             name = known_vars.get(var)
             if name is None:
-                log.warning("ignoring unknown environment variable %s; known: %s", var, ", ".join(sorted(known_vars)))
+                # dc.init() and each DistributedOptimizer(config=None) read the
+                # process environment: say it once per process, not per read.
+                if not (process and var in _WARNED):
+                    log.warning("ignoring unknown environment variable %s; known: %s", var,
+                                ", ".join(sorted(known_vars)))
+                    if process:
+                        _WARNED.add(var)
                 continue
             values[name] = _parse(var, raw, fields[name].type)
+            source[name] = f"{var}={raw!r}"
         values.update(overrides)
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ValueError as e:
+            culprit = next((v for k, v in source.items() if k not in overrides and f"Config.{k} " in str(e)), None)
+            if culprit is None:
+                raise
+            raise ValueError(f"{e} (from the environment: {culprit})") from None
+
+
+# Unknown DCREDIT_* variables of this process already warned about.
+_WARNED: set = set()
 
 
 def _parse(var: str, raw: str, annotation: str):

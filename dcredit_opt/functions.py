@@ -10,23 +10,18 @@ import json
 from typing import Iterable, Mapping
 
 import torch
-import torch.distributed as dist
 
 from . import runtime
 
 
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
-def _broadcast_(tensor: torch.Tensor, root_rank: int) -> None:
-    """In-place broadcast that also works for tensors the backend cannot send directly."""
-    dev = _device()
+def _broadcast_(tensor: torch.Tensor, root_rank: int, name: str) -> None:
+    """In-place broadcast that also works for tensors the control plane cannot send directly."""
+    dev = runtime.control_device()
     if tensor.device == dev and tensor.is_contiguous():
-        dist.broadcast(tensor, src=root_rank)
+        runtime.broadcast_(tensor, root_rank, name)
         return
     tmp = tensor.detach().to(dev).contiguous()
-    dist.broadcast(tmp, src=root_rank)
+    runtime.broadcast_(tmp, root_rank, name)
     with torch.no_grad():
         tensor.copy_(tmp)
 
@@ -46,24 +41,25 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable, root_ran
             raise ValueError("params must be a state_dict() or a sequence of (name, tensor) pairs")
     if runtime.size() == 1:
         return
-    for _, tensor in sorted(items, key=lambda kv: kv[0]):
+    for key, tensor in sorted(items, key=lambda kv: kv[0]):
         if isinstance(tensor, torch.Tensor):
             with torch.no_grad():
-                _broadcast_(tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor, root_rank)
+                _broadcast_(tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor, root_rank,
+                            f"param.{key}")
 
 
 def broadcast_text(text: str | None, root_rank: int) -> str:
     """``root_rank``'s ``text`` on every rank, as UTF-8 bytes in a uint8 tensor (no pickle)."""
-    dev = _device()
+    dev = runtime.control_device()
     if runtime.rank() == root_rank:
         payload = torch.tensor(list(text.encode()), dtype=torch.uint8, device=dev)
         length = torch.tensor([payload.numel()], dtype=torch.int64, device=dev)
     else:
         length = torch.zeros(1, dtype=torch.int64, device=dev)
-    dist.broadcast(length, src=root_rank)
+    runtime.broadcast_(length, root_rank, "text.length")
     if runtime.rank() != root_rank:
         payload = torch.empty(int(length.item()), dtype=torch.uint8, device=dev)
-    dist.broadcast(payload, src=root_rank)
+    runtime.broadcast_(payload, root_rank, "text.payload")
     return bytes(payload.cpu().tolist()).decode()
 
 
@@ -103,7 +99,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
                          f"{len(desc['groups'])}")
     for group, hyper in zip(optimizer.param_groups, desc["groups"]):
         group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in hyper.items()})
-    for p, entries in zip(params, desc["state"]):
+    for i, (p, entries) in enumerate(zip(params, desc["state"])):
         st = optimizer.state[p]
         for key, spec in entries.items():
             if "value" in spec:
@@ -115,7 +111,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
                     and current.dtype == dtype):
                 device = p.device if spec["tensor"] else torch.device("cpu")
                 st[key] = current = torch.zeros(spec["tensor"], dtype=dtype, device=device)
-            _broadcast_(current, root_rank)
+            _broadcast_(current, root_rank, f"state.{i}.{key}")
 
 
 def _jsonable(value) -> bool:

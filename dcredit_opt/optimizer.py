@@ -23,22 +23,27 @@ reduction is visible in ``p.grad`` with no copy.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import dataclasses
 import enum
 import hashlib
 import json
+import logging
 import warnings
 import weakref
 
 import torch
-import torch.distributed as dist
 
-from . import backends, profiler, runtime, timeline
+from . import backends, devices, profiler, runtime, timeline
 from .config import Config
 from .layout import build_layout, fixed_plan
 from .functions import broadcast_text
 from .planner.plan import Plan, validate
 from .planning import make_plan
+
+
+log = logging.getLogger("dcredit_opt")
 
 
 class ReduceOp(enum.Enum):
@@ -134,14 +139,7 @@ def _named_tracked_params(optimizer, named_parameters):
 
 
 def _check_devices(names, params):
-    devices = {p.device for p in params}
-    if len(devices) > 1:
-        first = {}
-        for n, p in zip(names, params):
-            first.setdefault(p.device, n)
-        described = ", ".join(f"'{n}' on {d}" for d, n in first.items())
-        raise ValueError(f"parameters are on different devices ({described}); one DistributedOptimizer "
-                         "reduces parameters of one device")
+    devices.device_of(names, params)  # one device, CPU or CUDA; the rest after runtime.init()
 
 
 class _DistributedOptimizer:
@@ -150,7 +148,8 @@ class _DistributedOptimizer:
     # ---- set-up ---------------------------------------------------------
 
     def _dc_setup(self, names, params, bpps, op, predivide, config, sparse_as_dense):
-        runtime.init(timeout_s=config.timeout_s)
+        runtime.init(timeout_s=config.timeout_s, backend=config.backend)
+        devices.check_world(names, params, config.backend)  # before any collective
         self._dc_config = config
         self._dc_names = names
         self._dc_params = params
@@ -165,6 +164,8 @@ class _DistributedOptimizer:
             self._dc_group_of.append(next(gi for gi, g in enumerate(self.param_groups)
                                           if any(q is p for q in g["params"])))
         _check_same_model_on_all_ranks(names, params)
+        _check_same_setup_on_all_ranks(config, backward_passes_per_step=bpps, op=op.value,
+                                       gradient_predivide_factor=predivide, sparse_as_dense=sparse_as_dense)
         T = len(params)
         self._dc_counts = [0] * T
         self._dc_marked = [False] * T
@@ -194,8 +195,15 @@ class _DistributedOptimizer:
             [p.numel() for p in params], [p.element_size() for p in params], config.block_bytes,
             config.window, config.channels, config.credit_bytes, config.overlap_forward))
         me = weakref.ref(self)
+        atexit.register(_drain_at_exit, me)
+        runtime.register_user(self)
         self._dc_grad_hooks = [p.register_post_accumulate_grad_hook(_weak_grad_hook(me, i))
                                for i, p in enumerate(params)]
+        # A gradient beyond backward_passes_per_step is refused before autograd
+        # adds it to p.grad, which by then is our slot, possibly on the wire.
+        with torch.enable_grad():
+            self._dc_accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
+        self._dc_grad_hooks += [p.register_hook(_weak_count_hook(me, i)) for i, p in enumerate(params)]
         self._dc_install_forward_hook()
 
     def _dc_set_plan(self, plan: Plan) -> None:
@@ -221,13 +229,21 @@ class _DistributedOptimizer:
 
     # ---- backward: hooks ------------------------------------------------
 
+    def _dc_too_many_passes(self, i: int) -> DCreditError:
+        return DCreditError(
+            f"gradient of parameter '{self._dc_names[i]}' was computed {self._dc_counts[i] + 1} times before "
+            f"step(), but backward_passes_per_step={self._dc_bpps}. Call step() after every "
+            f"{self._dc_bpps} backward pass(es), or raise backward_passes_per_step.")
+
+    def _dc_before_accumulate(self, i: int) -> None:
+        """Tensor hook: runs before autograd adds a gradient to ``p.grad``, so a refusal changes nothing."""
+        if self._dc_counts[i] >= self._dc_bpps and _will_accumulate(self._dc_accumulators[i]):
+            raise self._dc_too_many_passes(i)
+
     def _dc_on_grad(self, i: int, p: torch.Tensor) -> None:
         count = self._dc_counts[i] + 1
         if count > self._dc_bpps:
-            raise DCreditError(
-                f"gradient of parameter '{self._dc_names[i]}' was computed {count} times before step(), "
-                f"but backward_passes_per_step={self._dc_bpps}. Call step() after every "
-                f"{self._dc_bpps} backward pass(es), or raise backward_passes_per_step.")
+            raise self._dc_too_many_passes(i)
         self._dc_counts[i] = count
         if count < self._dc_bpps:
             return
@@ -235,7 +251,10 @@ class _DistributedOptimizer:
             self._dc_begin()
         self._dc_stage(i, p)
         self._dc_marked[i] = True
-        self._dc_engine.mark_ready(i)
+        try:
+            self._dc_engine.mark_ready(i)
+        except (RuntimeError, TimeoutError) as e:
+            raise _where(e, f"phase 1 (backward), at the gradient of '{self._dc_names[i]}' (tensor {i})") from e
 
     def _dc_begin(self) -> None:
         if self._dc_npending:
@@ -248,7 +267,10 @@ class _DistributedOptimizer:
             plan, self._dc_staged_plan = self._dc_staged_plan, None
             self._dc_set_plan(plan)
         self._dc_iteration += 1
-        self._dc_engine.start_iteration()
+        try:
+            self._dc_engine.start_iteration()
+        except (RuntimeError, TimeoutError) as e:
+            raise _where(e, "phase 1 (start of backward)") from e
         self._dc_open = True
         self._dc_flushed = False
         self._dc_synchronized = False
@@ -283,7 +305,10 @@ class _DistributedOptimizer:
             if not self._dc_marked[i]:
                 self._dc_stage(i, p)
                 self._dc_marked[i] = True
-        self._dc_engine.flush()
+        try:
+            self._dc_engine.flush()
+        except (RuntimeError, TimeoutError) as e:
+            raise _where(e, "end of phase 1 (the flush in step() or synchronize())") from e
         self._dc_flushed = True
 
     # ---- the public optimizer API ----------------------------------------
@@ -295,7 +320,10 @@ class _DistributedOptimizer:
         if self._dc_open and not self._dc_synchronized:
             if not self._dc_flushed:
                 self._dc_flush()
-            self._dc_engine.wait_all(float(self._dc_config.timeout_s))
+            try:
+                self._dc_engine.wait_all(float(self._dc_config.timeout_s))
+            except (RuntimeError, TimeoutError) as e:
+                raise _where(e, "synchronize(), waiting for every block") from e
             self._dc_synchronized = True
 
     @contextlib.contextmanager
@@ -308,6 +336,9 @@ class _DistributedOptimizer:
             self._dc_skip = False
 
     def step(self, closure=None):
+        if getattr(self, "_dc_closed", False):
+            raise DCreditError("this DistributedOptimizer was closed (dc.shutdown() closes every one): its hooks "
+                               "and channels are gone; build a new DistributedOptimizer after dc.init()")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -324,6 +355,8 @@ class _DistributedOptimizer:
             self._dc_begin()  # fewer backward passes than backward_passes_per_step: reduce what there is
         if not self._dc_flushed:
             self._dc_flush()
+        if self._dc_config.check_finite:
+            self._dc_check_finite()
         self._dc_snapshot = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         self._dc_counts = [0] * len(self._dc_params)
         self._dc_open = False
@@ -369,6 +402,27 @@ class _DistributedOptimizer:
         raise ValueError("add_param_group() on a DistributedOptimizer is not supported: add the group to the "
                          "wrapped optimizer before calling dcredit_opt.DistributedOptimizer")
 
+    def _dc_check_finite(self) -> None:
+        """Config.check_finite: wait for every block; on NaN or Inf refuse the whole step.
+
+        The check comes before any update, so a refused step changes no
+        parameter and no optimizer state (a lazy check at each layer's forward
+        would have updated the layers before it). Every rank sees the same
+        reduced values, so every rank refuses the same step.
+        """
+        try:
+            self._dc_engine.wait_all(float(self._dc_config.timeout_s))
+        except (RuntimeError, TimeoutError) as e:
+            raise _where(e, "step(), waiting for every block (Config.check_finite)") from e
+        if all(bool(torch.isfinite(b).all()) for b in self._dc_buffers):
+            return
+        bad = next(i for i, slot in enumerate(self._dc_slots) if not bool(torch.isfinite(slot).all()))
+        self._dc_counts = [0] * len(self._dc_params)
+        self._dc_open = False
+        raise DCreditError(f"the reduced gradient of '{self._dc_names[bad]}' holds NaN or Inf (Config.check_finite "
+                           "is on): step() skipped, no parameter or optimizer state was changed; the reduced "
+                           "gradients stay in p.grad")
+
     # ---- phase 2: applying updates ----------------------------------------
 
     def _dc_apply_pending(self) -> None:
@@ -385,11 +439,8 @@ class _DistributedOptimizer:
             try:
                 self._dc_engine.wait_tensor(i, timeout)
             except (RuntimeError, TimeoutError) as e:
-                raise type(e)(f"while waiting for the gradient of '{self._dc_names[i]}' (tensor {i}) "
-                              f"on rank {runtime.rank()}: {e}") from e
-            if self._dc_config.check_finite and not bool(torch.isfinite(self._dc_slots[i]).all()):
-                raise DCreditError(f"the reduced gradient of '{self._dc_names[i]}' holds NaN or Inf "
-                                   "(Config.check_finite is on)")
+                raise _where(e, f"phase 2 (after step()), waiting for the reduced gradient of "
+                                f"'{self._dc_names[i]}' (tensor {i}) to apply its update") from e
         params, slots = self._dc_params, self._dc_slots
         groups = self.param_groups
         saved_params = [g["params"] for g in groups]
@@ -454,7 +505,7 @@ class _DistributedOptimizer:
             self._dc_remove_forward_hook()
         config = self._dc_config
         device = self._dc_params[0].device
-        alpha, beta, _ = profiler.measure_alpha_beta(runtime.channel_groups(1)[0], device)
+        alpha, beta, _ = self._dc_backend.measure_alpha_beta(device)
         text = None
         if runtime.rank() == 0:
             try:
@@ -500,13 +551,42 @@ class _DistributedOptimizer:
                        else f"{path}.rank{runtime.rank()}.json" if runtime.size() > 1 else path,
                        self._dc_timeline)
 
+    def _dc_drain(self) -> None:
+        """Let this iteration's blocks finish before this process stops talking.
+
+        After a lazy ``step()`` the last blocks are still travelling; a rank
+        that exits then would leave its peers waiting on collectives it never
+        joins (they would fail with "connection closed by peer"). Bounded by
+        the timeout; a failure here is only logged, the job is ending anyway.
+        """
+        try:
+            if self._dc_flushed or self._dc_npending:
+                self._dc_engine.wait_all(float(self._dc_config.timeout_s))
+        except (RuntimeError, TimeoutError) as e:
+            log.warning("dcredit_opt: gradients still in flight at exit did not finish: %s", e)
+
     def _dc_close(self) -> None:
-        """Detach from the model: hooks removed, engine shut down."""
+        """Detach from the model: hooks removed, engine shut down. Idempotent."""
+        if getattr(self, "_dc_closed", False):
+            return
+        self._dc_closed = True
+        self._dc_drain()
         self._dc_remove_forward_hook()
         for h in self._dc_grad_hooks:
             h.remove()
         self._dc_grad_hooks = []
         self._dc_backend.close()
+
+
+def _drain_at_exit(ref) -> None:
+    opt = ref()
+    if opt is not None and not getattr(opt, "_dc_closed", False):
+        opt._dc_drain()
+
+
+def _where(e: Exception, where: str) -> Exception:
+    """Engine error ``e`` again, same type, saying which rank saw it and where."""
+    return type(e)(f"rank {runtime.rank()} of {runtime.size()}, {where}: {e}")
 
 
 def _is_view_of(grad, slot) -> bool:
@@ -521,6 +601,24 @@ def _weak_grad_hook(ref, i):
         if opt is not None:
             opt._dc_on_grad(i, p)
     return hook
+
+
+def _weak_count_hook(ref, i):
+    def hook(grad):
+        opt = ref()
+        if opt is not None:
+            opt._dc_before_accumulate(i)
+    return hook
+
+
+def _will_accumulate(accumulator) -> bool:
+    """Whether the running backward adds to ``p.grad`` (``torch.autograd.grad()`` does not)."""
+    try:
+        return bool(torch._C._will_engine_execute_node(accumulator))
+    except RuntimeError:
+        return False  # torch.autograd.grad(): the gradient is returned, p.grad is left alone
+    except AttributeError:
+        return True  # a torch without this query: assume backward()
 
 
 def _weak_forward_hook(ref):
@@ -548,19 +646,17 @@ def _check_same_model_on_all_ranks(names, params) -> None:
     world = runtime.size()
     if world == 1:
         return
-    device = params[0].device if params and params[0].is_cuda else torch.device("cpu")
+    device = runtime.control_device()
     digests = [_digest(f"{n}|{tuple(p.shape)}|{p.dtype}") for n, p in zip(names, params)]
     total = _digest("/".join(str(d) for d in digests))
     mine = torch.tensor([len(params), total], dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine)
+    gathered = runtime.all_gather(mine, name="model.summary")
     if all(bool(torch.equal(g, gathered[0])) for g in gathered):
         return
     longest = max(int(g[0]) for g in gathered)
     padded = torch.full((longest + 1,), -1, dtype=torch.int64, device=device)
     padded[: len(digests)] = torch.tensor(digests, dtype=torch.int64)
-    per_rank = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(per_rank, padded)
+    per_rank = runtime.all_gather(padded, name="model.digests")
     table = torch.stack(per_rank).cpu()
     first = int((table != table[0]).any(dim=0).nonzero()[0])
     differing = [r for r in range(world) if table[r, first] != table[0, first]]
@@ -569,6 +665,37 @@ def _check_same_model_on_all_ranks(names, params) -> None:
     counts = [int(g[0]) for g in gathered]
     raise ValueError(f"the model differs between ranks: at parameter position {first}, rank {runtime.rank()} has "
                      f"{here}; ranks {differing} differ from rank 0 there (parameter counts per rank: {counts})")
+
+
+# Config fields that may differ between ranks: they shape neither the block
+# sequence nor the result.
+_PER_RANK_FIELDS = ("timeline_path", "timeout_s")
+
+
+def _check_same_setup_on_all_ranks(config: Config, **arguments) -> None:
+    """Compare the settings that shape the block sequence or the result across ranks.
+
+    Ranks with different settings (a ``DCREDIT_*`` variable set on some
+    ranks only, say) would cut or window their gradients differently and
+    launch mismatched collectives: Gloo aborts the process on a size
+    mismatch, other engines hang. One small all-gather at construction.
+    """
+    world = runtime.size()
+    if world == 1:
+        return
+    settings = {f"Config.{f.name}": getattr(config, f.name) for f in dataclasses.fields(config)
+                if f.name not in _PER_RANK_FIELDS}
+    settings.update(arguments)
+    keys = sorted(settings)
+    mine = torch.tensor([_digest(f"{k}={settings[k]!r}") for k in keys], dtype=torch.int64,
+                        device=runtime.control_device())
+    table = torch.stack(runtime.all_gather(mine, name="setup.digests")).cpu()
+    differ = [j for j in range(len(keys)) if bool((table[:, j] != table[0, j]).any())]
+    if differ:
+        described = "; ".join(f"{keys[j]} (ranks {[r for r in range(world) if table[r, j] != table[0, j]]} "
+                              f"differ from rank 0)" for j in differ)
+        raise ValueError(f"the DistributedOptimizer settings differ between ranks: {described}. Rank "
+                         f"{runtime.rank()} has {', '.join(f'{keys[j]}={settings[keys[j]]!r}' for j in differ)}")
 
 
 def _digest(text: str) -> int:

@@ -95,15 +95,21 @@ class Recorder:
 
 def measure_alpha_beta(group, device: torch.device) -> tuple[float, float, list[tuple[int, float]]]:
     """All-reduce sweep on ``group``; returns (alpha_s, beta_s_per_byte, samples)."""
+    return measure_alpha_beta_with(lambda buf: dist.all_reduce(buf, group=group),
+                                   lambda: dist.barrier(group=group), device)
+
+
+def measure_alpha_beta_with(allreduce, barrier, device: torch.device):
+    """The same sweep with any blocking ``allreduce(tensor)`` and ``barrier()`` (Horovod, MPI)."""
     samples = []
     for nbytes in SWEEP_BYTES:
         buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
-        dist.all_reduce(buf, group=group)  # warm the connection and the allocator
+        allreduce(buf)  # warm the connection and the allocator
         times = []
         for _ in range(SWEEP_REPEATS):
-            dist.barrier(group=group)
+            barrier()
             t0 = time.perf_counter()
-            dist.all_reduce(buf, group=group)
+            allreduce(buf)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)

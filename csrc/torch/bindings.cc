@@ -92,9 +92,25 @@ class Engine {
                                     std::to_string(torch_->num_channels()));
       }
       if (!scheduler_->Idle()) throw std::logic_error("set_plan while blocks are pending");
-      torch_->SetBlocks(buffers, plan.blocks, postscale);
+      torch_->SetBlocks(buffers, plan.blocks, plan.num_tensors, postscale);
     }
     scheduler_->SetPlan(std::move(plan));
+  }
+
+  // The scheduler's calls, plus what a CUDA device needs around them
+  // (Note [CUDA streams]): the event is recorded before the scheduler may
+  // release, and so launch, the tensor's blocks.
+  void StartIteration() {
+    scheduler_->StartIteration();
+    if (torch_ != nullptr) torch_->StartIteration();
+  }
+  void MarkReady(int32_t tensor, bool record_event) {
+    if (record_event && torch_ != nullptr) torch_->RecordReady(tensor);
+    scheduler_->MarkReady(tensor);
+  }
+  void Flush(bool record_event) {
+    if (record_event && torch_ != nullptr) torch_->RecordRest();
+    scheduler_->Flush();
   }
 
   Scheduler& scheduler() { return *scheduler_; }
@@ -122,6 +138,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::register_exception<TimeoutError>(m, "Timeout", PyExc_TimeoutError);
 
   m.attr("RELEASE_ALL") = kReleaseAll;
+  // Whether this build can reduce blocks on CUDA devices (see cuda_sync.h).
+  m.attr("WITH_CUDA") = kWithCuda;
 
   py::class_<Engine>(m, "Engine")
       .def_static("torch", &Engine::Torch, py::arg("groups"), py::arg("timeout_s"),
@@ -134,12 +152,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("offsets"), py::arg("numels"), py::arg("bytes"), py::arg("priorities"),
            py::arg("block_tensors"), py::arg("phase1_windows"), py::arg("phase2_windows"),
            py::arg("credit_bytes"), py::arg("channels"), py::arg("buffers"), py::arg("postscale"), release())
-      .def(
-          "start_iteration", [](Engine& e) { e.scheduler().StartIteration(); }, release())
-      .def(
-          "mark_ready", [](Engine& e, int32_t t) { e.scheduler().MarkReady(t); }, py::arg("tensor"), release())
-      .def(
-          "flush", [](Engine& e) { e.scheduler().Flush(); }, release())
+      .def("start_iteration", &Engine::StartIteration, release())
+      .def("mark_ready", &Engine::MarkReady, py::arg("tensor"), py::arg("record_event") = true, release(),
+           "Gradient of `tensor` is final. With `record_event` (the default) and blocks on a CUDA device, its "
+           "blocks' collectives wait for what the calling thread's current stream has enqueued so far; "
+           "elsewhere it changes nothing. See Note [CUDA streams].")
+      .def("flush", &Engine::Flush, py::arg("record_event") = true, release(),
+           "End of backward: every tensor counts as ready (those not marked wait, on a CUDA device, for the "
+           "calling thread's current stream).")
       .def(
           "wait_tensor",
           [](Engine& e, int32_t t, double timeout_s) {

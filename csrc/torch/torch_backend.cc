@@ -14,9 +14,23 @@ TorchBackend::TorchBackend(std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> g
 }
 
 void TorchBackend::SetBlocks(const std::vector<at::Tensor>& buffers, const std::vector<BlockSpec>& blocks,
-                             double postscale) {
+                             int32_t num_tensors, double postscale) {
+  // One device for everything: a block's collective, its event waits and
+  // its completion all belong to the device of its buffer.
+  const at::Device device = buffers.empty() ? at::Device(at::kCPU) : buffers[0].device();
+  if (!device.is_cpu() && !device.is_cuda()) {
+    throw std::invalid_argument("gradient buffers are on " + device.str() + "; blocks can live on the CPU or CUDA");
+  }
+  for (size_t i = 1; i < buffers.size(); ++i) {
+    if (buffers[i].device() != device) {
+      throw std::invalid_argument("buffer " + std::to_string(i) + " is on " + buffers[i].device().str() +
+                                  " but buffer 0 is on " + device.str() + ": all blocks must be on one device");
+    }
+  }
   std::vector<at::Tensor> views;
+  std::vector<std::vector<int32_t>> block_tensors;
   views.reserve(blocks.size());
+  block_tensors.reserve(blocks.size());
   for (size_t b = 0; b < blocks.size(); ++b) {
     const BlockSpec& s = blocks[b];
     if (s.segment < 0 || s.segment >= static_cast<int32_t>(buffers.size())) {
@@ -35,22 +49,61 @@ void TorchBackend::SetBlocks(const std::vector<at::Tensor>& buffers, const std::
     if (s.bytes != s.numel * static_cast<int64_t>(buf.element_size())) {
       throw std::invalid_argument("block " + std::to_string(b) + " bytes do not match its dtype");
     }
+    for (int32_t t : s.tensors) {
+      if (t < 0 || t >= num_tensors) {
+        throw std::invalid_argument("block " + std::to_string(b) + " covers tensor " + std::to_string(t) + " of " +
+                                    std::to_string(num_tensors));
+      }
+    }
     views.push_back(buf.narrow(0, s.offset, s.numel));
+    block_tensors.push_back(s.tensors);
+  }
+  std::shared_ptr<DeviceSync> sync;
+  if (device.is_cuda()) {
+    // Kept across plans on the same device, so its launch stream is too.
+    sync = (sync_ && device_ == device) ? sync_ : MakeCudaSync(device);
+    sync->Reset(num_tensors);
   }
   views_ = std::move(views);
+  block_tensors_ = std::move(block_tensors);
   postscale_ = postscale;
+  device_ = device;
+  sync_ = std::move(sync);
+}
+
+void TorchBackend::RecordReady(int32_t tensor) {
+  if (sync_) sync_->RecordReady(tensor);
+}
+
+void TorchBackend::RecordRest() {
+  if (sync_) sync_->RecordRest();
+}
+
+void TorchBackend::StartIteration() {
+  if (sync_) sync_->StartIteration();
 }
 
 void TorchBackend::Launch(int32_t block, int32_t channel, Done done) {
   try {
-    std::vector<at::Tensor> tensors{views_.at(block)};
-    c10d::AllreduceOptions opts;
-    opts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
-    c10::intrusive_ptr<c10d::Work> work = groups_.at(channel)->allreduce(tensors, opts);
-    at::Tensor view = views_[block];
+    at::Tensor view = views_.at(block);
+    c10d::ProcessGroup& group = *groups_.at(channel);
+    auto issue = [&group, &view] {
+      std::vector<at::Tensor> tensors{view};
+      c10d::AllreduceOptions opts;
+      opts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+      // On c10d's own stream, which waits for the current one (Note [CUDA
+      // streams], rule 2). Recent c10d runs a synchronous op on the current
+      // stream itself, where every channel would queue behind the others.
+      opts.asyncOp = true;
+      return group.allreduce(tensors, opts);
+    };
+    c10::intrusive_ptr<c10d::Work> work = sync_ ? sync_->Launch(block_tensors_[block], issue) : issue();
     const double post = postscale_;
-    // Runs on the process group's own thread when the collective ends.
-    work->getFuture()->addCallback([done, view, post](c10::ivalue::Future& fut) mutable {
+    std::shared_ptr<DeviceSync> sync = sync_;
+    // Runs when the future completes: on the process group's thread for
+    // Gloo on the CPU; for a CUDA future, inline here or on that thread, with
+    // a current stream that waits for the collective (Note [CUDA streams]).
+    work->getFuture()->addCallback([done, view, post, sync](c10::ivalue::Future& fut) mutable {
       if (fut.hasError()) {
         done(Status::Error(fut.tryRetrieveErrorMessage()));
         return;
@@ -61,7 +114,11 @@ void TorchBackend::Launch(int32_t block, int32_t channel, Done done) {
         done(Status::Error(e.what()));
         return;
       }
-      done(Status::Ok());
+      if (sync) {
+        sync->NotifyWhenDone(std::move(done));
+      } else {
+        done(Status::Ok());
+      }
     });
   } catch (const std::exception& e) {
     done(Status::Error(std::string("launch failed: ") + e.what()));

@@ -4,32 +4,50 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/torch.h>
 
+#include <memory>
 #include <vector>
 
 #include "../core/scheduler.h"
+#include "cuda_sync.h"
 
 namespace dcredit {
 
 // Launches a block as an all-reduce (sum) on the process group of its
 // channel; completion comes back through the collective's future, so no
 // thread of ours waits on the network. Every rank must give the same groups
-// in the same order (Note [Same order on every rank]).
+// in the same order (Note [Same order on every rank]). Blocks on a CUDA
+// device are also ordered after their gradients' streams and reported done
+// only once the device has finished them (Note [CUDA streams]).
 class TorchBackend : public Backend {
  public:
   explicit TorchBackend(std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups);
 
   // One flat view per block, cut from `buffers` by the plan; `postscale`
-  // multiplies each reduced block (1/size for an average). Only between
+  // multiplies each reduced block (1/size for an average). Every buffer must
+  // be on the same device, the CPU or one CUDA device. Only between
   // iterations.
-  void SetBlocks(const std::vector<at::Tensor>& buffers, const std::vector<BlockSpec>& blocks, double postscale);
+  void SetBlocks(const std::vector<at::Tensor>& buffers, const std::vector<BlockSpec>& blocks, int32_t num_tensors,
+                 double postscale);
   int32_t num_channels() const { return static_cast<int32_t>(groups_.size()); }
+
+  // Gradient-ready on a CUDA device: `tensor`'s blocks wait for what the
+  // calling thread's current stream has enqueued so far. No-op on the CPU.
+  void RecordReady(int32_t tensor);
+  // The same for every tensor not recorded this iteration (the flush).
+  void RecordRest();
+  void StartIteration();
 
   void Launch(int32_t block, int32_t channel, Done done) override;
 
  private:
   std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups_;
   std::vector<at::Tensor> views_;
+  std::vector<std::vector<int32_t>> block_tensors_;
   double postscale_ = 1.0;
+  at::Device device_{at::kCPU};  // where the buffers live
+  // Null for CPU blocks. Shared with completion callbacks, which may run
+  // after this backend is gone (a collective that outlives shutdown).
+  std::shared_ptr<DeviceSync> sync_;
 };
 
 }  // namespace dcredit

@@ -6,10 +6,21 @@ The scheduler, windows and plans are the same for every backend
 - ``torch``: torch.distributed process groups (Gloo, NCCL), launched and
   completed entirely in C++ (``_C.Engine.torch``); one process group per
   channel.
-- Backends whose collectives are reachable only from Python (Horovod,
-  mpi4py) use ``_C.Engine.manual``: the scheduler still decides every launch,
-  and a driver thread of the backend takes launches in order
-  (``next_launch``), starts them, and reports completions (``complete``).
+- ``horovod`` (``horovod.py``) and ``mpi`` (mpi4py, ``mpi.py``): their
+  collectives are reachable only from Python, so they use
+  ``_C.Engine.manual``: the scheduler still decides every launch, a driver
+  thread takes launches in order (``next_launch``) and starts them, and a
+  completer thread reports completions (``complete``); see Note
+  [Python-driven backend] in ``driven.py``.
+
+Every backend has ``engine``, ``buffers_for_engine(buffers)``,
+``set_blocks(buffers, layout, postscale)``, ``measure_alpha_beta(device)``
+(the profiler's sweep on the backend's own transport) and ``close()``.
+
+"auto" follows whoever set up the world (``runtime.kind()``): Horovod in a
+Horovod job, mpi4py in a job that mpirun/mpiexec started and dcredit_opt
+joined (the user launched with MPI, so MPI carries the gradients; pass
+"torch" for Gloo's C++ path instead), torch.distributed otherwise.
 """
 
 from __future__ import annotations
@@ -37,14 +48,7 @@ def create(name: str, channels: int, timeout_s: float):
 
 
 def detect() -> str:
-    """The backend the job was launched with; torch.distributed unless Horovod is initialised."""
-    import sys
+    """The backend of the launcher that set up the world (see the module docstring)."""
+    from .. import runtime
 
-    hvd = sys.modules.get("horovod.torch")
-    if hvd is not None:
-        try:
-            if hvd.is_initialized():
-                return "horovod"
-        except (AttributeError, ValueError):
-            pass
-    return "torch"
+    return runtime.kind()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -37,11 +38,13 @@ class RankFailure(AssertionError):
 
 
 def run(function, world_size: int, timeout_s: float = 120.0, env: dict | None = None,
-        expect_failure: bool = False, **kwargs) -> list:
+        expect_failure: bool = False, stalled: tuple = (), **kwargs) -> list:
     """Results of ``function(**kwargs)`` on every rank, in rank order.
 
     With ``expect_failure`` a failing rank is not an error: the return codes
-    and outputs are returned instead, for tests of error paths.
+    and outputs are returned instead, for tests of error paths. Ranks in
+    ``stalled`` are expected to stop themselves (SIGSTOP): they are not
+    waited for, and are killed once the other ranks have ended.
     """
     module = function.__module__
     port = free_port()
@@ -60,12 +63,17 @@ def run(function, world_size: int, timeout_s: float = 120.0, env: dict | None = 
                  json.dumps(kwargs)], env=e, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
         deadline = time.monotonic() + timeout_s
         timed_out = False
-        for p in procs:
+        for rank, p in enumerate(procs):
+            if rank in stalled:
+                continue
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 timed_out = True
                 break
+        for rank in stalled:
+            procs[rank].kill()
+            procs[rank].wait(timeout=30)
         if timed_out:
             for p in procs:
                 p.kill()
@@ -86,6 +94,71 @@ def run(function, world_size: int, timeout_s: float = 120.0, env: dict | None = 
         return [torch.load(Path(out) / f"result{r}.pt", weights_only=False) for r in range(world_size)]
 
 
+def run_launched(function, launcher: list, world_size: int, timeout_s: float = 180.0, env: dict | None = None,
+                 expect_failure: bool = False, **kwargs) -> list:
+    """Like :func:`run`, but the ranks are started by a launcher command.
+
+    ``launcher`` is what goes before the Python command line, e.g.
+    ``["mpiexec", "-n", "2"]`` or ``["horovodrun", "-np", "2", "-H",
+    "localhost:2", "--gloo"]``: the launcher, not this function, sets the
+    ranks, so torchrun's variables are removed from the environment. The
+    launcher runs in a session of its own, killed whole on timeout. With
+    ``expect_failure`` returns ``[returncode, output]`` instead of raising.
+    """
+    e = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                          "MASTER_PORT")}
+    # The venv's launchers and MPI first: horovodrun --mpi runs the first mpirun on PATH.
+    e.update({"OMP_NUM_THREADS": "1", "PATH": str(Path(sys.executable).parent) + os.pathsep + e.get("PATH", ""),
+              "PYTHONPATH": str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")})
+    e.update(env or {})
+    with tempfile.TemporaryDirectory(prefix="dcredit-test-") as out:
+        with open(Path(out) / "launcher.txt", "w+") as log:
+            proc = subprocess.Popen(
+                [*launcher, sys.executable, "-m", "tests.distributed.spawn", function.__module__, function.__name__,
+                 out, json.dumps(kwargs)], env=e, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                start_new_session=True)
+            try:
+                proc.wait(timeout=timeout_s)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                _kill_session(proc)
+            log.seek(0)
+            output = log.read()
+        if timed_out:
+            raise RankFailure(f"{launcher[0]} did not finish within {timeout_s} s:\n{output[-6000:]}",
+                              [proc.returncode], [output])
+        if expect_failure:
+            return [proc.returncode, output]
+        missing = [r for r in range(world_size) if not (Path(out) / f"result{r}.pt").exists()]
+        if proc.returncode or missing:
+            raise RankFailure(f"{launcher[0]} exited with {proc.returncode}, no result from rank(s) {missing}:\n"
+                              f"{output[-6000:]}", [proc.returncode], [output])
+        return [torch.load(Path(out) / f"result{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """Stop the launcher we started and every process in its session: politely, then not."""
+    for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 30)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _launched_rank() -> str:
+    """This process's rank under a launcher that does not set RANK."""
+    for var in ("HOROVOD_RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
+        if var in os.environ:
+            return os.environ[var]
+    raise RuntimeError("no rank in the environment (RANK, HOROVOD_RANK, PMI_RANK, OMPI_COMM_WORLD_RANK)")
+
+
 def _tails(outputs: list) -> str:
     return "\n".join(f"--- rank {r} ---\n{text[-3000:]}" for r, text in enumerate(outputs))
 
@@ -94,7 +167,7 @@ def _main() -> None:
     module, name, out, kwargs = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
     torch.set_num_threads(1)
     result = getattr(importlib.import_module(module), name)(**kwargs)
-    torch.save(result, Path(out) / f"result{os.environ['RANK']}.pt")
+    torch.save(result, Path(out) / f"result{os.environ.get('RANK') or _launched_rank()}.pt")
 
 
 if __name__ == "__main__":

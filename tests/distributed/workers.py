@@ -88,14 +88,25 @@ def _make(opt_name, config, **net_kw):
     return model, ref, opt, OPTIMIZERS[opt_name](ref.parameters())
 
 
-def equivalence(configs: list, steps: int = 20) -> dict:
-    """For each config: train ``steps`` steps, return (max |param - reference|, checksum)."""
+def _join(horovod_first: bool) -> None:
+    """``dc.init()``, after ``hvd.init()`` when the test adopts an initialised Horovod."""
+    if horovod_first:
+        import horovod.torch as hvd
+
+        hvd.init()
     dc.init()
+
+
+def equivalence(configs: list, steps: int = 20, horovod_first: bool = False) -> dict:
+    """For each config: train ``steps`` steps, return (max |param - reference|, checksum).
+
+    A config may name its ``backend`` (default "auto")."""
+    _join(horovod_first)
     world, rank = dc.size(), dc.rank()
     out = {}
     for cfg in configs:
         config = dc.Config(block_bytes=cfg["block_bytes"], window=cfg["window"], channels=cfg.get("channels", 2),
-                           overlap_forward=cfg["phase2"], policy="fixed")
+                           overlap_forward=cfg["phase2"], policy="fixed", backend=cfg.get("backend", "auto"))
         model, ref, opt, ropt = _make(cfg["opt"], config)
         for step in range(steps):
             opt.zero_grad()
@@ -109,9 +120,10 @@ def equivalence(configs: list, steps: int = 20) -> dict:
     return out
 
 
-def scenario(name: str, steps: int = 12) -> dict:
-    """One of the F1 scenarios; returns the worst difference from the reference and a checksum."""
-    dc.init()
+def scenario(name: str, steps: int = 12, horovod_first: bool = False) -> dict:
+    """One of the F1 scenarios; returns the worst difference from the reference, a checksum,
+    and the backend that carried the blocks."""
+    _join(horovod_first)
     world, rank = dc.size(), dc.rank()
     config = dc.Config(block_bytes=128, window=2, channels=2, policy="fixed")
     result = {}
@@ -230,4 +242,63 @@ def scenario(name: str, steps: int = 12) -> dict:
     opt.synchronize()
     result["diff"] = max_diff(model, ref)
     result["checksum"] = checksum(model)
+    result["backend"] = opt._dc_backend.name
     return result
+
+
+def scenarios(names: list, horovod_first: bool = False) -> dict:
+    """Several scenarios in one job (a launcher costs seconds per start)."""
+    return {name: scenario(name, horovod_first=horovod_first) for name in names}
+
+
+def launch_error(case: str) -> str:
+    """Bad input under a 2-rank torchrun-style job: the LaunchError's message ("" if none was raised)."""
+    import torch.distributed as dist
+
+    try:
+        if case == "horovod_beside_torch":
+            # torch.distributed joins the 2-rank job; Horovod, not launched by
+            # horovodrun, is a world of one: the two disagree.
+            dist.init_process_group("gloo")
+            import horovod.torch as hvd
+
+            hvd.init()
+            dc.init()
+        elif case == "mpi_backend_under_torchrun":
+            dc.init()
+            model = Net()
+            dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                    named_parameters=model.named_parameters(),
+                                    config=dc.Config(backend="mpi", policy="fixed"))
+        else:
+            raise ValueError(case)
+    except dc.LaunchError as e:
+        return str(e)
+    return ""
+
+
+def stalled_peer(horovod_first: bool = False, timeout_s: float = 5.0) -> dict:
+    """Rank 1 stops itself (SIGSTOP) in the middle of training; rank 0 must raise within the timeout.
+
+    Rank 0 prints what it raised and re-raises, so the job ends with an error:
+    the launcher then has to bring every rank down (nothing may hang)."""
+    import os
+    import signal
+    import sys
+
+    _join(horovod_first)
+    config = dc.Config(block_bytes=128, window=2, channels=2, policy="fixed", timeout_s=timeout_s)
+    model, _, opt, _ = _make("sgd", config)
+    try:
+        for step in range(10):
+            if step == 3 and dc.rank() == 1:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            opt.zero_grad()
+            loss_of(model, batch(step, dc.rank())).backward()
+            opt.step()
+        opt.synchronize()
+    except Exception as e:
+        sys.stdout.write(f"STALL-DETECTED rank {dc.rank()}: {type(e).__name__}: {e}\n")
+        sys.stdout.flush()
+        raise
+    return {}

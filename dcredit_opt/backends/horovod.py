@@ -1,0 +1,87 @@
+"""Horovod: each block is one ``hvd.allreduce_async_`` (Note [Python-driven backend]).
+
+Horovod matches operations across ranks by name, in a negotiation that its
+background thread runs once per cycle. A block's name is
+``dc.<backend>.<plan>.<block>``: equal on every rank, because every rank
+builds the same optimizers in the same order and switches plans at the same
+iteration; unique among operations in flight, because a block is reduced
+once per iteration and completes before the next one starts; and stable from
+one iteration to the next, so that Horovod's response cache answers it
+without a full negotiation. Fusion is discussed in Note [Horovod fusion]
+(``launchers.py``).
+
+Horovod runs its collectives one after another on one background thread, so
+channels do not add concurrency here: a window of k blocks means k
+operations queued in Horovod, which starts the next as soon as one ends.
+The average is a sum followed by Horovod's own ``postscale_factor`` (the
+optimizer has already applied the prescale), so no Python touches the data.
+"""
+
+from __future__ import annotations
+
+import atexit
+
+from .. import runtime
+from .driven import DrivenBackend
+
+
+class HorovodBackend(DrivenBackend):
+    name = "horovod"
+
+    def __init__(self, channels: int, timeout_s: float):
+        hvd = runtime.horovod()
+        super().__init__(_HorovodTransport(hvd, f"dc.{runtime.next_backend_id()}"), timeout_s)
+
+
+class _HorovodTransport:
+    def __init__(self, hvd, prefix: str):
+        self._hvd = hvd
+        self._prefix = prefix
+        self._plans = 0
+        self._views: list = []
+        self._names: list[str] = []
+        self._postscale = 1.0
+
+    def set_blocks(self, views, postscale: float) -> None:
+        for v in views:
+            if not v.is_contiguous():  # a 1-D narrow of a flat buffer always is; Horovod insists
+                raise ValueError("Horovod all-reduces contiguous tensors only")
+        prefix = f"{self._prefix}.{self._plans}"
+        self._plans += 1
+        self._names = [f"{prefix}.{b}" for b in range(len(views))]
+        self._views = views
+        self._postscale = postscale
+
+    def start(self, block: int, channel: int):
+        return self._hvd.allreduce_async_(self._views[block], name=self._names[block], op=self._hvd.Sum,
+                                          postscale_factor=self._postscale)
+
+    def wait(self, block: int, handle) -> None:
+        self._hvd.synchronize(handle)
+
+    def finish(self, block: int) -> None:
+        """Nothing left: Horovod applied the postscale."""
+
+    def describe(self, block: int) -> str:
+        return f"Horovod tensor '{self._names[block]}'" if block < len(self._names) else "unknown block"
+
+    def allreduce(self, tensor) -> None:
+        self._hvd.allreduce_(tensor, name=f"{self._prefix}.sweep.{tensor.numel()}", op=self._hvd.Sum)
+
+    def barrier(self) -> None:
+        self._hvd.barrier()
+
+    def close(self) -> None:
+        self._views = []
+
+    def abandon(self, at_exit: bool) -> None:
+        """A block will never complete. Under Gloo, Horovod's shutdown at exit ends it with an error
+        (after Gloo's own timeout). Under MPI, that shutdown would wait in MPI_Finalize for the
+        stalled peer forever, so the job is aborted at exit instead, as mpi4py's runner does."""
+        if not self._hvd.mpi_enabled():
+            return
+        from mpi4py import MPI  # Horovod initialised MPI; mpi4py adopts it
+
+        if at_exit:
+            MPI.COMM_WORLD.Abort(1)
+        atexit.register(MPI.COMM_WORLD.Abort, 1)  # runs before Horovod's shutdown (registered later)

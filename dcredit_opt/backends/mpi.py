@@ -1,0 +1,101 @@
+"""MPI through mpi4py: each block is one ``Iallreduce`` (Note [Python-driven backend]).
+
+Each channel is its own communicator (``COMM_WORLD.Dup()``, made by every
+rank in the same order when the optimizer is built), so a window of k blocks
+on k channels is k collectives in flight at once, and the MPI library is free
+to progress them together. Collectives on one communicator match by order,
+which the driver thread keeps (the scheduler's launch order).
+
+The driver starts collectives while the completer waits in ``MPI_Wait``, so
+the library must allow calls from several threads (``MPI_THREAD_MULTIPLE``,
+what mpi4py asks for by default; MPICH and Open MPI grant it). Blocks are
+reduced in place on numpy views of the CPU buffers; GPU tensors would need a
+CUDA-aware MPI, which we do not assume.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .. import runtime
+from ..launchers import import_mpi
+from ..runtime import LaunchError
+from .driven import DrivenBackend
+
+# dtypes every MPI has a type for; float16/bfloat16 have none in the standard.
+_SUPPORTED = (torch.float32, torch.float64)
+
+
+class MPIBackend(DrivenBackend):
+    name = "mpi"
+
+    def __init__(self, channels: int, timeout_s: float):
+        MPI = import_mpi()
+        world = MPI.COMM_WORLD
+        if (world.Get_rank(), world.Get_size()) != (runtime.rank(), runtime.size()):
+            raise LaunchError(
+                f"backend 'mpi' needs a job launched by mpiexec/mpirun: MPI sees rank {world.Get_rank()} of "
+                f"{world.Get_size()}, but this job is rank {runtime.rank()} of {runtime.size()} "
+                f"({runtime.kind()}). Launch with `mpiexec -n N python train.py`, or use backend 'auto'")
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise LaunchError(
+                "backend 'mpi' starts and waits for collectives from two threads and needs MPI_THREAD_MULTIPLE, "
+                f"but this MPI granted level {MPI.Query_thread()}: use an MPI built with thread support, leave "
+                "mpi4py.rc.thread_level at 'multiple', or use backend 'torch'")
+        super().__init__(_MPITransport(MPI, [world.Dup() for _ in range(channels)]), timeout_s)
+
+
+class _MPITransport:
+    def __init__(self, MPI, comms):
+        self._MPI = MPI
+        self._comms = comms
+        self._views: list = []
+        self._arrays: list = []
+        self._postscale = 1.0
+
+    def set_blocks(self, views, postscale: float) -> None:
+        for v in views:
+            if v.device.type != "cpu":
+                raise ValueError(f"backend 'mpi' reduces CPU tensors only, got a gradient on {v.device}: use "
+                                 "backend 'torch' (NCCL) or 'horovod' for GPU training")
+            if v.dtype not in _SUPPORTED:
+                raise ValueError(f"backend 'mpi' reduces float32 and float64 gradients, got {v.dtype}: use "
+                                 "backend 'torch' (Gloo) for float16/bfloat16")
+        self._views = views
+        self._arrays = [v.numpy() for v in views]  # share memory with the buffers
+        self._postscale = postscale
+
+    def start(self, block: int, channel: int):
+        return self._comms[channel].Iallreduce(self._MPI.IN_PLACE, self._arrays[block], op=self._MPI.SUM)
+
+    def wait(self, block: int, request) -> None:
+        request.Wait()
+
+    def finish(self, block: int) -> None:
+        if self._postscale != 1.0:
+            a = self._arrays[block]
+            np.multiply(a, a.dtype.type(self._postscale), out=a)
+
+    def describe(self, block: int) -> str:
+        return f"{self._arrays[block].size} elements" if block < len(self._arrays) else "unknown block"
+
+    def allreduce(self, tensor) -> None:
+        self._comms[0].Allreduce(self._MPI.IN_PLACE, tensor.numpy(), op=self._MPI.SUM)
+
+    def barrier(self) -> None:
+        self._comms[0].Barrier()
+
+    def close(self) -> None:
+        self._views, self._arrays = [], []
+        if not self._MPI.Is_finalized():
+            for comm in self._comms:
+                comm.Free()
+        self._comms = []
+
+    def abandon(self, at_exit: bool) -> None:
+        """A collective will never finish: at exit, MPI_Finalize would wait for the stalled peer
+        forever. Ask mpi4py to call MPI_Abort at exit instead, which ends the whole job."""
+        from mpi4py.run import set_abort_status
+
+        set_abort_status(1)

@@ -1,0 +1,192 @@
+"""Joining a job that horovodrun or mpirun/mpiexec started.
+
+``runtime.init()`` comes here when the job is Horovod's or MPI's; torchrun's
+``env://`` path stays in ``runtime``. Both functions return the world as the
+launcher sees it and whether we initialised it (so that ``shutdown()`` knows
+what to undo).
+
+Note [Horovod fusion]
+---------------------
+Horovod fuses tensors that become ready in the same negotiation cycle into
+one all-reduce of up to ``HOROVOD_FUSION_THRESHOLD`` bytes. Applied to our
+blocks, that would merge what the scheduler deliberately cut apart and
+released one window at a time: results stay right, but a low-priority block
+fused with a high-priority one delays it, and a window of k blocks becomes
+one collective. Horovod reads the threshold once, in ``hvd.init()``, and
+offers no call to change it later, so: when we initialise Horovod we set it
+to 0 (unless the user set it); when the user already did, we cannot change
+it, and we say so once (``horovodrun --fusion-threshold-mb 0`` fixes it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+
+import numpy as np
+import torch.distributed as dist
+
+from .runtime import LaunchError
+
+log = logging.getLogger("dcredit_opt")
+
+HOROVOD_HELP = ("install Horovod 0.28.1 with PyTorch support into this environment: `make horovod` "
+                "(it runs .ci/install_horovod.sh), or HOROVOD_WITH_PYTORCH=1 pip install --no-build-isolation "
+                "horovod==0.28.1 against your torch")
+MPI_HELP = ("install an MPI library and mpi4py (`pip install mpich mpi4py`, or Debian's `libopenmpi-dev "
+            "openmpi-bin` then `pip install mpi4py`), and launch with `mpiexec -n N python train.py`")
+
+# (rank, size) variables of the MPI launchers we know: MPICH's Hydra (also
+# Intel MPI and the mpich wheel) and Open MPI.
+_MPI_VARS = (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"))
+
+# Room for rank 0's "host port" rendezvous line in the fixed-size MPI broadcast.
+_RENDEZVOUS_BYTES = 512
+
+
+def horovodrun_environment(environ=os.environ) -> bool:
+    """Started by ``horovodrun --gloo`` (or its elastic driver), which exports the ranks.
+
+    ``horovodrun --mpi`` exports nothing of its own: it looks like ``mpirun``,
+    and is recognised as Horovod only once ``hvd.init()`` has run.
+    """
+    return "HOROVOD_RANK" in environ and "HOROVOD_SIZE" in environ
+
+
+def mpi_environment(environ=os.environ) -> tuple[str, str] | None:
+    """The (rank, size) variables of the MPI launcher that started us, or None."""
+    for rank_var, size_var in _MPI_VARS:
+        if rank_var in environ and size_var in environ:
+            return rank_var, size_var
+    return None
+
+
+def import_horovod():
+    """``horovod.torch``, or a LaunchError that says how to get it."""
+    try:
+        import horovod
+    except ImportError:
+        raise LaunchError(f"Horovod is not installed: {HOROVOD_HELP}") from None
+    try:
+        import horovod.torch as hvd
+    except ImportError as e:  # built with HOROVOD_WITHOUT_PYTORCH, or against another torch
+        version = getattr(horovod, "__version__", "?")
+        raise LaunchError(f"Horovod {version} is installed without working PyTorch support (importing "
+                          f"horovod.torch failed: {e}); {HOROVOD_HELP}") from None
+    return hvd
+
+
+def import_mpi():
+    """``mpi4py.MPI``, or a LaunchError that says how to get an MPI library."""
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        raise LaunchError(f"mpi4py is not installed: {MPI_HELP}") from None
+    try:
+        from mpi4py import MPI
+    except (ImportError, RuntimeError) as e:  # mpi4py loads libmpi at import; both types occur
+        raise LaunchError(f"mpi4py is installed but cannot load an MPI library ({' '.join(str(e).split())}); "
+                          f"{MPI_HELP}") from None
+    return MPI
+
+
+def join_horovod():
+    """Initialise Horovod if nobody has; returns (hvd, we_initialised_it). See Note [Horovod fusion]."""
+    hvd = import_horovod()
+    owns = False
+    if not hvd.is_initialized():
+        os.environ.setdefault("HOROVOD_FUSION_THRESHOLD", "0")
+        hvd.init()
+        owns = True
+    fusion = os.environ.get("HOROVOD_FUSION_THRESHOLD")
+    if (fusion is None or fusion.strip() != "0") and hvd.rank() == 0:  # once per job, not per rank
+        log.warning("dcredit_opt: Horovod's tensor fusion is on (HOROVOD_FUSION_THRESHOLD=%s), so Horovod may "
+                    "merge blocks that the scheduler releases together; results are unchanged, but priorities "
+                    "and windows are kept only approximately. Launch with `horovodrun --fusion-threshold-mb 0` "
+                    "(or HOROVOD_FUSION_THRESHOLD=0) to keep them exact.",
+                    fusion if fusion is not None else "unset: 128 MiB")
+    if dist.is_initialized() and (dist.get_world_size() != hvd.size() or dist.get_rank() != hvd.rank()):
+        raise LaunchError(
+            f"torch.distributed and Horovod disagree about this process: torch.distributed says rank "
+            f"{dist.get_rank()} of {dist.get_world_size()}, Horovod says rank {hvd.rank()} of {hvd.size()}. "
+            "They were started by different launchers; launch once (e.g. `horovodrun -np N python train.py`) "
+            "and initialise only Horovod, or give both the same ranks")
+    return hvd, owns
+
+
+def join_mpi(timeout_s: float):
+    """Set up torch.distributed (Gloo) over the MPI job; returns (MPI, rank, size, local_rank, owns_group).
+
+    Gloo carries the control operations (model check, broadcasts, plan) and
+    the "torch" backend; mpi4py carries blocks with the "mpi" backend. The
+    rendezvous: rank 0 opens a TCPStore on a port the OS picks, and tells the
+    others where with one MPI broadcast of fixed-size bytes (never a pickle).
+    """
+    MPI = import_mpi()
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    _check_mpi_matches_launcher(MPI, size)
+    local_rank = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank).Get_rank()
+    if dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (rank, size):
+            raise LaunchError(
+                f"torch.distributed says rank {dist.get_rank()} of {dist.get_world_size()} but MPI says rank "
+                f"{rank} of {size}: they were started by different launchers; launch once")
+        return MPI, rank, size, local_rank, False
+    timeout = datetime.timedelta(seconds=timeout_s)
+    message = np.zeros(_RENDEZVOUS_BYTES, dtype=np.uint8)
+    store = None
+    if rank == 0:
+        try:
+            store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
+            text = f"ok {socket.gethostname()} {_address_for_others()} {store.port}"
+        except Exception as e:  # tell the others instead of leaving them in the broadcast
+            text = f"error {type(e).__name__}: {e}"
+        raw = text.encode()[:_RENDEZVOUS_BYTES]
+        message[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    comm.Bcast(message, root=0)
+    words = bytes(message).rstrip(b"\0").decode(errors="replace").split(" ", 3)
+    if words[0] != "ok":
+        raise LaunchError(f"rank 0 could not open the rendezvous for torch.distributed under MPI: "
+                          f"{' '.join(words[1:])}")
+    host, address, port = words[1], words[2], int(words[3])
+    try:
+        if store is None:
+            # Ranks on rank 0's machine use loopback: it works even where the
+            # host name resolves to nothing routable.
+            target = "127.0.0.1" if host == socket.gethostname() else address
+            store = dist.TCPStore(target, port, size, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
+    except Exception as e:
+        raise LaunchError(f"could not set up torch.distributed (Gloo) over the MPI job at {address}:{port} within "
+                          f"{timeout_s:g} s ({type(e).__name__}: {e}); on several machines, export MASTER_ADDR "
+                          "(rank 0's reachable address) and GLOO_SOCKET_IFNAME to every rank") from e
+    return MPI, rank, size, local_rank, True
+
+
+def _address_for_others() -> str:
+    """Where other machines reach rank 0: MASTER_ADDR when the user gave one, else our host name's address."""
+    given = os.environ.get("MASTER_ADDR")
+    if given:
+        return given
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return socket.gethostname()
+
+
+def _check_mpi_matches_launcher(MPI, size: int) -> None:
+    """mpi4py's library must be the one whose launcher started us, or every rank is a world of one."""
+    found = mpi_environment()
+    if found is None:
+        return
+    expected = os.environ[found[1]]
+    if expected.isdigit() and int(expected) != size:
+        vendor = MPI.get_vendor()
+        raise LaunchError(f"the launcher started {expected} ranks ({found[1]}), but mpi4py's MPI library "
+                          f"({vendor[0]} {'.'.join(map(str, vendor[1]))}) sees a world of {size}: mpi4py uses a "
+                          "different MPI than the mpiexec/mpirun that launched this job. Launch with the "
+                          "mpiexec that belongs to mpi4py's MPI (with the mpich wheel: the mpiexec next to "
+                          "this Python), or point mpi4py at the launcher's library (MPI4PY_LIBMPI)")

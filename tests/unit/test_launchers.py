@@ -1,0 +1,143 @@
+"""F4 in one process: joining through Horovod or MPI, and each bad installation's one clear error.
+
+Every case runs in a fresh interpreter: ``dc.init()`` and the libraries it
+loads (Horovod, MPI) are process-wide, and the launcher variables are the
+input under test.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HOROVOD_RANK", "HOROVOD_SIZE",
+                 "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "DCREDIT_BACKEND",
+                 "HOROVOD_FUSION_THRESHOLD")
+
+TRAIN = """
+import torch, torch.nn as nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+opt = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                              config=dc.Config(block_bytes=16, window=2, policy="fixed"))
+for step in range(3):
+    opt.zero_grad()
+    model(torch.ones(2, 4) * step).pow(2).mean().backward()
+    opt.step()
+opt.synchronize()
+print("backend", opt._dc_backend.name, "size", dc.size(), "kind", dc.runtime.kind())
+opt._dc_close()
+dc.shutdown()
+"""
+
+
+def run(code: str, env: dict | None = None, pythonpath: str | None = None, timeout: float = 150):
+    clean = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    clean["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, str(ROOT), clean.get("PYTHONPATH")) if p)
+    clean.update(env or {})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=clean, capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, check=False)
+
+
+def importable(code: str) -> bool:
+    return run(code, timeout=120).returncode == 0
+
+
+def launch_error(out) -> str:
+    assert out.returncode != 0, out.stdout
+    assert "LaunchError" in out.stderr, out.stderr
+    return out.stderr.strip().splitlines()[-1]
+
+
+# ---- bad installations --------------------------------------------------------
+
+
+def test_horovod_not_installed_says_how_to_install():
+    out = run("import sys; sys.modules['horovod'] = None\nimport dcredit_opt as dc\ndc.init(backend='horovod')")
+    message = launch_error(out)
+    assert "Horovod is not installed" in message and "make horovod" in message
+
+
+def test_horovodrun_environment_without_horovod_says_how_to_install():
+    out = run("import sys; sys.modules['horovod'] = None\nimport dcredit_opt as dc\ndc.init()",
+              env={"HOROVOD_RANK": "0", "HOROVOD_SIZE": "1"})
+    assert "Horovod is not installed" in launch_error(out)
+
+
+def test_horovod_without_pytorch_support_says_how_to_rebuild(tmp_path):
+    # What a HOROVOD_WITHOUT_PYTORCH build looks like from Python: the
+    # package is there, its torch extension is not.
+    fake = tmp_path / "horovod"
+    (fake / "torch").mkdir(parents=True)
+    (fake / "__init__.py").write_text("__version__ = '0.28.1'\n")
+    (fake / "torch" / "__init__.py").write_text("from horovod.torch import mpi_lib_v2\n")
+    out = run("import dcredit_opt as dc\ndc.init(backend='horovod')", pythonpath=str(tmp_path))
+    message = launch_error(out)
+    assert "Horovod 0.28.1 is installed without working PyTorch support" in message
+    assert "mpi_lib_v2" in message and "HOROVOD_WITH_PYTORCH=1" in message
+
+
+def test_mpi4py_not_installed_under_mpiexec_says_how_to_install():
+    out = run("import sys; sys.modules['mpi4py'] = None\nimport dcredit_opt as dc\ndc.init()",
+              env={"PMI_RANK": "0", "PMI_SIZE": "1"})
+    message = launch_error(out)
+    assert "mpi4py is not installed" in message and "pip install mpich mpi4py" in message
+
+
+@pytest.mark.parametrize("backend", [None, "mpi"])
+def test_mpi4py_without_an_mpi_library_says_what_to_install(backend):
+    if not importable("import mpi4py"):
+        pytest.skip("mpi4py is not installed")
+    env = {"MPI4PY_LIBMPI": "/nonexistent/libmpi.so.12"}
+    if backend is None:
+        env.update({"PMI_RANK": "0", "PMI_SIZE": "1"})  # as mpiexec would set them
+    out = run(f"import dcredit_opt as dc\ndc.init(backend={backend!r})", env=env)
+    message = launch_error(out)
+    assert "mpi4py is installed but cannot load an MPI library" in message
+    assert "/nonexistent/libmpi.so.12" in message and "mpiexec -n N" in message
+
+
+def test_backend_torch_in_a_horovod_job_says_which_backend_to_use():
+    if not importable("import horovod.torch"):
+        pytest.skip("Horovod with PyTorch support is not installed (make horovod)")
+    out = run("import dcredit_opt as dc\ndc.init(backend='horovod')\n" + TRAIN.replace('policy="fixed"',
+                                                                                     'policy="fixed", backend="torch"'))
+    message = launch_error(out)
+    assert "backend 'torch' needs torch.distributed" in message and "Config(backend='horovod')" in message
+
+
+# ---- worlds of one through each launcher path -------------------------------------
+
+
+def test_horovod_world_of_one_trains_with_fusion_off():
+    if not importable("import horovod.torch"):
+        pytest.skip("Horovod with PyTorch support is not installed (make horovod)")
+    out = run("import os, dcredit_opt as dc\ndc.init(backend='horovod')\n"
+              "print('fusion', os.environ.get('HOROVOD_FUSION_THRESHOLD'))\n" + TRAIN)
+    assert out.returncode == 0, out.stderr
+    assert "fusion 0" in out.stdout and "backend horovod size 1 kind horovod" in out.stdout, out.stdout
+    assert "tensor fusion is on" not in out.stderr
+
+
+def test_adopting_horovod_with_fusion_on_warns_once():
+    if not importable("import horovod.torch"):
+        pytest.skip("Horovod with PyTorch support is not installed (make horovod)")
+    out = run("import horovod.torch as hvd\nhvd.init()\nimport dcredit_opt as dc\ndc.init()\n" + TRAIN)
+    assert out.returncode == 0, out.stderr
+    assert "backend horovod size 1 kind horovod" in out.stdout, out.stdout
+    assert out.stderr.count("tensor fusion is on") == 1 and "--fusion-threshold-mb 0" in out.stderr
+
+
+def test_mpi_world_of_one_trains_and_sets_up_gloo_for_control():
+    if not importable("from mpi4py import MPI"):
+        pytest.skip("mpi4py cannot load an MPI library (pip install mpich mpi4py)")
+    out = run("import torch.distributed as dist, dcredit_opt as dc\ndc.init(backend='mpi')\n"
+              "print('gloo', dist.is_initialized() and dist.get_backend())\n" + TRAIN)
+    assert out.returncode == 0, out.stderr
+    assert "gloo gloo" in out.stdout and "backend mpi size 1 kind mpi" in out.stdout, out.stdout
