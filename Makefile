@@ -27,7 +27,9 @@ $(EXT_STAMP): $(STAMP) $(SOURCES)
 
 # The suite runs every backend, so it installs Horovod first (about 8 minutes
 # the first time, instant afterwards).
-test: install horovod
+# The C++ core runs alone under ThreadSanitizer and ASan+UBSan first (about
+# 2 minutes; any report fails the build).
+test: install horovod sanitize
 	$(PY) -m pytest tests -q
 
 test-unit: install
