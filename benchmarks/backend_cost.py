@@ -24,7 +24,7 @@ import statistics
 import time
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 import dcredit_opt as dc
 

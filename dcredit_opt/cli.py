@@ -12,10 +12,10 @@ import dataclasses
 import json
 import sys
 
-from .planner.simulate import lower_bound, simulate
 from .planner.cost import scale_to_workers
 from .planner.plan import blocks_of
 from .planner.profile import Profile
+from .planner.simulate import lower_bound, simulate
 from .planning import make_plan
 
 POLICY_ORDER = ("wfbp", "ddp", "mgwfbp", "bytescheduler", "usbyte", "dear", "dcredit")

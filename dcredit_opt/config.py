@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 log = logging.getLogger("dcredit_opt")
 
@@ -102,7 +102,7 @@ class Config:
             raise ValueError(f"Config.policy {self.policy!r} is unknown; known policies: {', '.join(known)}")
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> "Config":
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> Config:
         """Defaults, then ``DCREDIT_*`` variables, then ``overrides``."""
         process = environ is None
         environ = os.environ if process else environ

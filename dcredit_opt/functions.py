@@ -7,7 +7,7 @@ optimizer state's structure travels as JSON text in a uint8 tensor.
 from __future__ import annotations
 
 import json
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 

@@ -8,7 +8,7 @@ order) is one contiguous range and needs no copy.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 from .planner.plan import Plan, PlanError, blocks_of
 

@@ -37,11 +37,10 @@ import torch
 
 from . import backends, devices, profiler, runtime, timeline
 from .config import Config
-from .layout import build_layout, fixed_plan
 from .functions import broadcast_text
+from .layout import build_layout, fixed_plan
 from .planner.plan import Plan, validate
 from .planning import make_plan
-
 
 log = logging.getLogger("dcredit_opt")
 

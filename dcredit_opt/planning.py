@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-
 import math
 
 from .planner import policies
@@ -27,7 +26,7 @@ def make_plan(profile: Profile, policy: str, *, channels: int, overlap_forward: 
     elif policy == "dcredit":
         build = policies.tune_dcredit
     else:
-        build = lambda prof, **kw: policies.make_plan(prof, policy, **kw)  # noqa: E731
+        build = lambda prof, **kw: policies.make_plan(prof, policy, **kw)
         if policy in policies.POLICIES:
             build.__signature__ = inspect.signature(policies.POLICIES[policy])
     accepted = inspect.signature(build).parameters

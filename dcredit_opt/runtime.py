@@ -56,7 +56,7 @@ class _World:
 
 
 _world: _World | None = None
-_users: "weakref.WeakSet" = weakref.WeakSet()
+_users: weakref.WeakSet = weakref.WeakSet()
 
 
 def init(timeout_s: float = 30.0, backend: str | None = None) -> None:

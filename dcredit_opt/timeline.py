@@ -10,7 +10,7 @@ and a simulated iteration can be opened side by side.
 from __future__ import annotations
 
 import json
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 
 def block_events(rows: Iterable[Sequence[int]], names: Sequence[str], block_tensors: Sequence[Sequence[int]],

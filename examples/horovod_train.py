@@ -15,9 +15,9 @@ import argparse
 
 import horovod.torch as hvd
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.data
+from torch import nn
 
 import dcredit_opt as dc  # dc
 

@@ -12,8 +12,8 @@ import argparse
 import time
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 import dcredit_opt as dc
 

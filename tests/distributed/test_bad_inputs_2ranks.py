@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 
 import dcredit_opt as dc
 

@@ -25,7 +25,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 
 import dcredit_opt as dc
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 import dcredit_opt as dc
 

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 
 import dcredit_opt as dc
 

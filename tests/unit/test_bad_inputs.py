@@ -19,7 +19,7 @@ import time
 
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 
 import dcredit_opt as dc
 
