@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from . import spawn, workers
-from .test_equivalence import SCENARIOS, TOL, _check
+from .test_equivalence import SCENARIOS, _check, check_scenario
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -102,16 +102,7 @@ def test_scenarios_and_profiled_plan_on_backend(launch):
     per_rank = spawn.run_launched(workers.scenarios, launch["launcher"], 2, timeout_s=400, names=names,
                                   horovod_first=launch["horovod_first"])
     for name in names:
-        results = [r[name] for r in per_rank]
-        for r in results:
-            assert r["backend"] == launch["backend"], f"{name}: blocks went through {r['backend']}"
-            assert r["diff"] < TOL, f"{name}: differs from the reference by {r['diff']}"
-            for key, value in r.items():
-                if key.endswith("_diff"):
-                    assert value < TOL, f"{name}: {key} = {value}"
-                elif isinstance(value, bool):
-                    assert value, f"{name}: {key} is False"
-        assert len({round(r["checksum"], 6) for r in results}) == 1, f"{name}: ranks disagree"
+        check_scenario(name, [r[name] for r in per_rank], backend=launch["backend"])
     plans0, plans1 = per_rank[0]["profiled_dcredit"]["plans"], per_rank[1]["profiled_dcredit"]["plans"]
     assert plans0 == plans1, "ranks ran different plans in some iteration"
     switch = [i for i in range(1, len(plans0)) if plans0[i] != plans0[i - 1]]

@@ -39,8 +39,14 @@ SCENARIOS = ["backward_passes", "clipping", "unused_on_one_rank", "frozen", "eva
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_scenario_matches_reference(name):
-    results = spawn.run(workers.scenario, 2, timeout_s=160, name=name)
+    check_scenario(name, spawn.run(workers.scenario, 2, timeout_s=160, name=name))
+
+
+def check_scenario(name, results, backend=None):
+    """Every rank matches the reference (and any *_diff / flag it reports), and the ranks agree."""
     for r in results:
+        if backend is not None:
+            assert r["backend"] == backend, f"{name}: blocks went through {r['backend']}"
         assert r["diff"] < TOL, f"{name}: differs from the reference by {r['diff']}"
         for key, value in r.items():
             if key.endswith("_diff"):

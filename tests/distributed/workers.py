@@ -71,6 +71,15 @@ def reference_grads(ref, step: int, world: int, passes: int = 1, uses_branch=lam
             p.grad = torch.zeros_like(p)
 
 
+def step_both(model, ref, opt, ropt, step: int, rank: int, world: int) -> None:
+    """One training step through dcredit_opt, and the same step of the synchronous reference."""
+    opt.zero_grad()
+    loss_of(model, batch(step, rank)).backward()
+    opt.step()
+    reference_grads(ref, step, world)
+    ropt.step()
+
+
 def max_diff(a: nn.Module, b: nn.Module) -> float:
     return max(float((p - q).abs().max()) for p, q in zip(a.state_dict().values(), b.state_dict().values()))
 
@@ -109,11 +118,7 @@ def equivalence(configs: list, steps: int = 20, horovod_first: bool = False) -> 
                            overlap_forward=cfg["phase2"], policy="fixed", backend=cfg.get("backend", "auto"))
         model, ref, opt, ropt = _make(cfg["opt"], config)
         for step in range(steps):
-            opt.zero_grad()
-            loss_of(model, batch(step, rank)).backward()
-            opt.step()
-            reference_grads(ref, step, world)
-            ropt.step()
+            step_both(model, ref, opt, ropt, step, rank, world)
         opt.synchronize()
         out[repr(sorted(cfg.items()))] = (max_diff(model, ref), checksum(model))
         opt._dc_close()
@@ -166,11 +171,7 @@ def scenario(name: str, steps: int = 12, horovod_first: bool = False) -> dict:
         model, ref, opt, ropt = _make("sgd", config, frozen=True)
         before = model.mid.weight.detach().clone()
         for step in range(steps):
-            opt.zero_grad()
-            loss_of(model, batch(step, rank)).backward()
-            opt.step()
-            reference_grads(ref, step, world)
-            ropt.step()
+            step_both(model, ref, opt, ropt, step, rank, world)
         opt.synchronize()
         result["frozen_unchanged"] = bool(torch.equal(before, model.mid.weight))
         result["frozen_grad_is_none"] = model.mid.weight.grad is None
@@ -178,11 +179,7 @@ def scenario(name: str, steps: int = 12, horovod_first: bool = False) -> dict:
         model, ref, opt, ropt = _make("sgd", config)
         worst = 0.0
         for step in range(steps):
-            opt.zero_grad()
-            loss_of(model, batch(step, rank)).backward()
-            opt.step()
-            reference_grads(ref, step, world)
-            ropt.step()
+            step_both(model, ref, opt, ropt, step, rank, world)
             probe = batch(10_000 + step, 0)[0]
             with torch.no_grad():  # the lazy update must land before this forward reads the weights
                 worst = max(worst, float((model(probe) - ref(probe)).abs().max()))
@@ -191,11 +188,7 @@ def scenario(name: str, steps: int = 12, horovod_first: bool = False) -> dict:
         model, ref, opt, ropt = _make("adam", config)
         worst_state = 0.0
         for step in range(steps):
-            opt.zero_grad()
-            loss_of(model, batch(step, rank)).backward()
-            opt.step()
-            reference_grads(ref, step, world)
-            ropt.step()
+            step_both(model, ref, opt, ropt, step, rank, world)
             # Right after step(): the module state_dict must already hold the update.
             worst_state = max(worst_state, max(float((a - b).abs().max()) for a, b in
                                                zip(model.state_dict().values(), ref.state_dict().values())))
