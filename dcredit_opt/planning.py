@@ -25,10 +25,10 @@ def make_plan(profile: Profile, policy: str, *, channels: int, overlap_forward: 
         build = policies.tune_bytescheduler
     elif policy == "dcredit":
         build = policies.tune_dcredit
+    elif policy in policies.POLICIES:
+        build = policies.POLICIES[policy]
     else:
-        build = lambda prof, **kw: policies.make_plan(prof, policy, **kw)
-        if policy in policies.POLICIES:
-            build.__signature__ = inspect.signature(policies.POLICIES[policy])
+        return policies.make_plan(profile, policy)  # raises the error that lists the known policies
     accepted = inspect.signature(build).parameters
     kwargs = {"channels": channels} if "channels" in accepted else {}
     if "block_sizes" in accepted:
