@@ -1,8 +1,12 @@
-"""What each rank runs in tests/distributed/test_nccl.py: one GPU per rank, NCCL.
+"""What each rank runs in tests/distributed/test_nccl.py: CUDA tensors, NCCL or Gloo.
 
-Each rank takes the GPU of its local rank before joining, so that dc.init()
-creates an NCCL default group (spawn.run sets torchrun's variables) and every
-communicator opens on this rank's own device.
+With ``backend="nccl"`` each rank takes the GPU of its local rank before
+joining, so that dc.init() creates an NCCL default group (spawn.run sets
+torchrun's variables) and every communicator opens on this rank's own device.
+With ``backend="gloo"`` every rank shares GPU 0 and the script creates a Gloo
+group itself before dc.init(), as a user's script may: NCCL refuses two ranks
+on one device, Gloo reduces CUDA tensors through the host, and the stream
+ordering (Note [CUDA streams]) is the same either way.
 """
 
 from __future__ import annotations
@@ -26,9 +30,14 @@ from . import workers
 SLOW_PRODUCER_CYCLES = 200_000_000
 
 
-def _join() -> torch.device:
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+def _join(backend: str) -> torch.device:
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
+    if backend == "gloo":
+        dist.init_process_group("gloo", init_method="env://")
     dc.init()
     return device
 
@@ -45,9 +54,9 @@ def _reference_step(ref, ropt, step, world, device) -> None:
     ropt.step()
 
 
-def equivalence(configs: list, steps: int = 12) -> dict:
-    """For each config: (max |param - reference|, checksum) after ``steps`` steps on NCCL."""
-    device = _join()
+def equivalence(configs: list, steps: int = 12, backend: str = "nccl") -> dict:
+    """For each config: (max |param - reference|, checksum) after ``steps`` steps on ``backend``."""
+    device = _join(backend)
     world, rank = dc.size(), dc.rank()
     out = {"backend": dist.get_backend()}
     for cfg in configs:
@@ -81,7 +90,7 @@ def _one_tensor_plan(engine, buf, blocks: int, postscale: float, channels: int) 
                     credit_bytes=0, channels=channels, buffers=[buf], postscale=postscale)
 
 
-def side_stream_engine(iterations: int = 3) -> dict:
+def side_stream_engine(iterations: int = 3, backend: str = "nccl") -> dict:
     """A gradient written late on a side stream must be what the collective reduces.
 
     Rank r writes ``r + 1 + it`` after a slow kernel on a side stream and marks
@@ -89,7 +98,7 @@ def side_stream_engine(iterations: int = 3) -> dict:
     reduced, postscaled block must be the average. The control run marks
     without an event and must see the race, which shows the test can.
     """
-    device = _join()
+    device = _join(backend)
     world, rank = dc.size(), dc.rank()
     C = _ext.load()
     engine = C.Engine.torch(runtime.channel_groups(2), 60.0)
@@ -125,9 +134,9 @@ def side_stream_engine(iterations: int = 3) -> dict:
     return {"errors": errors, "control_raced": control_raced, "backend": dist.get_backend()}
 
 
-def side_stream_training(steps: int = 8) -> dict:
+def side_stream_training(steps: int = 8, backend: str = "nccl") -> dict:
     """Forward, backward and step all on a side stream, behind a slow kernel; equals the reference."""
-    device = _join()
+    device = _join(backend)
     world, rank = dc.size(), dc.rank()
     torch.manual_seed(0)
     model = workers.Net().to(device)
@@ -162,7 +171,7 @@ def dispatch_rate(blocks: int = 4096, block_numel: int = 256, tensors: int = 64,
     launch, the completion host function) dominates, beside the same plan on
     the no-op engine (the scheduler alone).
     """
-    device = _join()
+    device = _join("nccl")
     C = _ext.load()
     per = blocks // tensors
     buf = torch.ones(blocks * block_numel, device=device)
@@ -192,6 +201,21 @@ def dispatch_rate(blocks: int = 4096, block_numel: int = 256, tensors: int = 64,
             engine.shutdown()
     torch.cuda.synchronize(device)
     out["values_ok"] = bool(torch.all(buf == 1.0))  # the average of ones, every iteration
+    # The same blocks through c10d alone, one async all_reduce per block and then a wait on each:
+    # the floor that the adapter's per-block cost stands on.
+    views = [buf[b * size:(b + 1) * size] for b in range(blocks)]
+    times = []
+    for it in range(iterations + 2):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        works = [dist.all_reduce(v, async_op=True) for v in views]
+        for w in works:
+            w.wait()
+        torch.cuda.synchronize(device)
+        if it >= 2:
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    out["c10d_blocks_per_s"] = blocks / times[len(times) // 2]
     out["device"] = torch.cuda.get_device_name(device)
     out["world"] = dc.size()
     return out
