@@ -9,8 +9,9 @@ planner (``dcredit_opt.planner``) works without it.
 """
 
 from .config import Config
+from .errors import DCreditError
 from .functions import broadcast_optimizer_state, broadcast_parameters
-from .optimizer import Average, DCreditError, DistributedOptimizer, ReduceOp, Sum
+from .optimizer import Average, DistributedOptimizer, ReduceOp, Sum
 from .runtime import LaunchError, init, is_initialized, local_rank, rank, shutdown, size
 
 __version__ = "0.1.0"

@@ -72,17 +72,24 @@ class Config:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad field."""
+        """Raise ValueError naming the first bad field.
+
+        Always ValueError, a wrong type included, so that one ``except`` catches
+        every bad setting, from the constructor and from ``DCREDIT_*`` alike.
+        """
         for name in ("block_bytes", "window", "credit_bytes", "channels", "profile_iters"):
             if isinstance(getattr(self, name), bool):  # bool is an int subclass; never a count
-                raise ValueError(f"Config.{name} must be an integer, got {getattr(self, name)!r}")
+                raise ValueError(  # noqa: TRY004
+                    f"Config.{name} must be an integer, got {getattr(self, name)!r}")
         for name in ("overlap_forward", "check_finite"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"Config.{name} must be True or False, got {getattr(self, name)!r}")
+                raise ValueError(  # noqa: TRY004
+                    f"Config.{name} must be True or False, got {getattr(self, name)!r}")
         if self.timeline_path is not None and not isinstance(self.timeline_path, str):
             raise ValueError(f"Config.timeline_path must be a path string or None, got {self.timeline_path!r}")
         if isinstance(self.timeout_s, bool):
-            raise ValueError(f"Config.timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
+            raise ValueError(  # noqa: TRY004
+                f"Config.timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
         if not isinstance(self.block_bytes, int) or self.block_bytes <= 0:
             raise ValueError(f"Config.block_bytes must be a positive number of bytes, got {self.block_bytes!r}")
         if not isinstance(self.window, int) or (self.window <= 0 and self.window != -1):

@@ -142,7 +142,7 @@ def join_mpi(timeout_s: float):
         try:
             store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
             text = f"ok {socket.gethostname()} {_address_for_others()} {store.port}"
-        except Exception as e:  # tell the others instead of leaving them in the broadcast
+        except Exception as e:  # noqa: BLE001 - tell the others instead of leaving them in the broadcast
             text = f"error {type(e).__name__}: {e}"
         raw = text.encode()[:_RENDEZVOUS_BYTES]
         message[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)

@@ -25,22 +25,18 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import enum
-import hashlib
-import json
 import logging
 import warnings
 import weakref
 
 import torch
 
-from . import backends, devices, profiler, runtime, timeline
+from . import backends, checks, devices, profiler, runtime, timeline
 from .config import Config
-from .functions import broadcast_text
+from .errors import DCreditError
 from .layout import build_layout, fixed_plan
 from .planner.plan import Plan, validate
-from .planning import make_plan
 
 log = logging.getLogger("dcredit_opt")
 
@@ -52,10 +48,6 @@ class ReduceOp(enum.Enum):
 
 Average = ReduceOp.AVERAGE
 Sum = ReduceOp.SUM
-
-
-class DCreditError(RuntimeError):
-    """Misuse detected during training (wrong call order, bad gradient)."""
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, backward_passes_per_step: int = 1,
@@ -71,7 +63,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, backward_passes_per_s
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError("torch.optim.LBFGS is not supported: it re-evaluates the closure inside step()")
+        raise ValueError(  # noqa: TRY004 - a supported type is a question of value here
+            "torch.optim.LBFGS is not supported: it re-evaluates the closure inside step()")
     if getattr(optimizer, "_dc_names", None) is not None:
         raise ValueError("optimizer is already a dcredit_opt.DistributedOptimizer")
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
@@ -87,7 +80,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, backward_passes_per_s
     elif not isinstance(config, Config):
         raise TypeError(f"config must be a dcredit_opt.Config, got {type(config).__name__}")
     config.validate()
-    names, params = _named_tracked_params(optimizer, named_parameters)
+    names, params = checks.named_tracked_params(optimizer, named_parameters)
     _check_devices(names, params)
 
     base = optimizer.__class__
@@ -99,42 +92,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, backward_passes_per_s
     wrapped._dc_setup(names, params, backward_passes_per_step, op, float(gradient_predivide_factor), config,
                       sparse_as_dense)
     return wrapped
-
-
-def _named_tracked_params(optimizer, named_parameters):
-    """Parameters we reduce, in forward (registration) order, with their names."""
-    in_optimizer = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            in_optimizer.setdefault(id(p), p)
-    if named_parameters is None:
-        named = [(f"param_groups.{gi}.{pi}", p) for gi, g in enumerate(optimizer.param_groups)
-                 for pi, p in enumerate(g["params"])]
-    else:
-        named = list(named_parameters)
-        for item in named:
-            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-                raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
-                                 "usually produced by model.named_parameters()")
-        all_names = [k for k, _ in named]
-        dups = sorted({k for k in all_names if all_names.count(k) > 1})
-        if dups:
-            raise ValueError(f"Parameter names in named_parameters must be unique. Found duplicates: {', '.join(dups)}")
-        named_ids = {id(p) for _, p in named}
-        unnamed = [p for pid, p in in_optimizer.items() if pid not in named_ids]
-        if unnamed:
-            shapes = ", ".join(str(tuple(p.shape)) for p in unnamed[:5])
-            raise ValueError(f"named_parameters was specified, but {len(unnamed)} model parameter(s) were not "
-                             f"named (shapes {shapes}). Python object ids: "
-                             f"{', '.join(str(id(p)) for p in unnamed[:5])}")
-    names, params, seen = [], [], set()
-    for name, p in named:
-        if id(p) in seen or id(p) not in in_optimizer or not p.requires_grad:
-            continue  # tied weights once; frozen and foreign parameters never
-        seen.add(id(p))
-        names.append(name)
-        params.append(p)
-    return names, params
 
 
 def _check_devices(names, params):
@@ -162,9 +119,10 @@ class _DistributedOptimizer:
         for p in params:
             self._dc_group_of.append(next(gi for gi, g in enumerate(self.param_groups)
                                           if any(q is p for q in g["params"])))
-        _check_same_model_on_all_ranks(names, params)
-        _check_same_setup_on_all_ranks(config, backward_passes_per_step=bpps, op=op.value,
-                                       gradient_predivide_factor=predivide, sparse_as_dense=sparse_as_dense)
+        checks.check_same_model_on_all_ranks(names, params)
+        checks.check_same_setup_on_all_ranks(config, backward_passes_per_step=bpps, op=op.value,
+                                              gradient_predivide_factor=predivide,
+                                              sparse_as_dense=sparse_as_dense)
         T = len(params)
         self._dc_counts = [0] * T
         self._dc_marked = [False] * T
@@ -188,7 +146,8 @@ class _DistributedOptimizer:
         self._dc_profile = None
         self._dc_recorder = (profiler.Recorder(names, params, config.profile_iters)
                              if config.policy != "fixed" and config.profile_iters > 0 and params else None)
-        self._dc_timeline = [] if config.timeline_path else None
+        self._dc_timeline = (timeline.RankTimeline(config.timeline_path, runtime.rank(), runtime.size())
+                             if config.timeline_path else None)
         self._dc_iteration = 0
         self._dc_set_plan(fixed_plan(
             [p.numel() for p in params], [p.element_size() for p in params], config.block_bytes,
@@ -259,7 +218,8 @@ class _DistributedOptimizer:
         if self._dc_npending:
             self._dc_apply(range(len(self._dc_params)))  # parameters no forward used
         if self._dc_timeline is not None and self._dc_iteration:
-            self._dc_write_timeline()
+            self._dc_timeline.record(self._dc_engine.trace(), self._dc_engine.ready_times(), self._dc_names,
+                                     self._dc_layout.block_tensors, self._dc_iteration)
         if self._dc_staged_plan is not None:
             # Every rank stages the same plan at the same step(), so every
             # rank switches here, in the same iteration.
@@ -502,25 +462,9 @@ class _DistributedOptimizer:
         recorder, self._dc_recorder = self._dc_recorder, None
         if not self._dc_npending:
             self._dc_remove_forward_hook()
-        config = self._dc_config
-        device = self._dc_params[0].device
-        alpha, beta, _ = self._dc_backend.measure_alpha_beta(device)
-        text = None
-        if runtime.rank() == 0:
-            try:
-                self._dc_profile = profiler.build_profile(recorder, alpha, beta, runtime.size())
-                plan = make_plan(self._dc_profile, config.policy, channels=config.channels,
-                                 overlap_forward=config.overlap_forward)
-                validate(plan, numels=[p.numel() for p in self._dc_params], max_channels=config.channels,
-                         dtypes=[p.dtype for p in self._dc_params])
-                text = plan.to_json()
-            except Exception as e:  # every rank must hear about it, or the others would wait
-                text = json.dumps({"error": f"{type(e).__name__}: {e}"})
-        text = broadcast_text(text, root_rank=0)
-        data = json.loads(text)
-        if "error" in data:
-            raise DCreditError(f"rank 0 could not plan with policy {config.policy!r}: {data['error']}")
-        self._dc_staged_plan = Plan.from_dict(data)
+        alpha, beta, _ = self._dc_backend.measure_alpha_beta(self._dc_params[0].device)
+        self._dc_staged_plan, self._dc_profile = profiler.agree_on_plan(recorder, alpha, beta, self._dc_config,
+                                                                        self._dc_params)
 
     @property
     def plan(self) -> Plan:
@@ -531,24 +475,6 @@ class _DistributedOptimizer:
     def profile(self):
         """What profiling measured (rank 0 only; None elsewhere or before)."""
         return self._dc_profile
-
-    def _dc_write_timeline(self) -> None:
-        if len(self._dc_timeline) > 200_000:
-            return  # enough for any viewer; keep memory bounded on long jobs
-        rows = self._dc_engine.trace()
-        ready = self._dc_engine.ready_times()
-        stamps = [r[6] for r in rows if r[6]] + [t for t in ready if t]
-        if not stamps:
-            return
-        if not self._dc_timeline:
-            self._dc_timeline_origin = min(stamps)
-        self._dc_timeline.extend(timeline.block_events(
-            rows, self._dc_names, self._dc_layout.block_tensors, ready, runtime.rank(),
-            self._dc_timeline_origin, self._dc_iteration))
-        path = self._dc_config.timeline_path
-        timeline.write(path.replace("{rank}", str(runtime.rank())) if "{rank}" in path
-                       else f"{path}.rank{runtime.rank()}.json" if runtime.size() > 1 else path,
-                       self._dc_timeline)
 
     def _dc_drain(self) -> None:
         """Let this iteration's blocks finish before this process stops talking.
@@ -635,68 +561,4 @@ def _weak_apply_hook(ref):
             opt._dc_apply_pending()
     return hook
 
-
-def _check_same_model_on_all_ranks(names, params) -> None:
-    """Compare names, shapes and dtypes across ranks before any gradient moves.
-
-    A mismatch would otherwise surface as a hang or as silently mixed
-    gradients. Only fixed-size integer tensors cross the network.
-    """
-    world = runtime.size()
-    if world == 1:
-        return
-    device = runtime.control_device()
-    digests = [_digest(f"{n}|{tuple(p.shape)}|{p.dtype}") for n, p in zip(names, params)]
-    total = _digest("/".join(str(d) for d in digests))
-    mine = torch.tensor([len(params), total], dtype=torch.int64, device=device)
-    gathered = runtime.all_gather(mine, name="model.summary")
-    if all(bool(torch.equal(g, gathered[0])) for g in gathered):
-        return
-    longest = max(int(g[0]) for g in gathered)
-    padded = torch.full((longest + 1,), -1, dtype=torch.int64, device=device)
-    padded[: len(digests)] = torch.tensor(digests, dtype=torch.int64)
-    per_rank = runtime.all_gather(padded, name="model.digests")
-    table = torch.stack(per_rank).cpu()
-    first = int((table != table[0]).any(dim=0).nonzero()[0])
-    differing = [r for r in range(world) if table[r, first] != table[0, first]]
-    here = (f"'{names[first]}' with shape {tuple(params[first].shape)} and dtype {params[first].dtype}"
-            if first < len(names) else "no parameter")
-    counts = [int(g[0]) for g in gathered]
-    raise ValueError(f"the model differs between ranks: at parameter position {first}, rank {runtime.rank()} has "
-                     f"{here}; ranks {differing} differ from rank 0 there (parameter counts per rank: {counts})")
-
-
-# Config fields that may differ between ranks: they shape neither the block
-# sequence nor the result.
-_PER_RANK_FIELDS = ("timeline_path", "timeout_s")
-
-
-def _check_same_setup_on_all_ranks(config: Config, **arguments) -> None:
-    """Compare the settings that shape the block sequence or the result across ranks.
-
-    Ranks with different settings (a ``DCREDIT_*`` variable set on some
-    ranks only, say) would cut or window their gradients differently and
-    launch mismatched collectives: Gloo aborts the process on a size
-    mismatch, other engines hang. One small all-gather at construction.
-    """
-    world = runtime.size()
-    if world == 1:
-        return
-    settings = {f"Config.{f.name}": getattr(config, f.name) for f in dataclasses.fields(config)
-                if f.name not in _PER_RANK_FIELDS}
-    settings.update(arguments)
-    keys = sorted(settings)
-    mine = torch.tensor([_digest(f"{k}={settings[k]!r}") for k in keys], dtype=torch.int64,
-                        device=runtime.control_device())
-    table = torch.stack(runtime.all_gather(mine, name="setup.digests")).cpu()
-    differ = [j for j in range(len(keys)) if bool((table[:, j] != table[0, j]).any())]
-    if differ:
-        described = "; ".join(f"{keys[j]} (ranks {[r for r in range(world) if table[r, j] != table[0, j]]} "
-                              f"differ from rank 0)" for j in differ)
-        raise ValueError(f"the DistributedOptimizer settings differ between ranks: {described}. Rank "
-                         f"{runtime.rank()} has {', '.join(f'{keys[j]}={settings[keys[j]]!r}' for j in differ)}")
-
-
-def _digest(text: str) -> int:
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
 

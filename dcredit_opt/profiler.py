@@ -13,14 +13,21 @@ hook.
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
+from . import runtime
+from .config import Config
+from .errors import DCreditError
+from .functions import broadcast_text
 from .planner.cost import fit_alpha_beta
+from .planner.plan import Plan, validate
 from .planner.profile import Profile, TensorProfile, canonical_dtype
+from .planning import make_plan
 
 # A sweep from latency-bound to bandwidth-bound messages; 4 repeats each,
 # median taken, so one slow outlier does not bend the fit.
@@ -125,3 +132,27 @@ def build_profile(recorder: Recorder, alpha: float, beta: float, world_size: int
                for i, (n, p) in enumerate(zip(recorder.names, recorder.params))]
     return Profile(tensors=tensors, alpha_s=alpha, beta_s_per_byte=beta, world_size=world_size,
                    ready_order=order)
+
+
+def agree_on_plan(recorder: Recorder, alpha: float, beta: float, config: Config,
+                  params: list) -> tuple[Plan, Profile | None]:
+    """The plan every rank switches to after profiling, and the profile (on rank 0; None elsewhere).
+
+    Rank 0 builds the profile from its measurements and plans; the plan goes
+    to every rank as JSON (never pickle). A failure on rank 0 goes out the
+    same way, so that every rank raises instead of waiting for a plan.
+    """
+    text, profile = None, None
+    if runtime.rank() == 0:
+        try:
+            profile = build_profile(recorder, alpha, beta, runtime.size())
+            plan = make_plan(profile, config.policy, channels=config.channels, overlap_forward=config.overlap_forward)
+            validate(plan, numels=[p.numel() for p in params], max_channels=config.channels,
+                     dtypes=[p.dtype for p in params])
+            text = plan.to_json()
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others would wait
+            text = json.dumps({"error": f"{type(e).__name__}: {e}"})
+    data = json.loads(broadcast_text(text, root_rank=0))
+    if "error" in data:
+        raise DCreditError(f"rank 0 could not plan with policy {config.policy!r}: {data['error']}")
+    return Plan.from_dict(data), profile

@@ -36,3 +36,37 @@ def block_events(rows: Iterable[Sequence[int]], names: Sequence[str], block_tens
 def write(path: str, events: list[dict]) -> None:
     with open(path, "w") as f:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+class RankTimeline:
+    """One rank's trace file, rewritten after every iteration so that it is whole whenever the job stops.
+
+    ``path`` is ``Config.timeline_path``: a ``{rank}`` in it is replaced by
+    the rank; otherwise, with more than one rank, ``.rank<r>.json`` is
+    appended. Recording stops at ``max_events``, which any viewer can still
+    open, so that long jobs keep their memory bounded.
+    """
+
+    def __init__(self, path: str, rank: int, size: int, max_events: int = 200_000):
+        if "{rank}" in path:
+            path = path.replace("{rank}", str(rank))
+        elif size > 1:
+            path = f"{path}.rank{rank}.json"
+        self.path = path
+        self.rank = rank
+        self.max_events = max_events
+        self.events: list[dict] = []
+        self.origin_ns: int | None = None
+
+    def record(self, rows: Sequence[Sequence[int]], ready_ns: Sequence[int], names: Sequence[str],
+               block_tensors: Sequence[Sequence[int]], iteration: int) -> None:
+        """Add one iteration (``Engine.trace()`` rows and ready times) and rewrite the file."""
+        if len(self.events) > self.max_events:
+            return
+        stamps = [r[6] for r in rows if r[6]] + [t for t in ready_ns if t]
+        if not stamps:
+            return
+        if self.origin_ns is None:
+            self.origin_ns = min(stamps)
+        self.events.extend(block_events(rows, names, block_tensors, ready_ns, self.rank, self.origin_ns, iteration))
+        write(self.path, self.events)

@@ -134,7 +134,7 @@ class _Pump:
                 block, channel = launch
                 try:
                     handle = transport.start(block, channel)
-                except Exception as e:  # report it as this block's failure; the scheduler raises it
+                except Exception as e:  # noqa: BLE001 - this block's failure; the scheduler raises it
                     engine.complete(block, False, self._failure("start", block, e))
                     continue
                 put((block, handle))
@@ -159,7 +159,7 @@ class _Pump:
                 transport.wait(block, handle)
                 t0 = clock()
                 transport.finish(block)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - this block's failure; the scheduler raises it
                 engine.complete(block, False, self._failure("all-reduce", block, e))
                 continue
             engine.complete(block, True, "")

@@ -56,7 +56,7 @@ def run(function, world_size: int, timeout_s: float = 120.0, env: dict | None = 
                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                       "PYTHONPATH": str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")})
             e.update(env or {})
-            log = open(Path(out) / f"log{rank}.txt", "w+")
+            log = open(Path(out) / f"log{rank}.txt", "w+")  # noqa: SIM115 - closed after the rank ends
             logs.append(log)
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "tests.distributed.spawn", module, function.__name__, out,

@@ -19,16 +19,16 @@ def _check(results):
 
 @pytest.mark.timeout(600)
 def test_every_optimizer_phase2_and_windows_on_2_ranks():
-    configs = [dict(opt=o, phase2=p2, window=w, block_bytes=96)
+    configs = [{"opt": o, "phase2": p2, "window": w, "block_bytes": 96}
                for o, p2, w in itertools.product(workers.OPTIMIZERS, (True, False), (1, 2, 4))]
     _check(spawn.run(workers.equivalence, 2, timeout_s=540, configs=configs))
 
 
 @pytest.mark.timeout(300)
 def test_4_ranks_small_blocks_and_release_all():
-    configs = [dict(opt="sgd", phase2=True, window=w, block_bytes=64, channels=c)
+    configs = [{"opt": "sgd", "phase2": True, "window": w, "block_bytes": 64, "channels": c}
                for w, c in ((1, 1), (2, 2), (4, 4), (-1, 2))]
-    configs.append(dict(opt="adam", phase2=False, window=2, block_bytes=1 << 20))
+    configs.append({"opt": "adam", "phase2": False, "window": 2, "block_bytes": 1 << 20})
     _check(spawn.run(workers.equivalence, 4, timeout_s=280, configs=configs))
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import gc
+import itertools
 import random
 import time
 
@@ -66,7 +67,7 @@ def _cuts(rng: random.Random, numel: int, most: int) -> tuple:
     k = rng.randint(1, max(1, min(most, numel)))
     points = sorted(rng.sample(range(1, numel), k - 1)) if k > 1 else []
     edges = [0, *points, numel]
-    return tuple(b - a for a, b in zip(edges, edges[1:]))
+    return tuple(b - a for a, b in itertools.pairwise(edges))
 
 
 def random_plan(rng: random.Random, numels, itemsizes, channels: int) -> Plan:

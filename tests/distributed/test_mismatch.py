@@ -46,7 +46,7 @@ def _init() -> int:
 def construction_worker() -> dict:
     """Each variant builds a model/optimizer that differs on rank 1; returns each rank's error."""
     rank = _init()
-    fixed = dict(block_bytes=64, window=2, policy="fixed", timeout_s=TIMEOUT_S)
+    fixed = {"block_bytes": 64, "window": 2, "policy": "fixed", "timeout_s": TIMEOUT_S}
 
     def build(variant):
         torch.manual_seed(0)
@@ -106,9 +106,9 @@ def test_different_models_and_settings_are_refused_at_construction():
         "bpps": r"settings differ between ranks: backward_passes_per_step \(ranks \[1\] differ from rank 0\)",
     }
     for r, out in enumerate(results):
-        fill = dict(r=r, w=61 if r == 0 else 62, here="no parameter" if r == 0 else r"'branch\.weight'",
-                    dt="float32" if r == 0 else "float64", first="inp.weight" if r == 0 else "inp.bias",
-                    bb=64 if r == 0 else 128)
+        fill = {"r": r, "w": 61 if r == 0 else 62, "here": "no parameter" if r == 0 else r"'branch\.weight'",
+                    "dt": "float32" if r == 0 else "float64", "first": "inp.weight" if r == 0 else "inp.bias",
+                    "bb": 64 if r == 0 else 128}
         for variant, pattern in expect.items():
             message = out[variant]
             assert message.startswith("ValueError: "), f"rank {r}, {variant}: {message}"

@@ -60,17 +60,17 @@ def test_horovod_value_errors_for_names(make_named, message):
     with pytest.raises(ValueError, match=message):
         dc.DistributedOptimizer(opt, named_parameters=make_named(model), config=FIXED)
     assert_unchanged(before, model, opt)
-    assert all(not p._post_accumulate_grad_hooks for p in model.parameters() if hasattr(p, "_post_accumulate_grad_hooks")
-               and p._post_accumulate_grad_hooks)
+    hooked = [p for p in model.parameters() if getattr(p, "_post_accumulate_grad_hooks", None)]
+    assert not hooked, f"{len(hooked)} parameter(s) keep a hook after the refused construction"
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(backward_passes_per_step=0), "backward_passes_per_step"),
-    (dict(backward_passes_per_step=1.5), "backward_passes_per_step"),
-    (dict(op=dc.Sum, gradient_predivide_factor=2.0), "gradient_predivide_factor"),
-    (dict(gradient_predivide_factor=0.0), "gradient_predivide_factor"),
-    (dict(op="adasum"), "op must be"),
-    (dict(config="fast"), "config must be"),
+    ({"backward_passes_per_step": 0}, "backward_passes_per_step"),
+    ({"backward_passes_per_step": 1.5}, "backward_passes_per_step"),
+    ({"op": dc.Sum, "gradient_predivide_factor": 2.0}, "gradient_predivide_factor"),
+    ({"gradient_predivide_factor": 0.0}, "gradient_predivide_factor"),
+    ({"op": "adasum"}, "op must be"),
+    ({"config": "fast"}, "config must be"),
 ])
 def test_bad_arguments(kwargs, message):
     model, opt = model_and_opt()
@@ -170,7 +170,7 @@ def test_step_after_synchronize_without_skip_warns():
 
 
 def test_world_of_one_matches_plain_training_for_every_optimizer():
-    for cls, kw in [(torch.optim.SGD, dict(momentum=0.9)), (torch.optim.Adam, {}), (torch.optim.AdamW, {}),
+    for cls, kw in [(torch.optim.SGD, {"momentum": 0.9}), (torch.optim.Adam, {}), (torch.optim.AdamW, {}),
                     (torch.optim.RMSprop, {}), (torch.optim.Adagrad, {}), (torch.optim.Adadelta, {})]:
         model, opt = model_and_opt(cls, **kw)
         ref, ref_opt = copy.deepcopy(model), cls(model.parameters(), lr=0.1, **kw)
@@ -189,7 +189,8 @@ def _run_init(env, timeout=60):
     code = "import dcredit_opt as dc; dc.init(timeout_s=3.0); print('size', dc.size())"
     clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     clean.update(env)
-    return subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-c", code], check=False, env=clean, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 @pytest.mark.parametrize("env, message", [

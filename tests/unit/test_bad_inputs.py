@@ -161,8 +161,8 @@ class Odd(nn.Module):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("opt_cls, kw", [(torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
-                                         (torch.optim.Adam, dict(lr=0.01))])
+@pytest.mark.parametrize("opt_cls, kw", [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+                                         (torch.optim.Adam, {"lr": 0.01})])
 def test_zero_size_one_element_and_scalar_parameters(opt_cls, kw):
     model = Odd()
     opt = train_both(model, lambda m, s: m(data(s)).pow(2).mean(), steps=4, opt_cls=opt_cls, **kw)

@@ -41,7 +41,7 @@ def _run(code: str, env: dict | None = None, timeout: float = 120) -> subprocess
              if not k.startswith("DCREDIT_") and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     clean.update(env or {})
     clean["PYTHONPATH"] = str(ROOT) + os.pathsep + clean.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-c", code], check=False, env=clean, capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
 
 

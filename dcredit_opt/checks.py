@@ -1,0 +1,119 @@
+"""Checks at construction: which parameters are reduced, and that every rank agrees.
+
+Everything here runs once, inside ``DistributedOptimizer(...)``, before any
+gradient moves. A model or a setting that differs between ranks would
+otherwise surface later as a hang, a Gloo abort on a size mismatch, or
+silently mixed gradients; here it is a ``ValueError`` that names the
+parameter or the setting and the ranks that differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import torch
+
+from . import runtime
+from .config import Config
+
+
+def named_tracked_params(optimizer, named_parameters):
+    """Parameters we reduce, in forward (registration) order, with their names."""
+    in_optimizer = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            in_optimizer.setdefault(id(p), p)
+    if named_parameters is None:
+        named = [(f"param_groups.{gi}.{pi}", p) for gi, g in enumerate(optimizer.param_groups)
+                 for pi, p in enumerate(g["params"])]
+    else:
+        named = list(named_parameters)
+        for item in named:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                                 "usually produced by model.named_parameters()")
+        all_names = [k for k, _ in named]
+        dups = sorted({k for k in all_names if all_names.count(k) > 1})
+        if dups:
+            raise ValueError(f"Parameter names in named_parameters must be unique. Found duplicates: {', '.join(dups)}")
+        named_ids = {id(p) for _, p in named}
+        unnamed = [p for pid, p in in_optimizer.items() if pid not in named_ids]
+        if unnamed:
+            shapes = ", ".join(str(tuple(p.shape)) for p in unnamed[:5])
+            raise ValueError(f"named_parameters was specified, but {len(unnamed)} model parameter(s) were not "
+                             f"named (shapes {shapes}). Python object ids: "
+                             f"{', '.join(str(id(p)) for p in unnamed[:5])}")
+    names, params, seen = [], [], set()
+    for name, p in named:
+        if id(p) in seen or id(p) not in in_optimizer or not p.requires_grad:
+            continue  # tied weights once; frozen and foreign parameters never
+        seen.add(id(p))
+        names.append(name)
+        params.append(p)
+    return names, params
+
+
+def check_same_model_on_all_ranks(names, params) -> None:
+    """Compare names, shapes and dtypes across ranks before any gradient moves.
+
+    A mismatch would otherwise surface as a hang or as silently mixed
+    gradients. Only fixed-size integer tensors cross the network.
+    """
+    world = runtime.size()
+    if world == 1:
+        return
+    device = runtime.control_device()
+    digests = [digest(f"{n}|{tuple(p.shape)}|{p.dtype}") for n, p in zip(names, params)]
+    total = digest("/".join(str(d) for d in digests))
+    mine = torch.tensor([len(params), total], dtype=torch.int64, device=device)
+    gathered = runtime.all_gather(mine, name="model.summary")
+    if all(bool(torch.equal(g, gathered[0])) for g in gathered):
+        return
+    longest = max(int(g[0]) for g in gathered)
+    padded = torch.full((longest + 1,), -1, dtype=torch.int64, device=device)
+    padded[: len(digests)] = torch.tensor(digests, dtype=torch.int64)
+    per_rank = runtime.all_gather(padded, name="model.digests")
+    table = torch.stack(per_rank).cpu()
+    first = int((table != table[0]).any(dim=0).nonzero()[0])
+    differing = [r for r in range(world) if table[r, first] != table[0, first]]
+    here = (f"'{names[first]}' with shape {tuple(params[first].shape)} and dtype {params[first].dtype}"
+            if first < len(names) else "no parameter")
+    counts = [int(g[0]) for g in gathered]
+    raise ValueError(f"the model differs between ranks: at parameter position {first}, rank {runtime.rank()} has "
+                     f"{here}; ranks {differing} differ from rank 0 there (parameter counts per rank: {counts})")
+
+
+# Config fields that may differ between ranks: they shape neither the block
+# sequence nor the result.
+PER_RANK_FIELDS = ("timeline_path", "timeout_s")
+
+
+def check_same_setup_on_all_ranks(config: Config, **arguments) -> None:
+    """Compare the settings that shape the block sequence or the result across ranks.
+
+    Ranks with different settings (a ``DCREDIT_*`` variable set on some
+    ranks only, say) would cut or window their gradients differently and
+    launch mismatched collectives: Gloo aborts the process on a size
+    mismatch, other engines hang. One small all-gather at construction.
+    """
+    world = runtime.size()
+    if world == 1:
+        return
+    settings = {f"Config.{f.name}": getattr(config, f.name) for f in dataclasses.fields(config)
+                if f.name not in PER_RANK_FIELDS}
+    settings.update(arguments)
+    keys = sorted(settings)
+    mine = torch.tensor([digest(f"{k}={settings[k]!r}") for k in keys], dtype=torch.int64,
+                        device=runtime.control_device())
+    table = torch.stack(runtime.all_gather(mine, name="setup.digests")).cpu()
+    differ = [j for j in range(len(keys)) if bool((table[:, j] != table[0, j]).any())]
+    if differ:
+        described = "; ".join(f"{keys[j]} (ranks {[r for r in range(world) if table[r, j] != table[0, j]]} "
+                              f"differ from rank 0)" for j in differ)
+        raise ValueError(f"the DistributedOptimizer settings differ between ranks: {described}. Rank "
+                         f"{runtime.rank()} has {', '.join(f'{keys[j]}={settings[keys[j]]!r}' for j in differ)}")
+
+
+def digest(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
