@@ -130,6 +130,7 @@ class RunResult:
     batch_size: int | None = None
     params: int | None = None
     final_loss: float | None = None
+    phases_s: dict[str, list[float]] | None = None
 
     def to_dict(self) -> dict:
         d = {k: v for k, v in vars(self).items() if k != "launch"}
@@ -200,7 +201,8 @@ def run_launch(net: Network, launch: Launch, args: argparse.Namespace, workdir: 
         return RunResult(launch, "failed", error=f"{error}\n{tails}", wall_s=wall,
                          batch_size=record.get("batch_size"), params=record.get("params"))
     return RunResult(launch, "ok", [float(t) for t in record["iter_times_s"]], None, wall,
-                     record.get("batch_size"), record.get("params"), record.get("final_loss"))
+                     record.get("batch_size"), record.get("params"), record.get("final_loss"),
+                     record.get("phases_s"))
 
 
 def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> str | None:

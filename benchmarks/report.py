@@ -12,6 +12,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import statistics
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -225,6 +226,25 @@ def markdown_table(result: dict) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+def phase_table(runs: list[dict], model: str, rate: str) -> str:
+    """Medians of rank 0's forward, backward and step times per scheme, pooled over rounds ("" when none)."""
+    pooled: dict[str, dict[str, list[float]]] = {}
+    for run in runs:
+        if run["model"] == model and run["rate"] == rate and run.get("phases_s"):
+            mine = pooled.setdefault(run["scheme"], {})
+            for phase, times in run["phases_s"].items():
+                mine.setdefault(phase, []).extend(times)
+    if not pooled:
+        return ""
+    lines = ["Where rank 0's iteration goes (medians; a lazy step waits in the next forward):\n",
+             "| scheme | forward (s) | backward (s) | step (s) |", "|---|---:|---:|---:|"]
+    for scheme, phases in pooled.items():
+        cells = " | ".join(_fmt(statistics.median(phases[p]) if phases.get(p) else None, ".3f")
+                           for p in ("forward", "backward", "step"))
+        lines.append(f"| {scheme} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
 def _conditions(cond: dict | None) -> str:
     if not cond:
         return "- load: not recorded"
@@ -251,7 +271,11 @@ def markdown_report(record: dict) -> str:
          "gradients without compute"),
         "",
     ]
-    out += [markdown_table(r) for r in record["results"]]
+    for result in record["results"]:
+        out.append(markdown_table(result))
+        phases = phase_table(record["runs"], result["model"], result["rate"])
+        if phases:
+            out.append(phases)
     return "\n".join(out)
 
 

@@ -37,6 +37,10 @@ MOMENTUM = 0.9
 # Generous: a rank may wait on a peer for a whole slow iteration plus start-up,
 # but a lost peer must still end the launch rather than hang it.
 PG_TIMEOUT_S = 180
+# Rank 0's time per phase of every iteration of this process's one run
+# (zero_grad + forward + loss, backward, step), to show where an iteration
+# goes: a lazy step moves its waits from `step` into the next `forward`.
+PHASES: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -76,10 +80,16 @@ def _train_step(model: torch.nn.Module, opt, batch) -> Callable[[], torch.Tensor
     def one_iter() -> torch.Tensor:
         # No arguments: Horovod's optimizer does not take set_to_none, and
         # torch's default (True) is what we want anyway.
+        t0 = time.perf_counter()
         opt.zero_grad()
         loss = loss_fn(model(x), y)
+        t1 = time.perf_counter()
         loss.backward()
+        t2 = time.perf_counter()
         opt.step()
+        t3 = time.perf_counter()
+        for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+            PHASES[phase].append(seconds)
         return loss.detach()
 
     return one_iter
@@ -177,8 +187,10 @@ def run_dc(args, model, batch, rank, world):
 
     policy = args.scheme.removeprefix("dc-")
     dc.init()
+    # DCREDIT_* variables (a timeline path, a timeout) pass through; the
+    # scheme decides the policy.
     opt = dc.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(),
-                                  config=dc.Config(policy=policy))
+                                  config=dc.Config.from_env(policy=policy))
     # The job measures itself for profile_iters iterations, then plans and
     # switches (one more): time only what runs under the chosen plan.
     warmup = args.warmup + opt._dc_config.profile_iters + 1
@@ -238,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         intervals, loss, close = _runner(args.scheme)(args, model, batch, rank, world)
         record["run_s"] = time.perf_counter() - t0
         record["iter_times_s"] = intervals
+        if PHASES["step"]:  # schemes that train (not `comm`): the timed iterations' phases
+            record["phases_s"] = {k: v[len(v) - len(intervals):] for k, v in PHASES.items()}
         record["final_loss"] = float(loss) if loss is not None else None
         if close is not None:
             close()

@@ -53,6 +53,10 @@ def check_record(record: dict, report, schemes: list[str]) -> None:
         assert r["status"] == "ok", r["error"]
         assert len(r["iter_times_s"]) == ITERS
         assert all(t > 0 for t in r["iter_times_s"])
+        # Every scheme here trains: rank 0's phases of the same timed iterations.
+        assert sorted(r["phases_s"]) == ["backward", "forward", "step"]
+        assert all(len(v) == ITERS and min(v) >= 0 for v in r["phases_s"].values())
+        assert all(sum(p) <= t * 1.01 for *p, t in zip(*r["phases_s"].values(), r["iter_times_s"]))
     (res,) = record["results"]
     rows = {row["scheme"]: row for row in res["rows"]}
     assert set(rows) == set(schemes)

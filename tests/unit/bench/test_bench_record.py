@@ -119,6 +119,21 @@ def test_markdown_and_plot(tmp_path):
     assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_phase_table_pools_rounds_per_scheme():
+    runs = [r.to_dict() for r in _runs()]
+    assert report.phase_table(runs, "vgg", "1gbit") == ""  # no run recorded phases
+    for rnd, run in enumerate(r for r in runs if r["scheme"] == "ddp"):
+        run["phases_s"] = {"forward": [0.1 + rnd], "backward": [0.2 + rnd], "step": [0.05]}
+    table = report.phase_table(runs, "vgg", "1gbit")
+    assert "| ddp | 0.600 | 0.700 | 0.050 |" in table  # medians of the two rounds
+    assert "compute" not in table
+    assert report.phase_table(runs, "gpt", "1gbit") == ""
+    rec = make_record()
+    rec["runs"] = runs
+    assert report.validate_record(rec) == []
+    assert "| ddp | 0.600 | 0.700 | 0.050 |" in report.markdown_report(rec)
+
+
 # -- waiting on ranks never hangs ------------------------------------------------------
 
 
