@@ -5,6 +5,16 @@ block size ``S`` bytes, ``T(k) = alpha + beta * (bytes of the k blocks)``
 for a window of blocks sent together, forward time ``f_l`` (plus the
 tensor's share ``u_l`` of the optimizer update, 0 by default).
 
+Blocks
+------
+Tensors larger than ``S`` are cut into blocks of ``S`` bytes (the last
+shorter); runs of small neighbours in ready order are packed into blocks of
+at most ``S`` (:func:`packing_merges`), so that a model of many small
+tensors does not pay a collective per bias: the plan for the ResNet-like
+benchmark profile at 10 Gbit/s has 31 collectives per iteration instead of
+69. Each collective also costs the ranks' own cores a launch, a completion
+and an update call, which the link model does not charge.
+
 Phase 1 (during backward): greedy
 ---------------------------------
 Events are processed at ``e_0 <= e_1 <= ...`` (simulate.py). The planner
@@ -104,12 +114,48 @@ from collections.abc import Sequence
 
 from .plan import ALL, Plan, split_evenly
 from .profile import Profile, bytes_of
-from .simulate import BlockTable, FlushSnapshot, block_table
+from .simulate import BlockTable, FlushSnapshot, block_table, ready_times
 
 DEFAULT_BLOCK_BYTES = 4 << 20
 """4 MiB: large enough that one collective's launch overhead (tens of microseconds
 of CPU) is small beside its transfer on 1-100 Gbit/s links, small enough that a
 ResNet or BERT layer is cut into several blocks that windows can regroup."""
+
+
+def packing_merges(profile: Profile, block_bytes: int) -> list[list[int]]:
+    """Runs of small neighbouring gradients packed into one block of at most ``block_bytes``.
+
+    D-Credit's blocks are of about one size. Cutting makes large tensors
+    fit; packing does the same for small ones (biases, norms, early
+    convolutions), which would otherwise each pay a collective's start-up
+    and its launch, completion and update on the ranks' own cores. A run
+    grows along the ready order while the next tensor is of the same dtype,
+    is not cut, keeps the run within ``block_bytes``, and is ready within
+    ``alpha + beta * block_bytes`` of the run's first event: a packed block
+    waits for its last gradient no longer than one full block takes to send.
+    """
+    alpha, beta = profile.alpha_s, profile.beta_s_per_byte
+    patience = alpha + beta * block_bytes
+    ready = ready_times(profile)
+    runs: list[list[int]] = []
+    run: list[int] = []
+    run_bytes, first_event, latest = 0, 0.0, 0.0
+    for t in profile.order():
+        latest = max(latest, ready[t])  # the event at which t enters the heap
+        tensor = profile.tensors[t]
+        fits = (bool(run) and tensor.dtype == profile.tensors[run[0]].dtype
+                and run_bytes + tensor.nbytes <= block_bytes and latest - first_event <= patience)
+        if not fits:
+            if len(run) > 1:
+                runs.append(run)
+            run, run_bytes, first_event = [], 0, latest
+            if tensor.numel == 0 or tensor.nbytes > block_bytes:
+                continue  # no block (empty) or several (cut): never packed
+        run.append(t)
+        run_bytes += tensor.nbytes
+    if len(run) > 1:
+        runs.append(run)
+    return runs
 
 
 def partition_by_bytes(profile: Profile, block_bytes: int | Sequence[int]) -> tuple[tuple[int, ...], ...]:
@@ -283,8 +329,12 @@ def optimal_phase2_windows(plan: Plan, profile: Profile, *, update_s: float = 0.
 
 
 def dcredit(profile: Profile, *, block_bytes: int = DEFAULT_BLOCK_BYTES, channels: int = 1,
-            update_s: float = 0.0, refine: bool = True) -> Plan:
+            update_s: float = 0.0, refine: bool = True, pack: bool = True) -> Plan:
     """The D-Credit plan: blocks of ``block_bytes``, greedy phase-1 windows, optimal phase-2 windows.
+
+    Large tensors are cut into blocks of ``block_bytes`` and, with ``pack``,
+    runs of small ones packed into blocks of at most that size
+    (:func:`packing_merges`).
 
     ``refine`` lets the simulator choose between the analytic phase-2
     windows and their variants for blocks still pending at the flush
@@ -294,6 +344,7 @@ def dcredit(profile: Profile, *, block_bytes: int = DEFAULT_BLOCK_BYTES, channel
         numels=profile.numels,
         order=profile.order(),
         partition=partition_by_bytes(profile, block_bytes),
+        merges=tuple(tuple(run) for run in packing_merges(profile, block_bytes)) if pack else (),
         channels=channels,
         overlap_forward=True,
         policy="dcredit",

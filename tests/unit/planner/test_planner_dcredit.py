@@ -17,9 +17,10 @@ from dcredit_opt.planner.dcredit import (
     dcredit,
     optimal_phase2_batches,
     optimal_phase2_windows,
+    packing_merges,
     windows_for_batches,
 )
-from dcredit_opt.planner.plan import ALL, Plan
+from dcredit_opt.planner.plan import ALL, Plan, validate
 from dcredit_opt.planner.profile import Profile, TensorProfile
 from dcredit_opt.planner.simulate import ready_times, simulate
 from dcredit_opt.planner.synthetic import random_profile
@@ -49,7 +50,8 @@ def iteration(plan: Plan, profile: Profile, **fields) -> float:
 
 
 def num_blocks(plan: Plan) -> int:
-    return sum(len(p) for p in plan.partition)
+    """Collectives per iteration: cut blocks, a merged run counting once."""
+    return sum(len(p) for p in plan.partition) - sum(len(m) - 1 for m in plan.merges)
 
 
 def small_case(seed: int, equal_blocks: bool) -> Profile:
@@ -116,23 +118,41 @@ def test_phase2_windows_are_optimal_over_every_window_sequence(seed, T, shuffled
     assert ours == pytest.approx(best, rel=1e-12, abs=1e-12)
 
 
-def test_phase2_gap_outside_the_assumptions(record_property):
-    """Unequal tail blocks, phase-1 blocks still in flight at the flush: the analytic windows
-    (refined by the simulator, as dcredit() does) against exhaustive search, same phase 1."""
+def phase2_gaps(pack: bool) -> list[float]:
     gaps = []
     for seed in range(120):
         p = small_case(seed, equal_blocks=seed % 2 == 0)
-        plan = dcredit(p, block_bytes=S)
+        plan = dcredit(p, block_bytes=S, pack=pack)
         n = num_blocks(plan)
         if n > 7:
             continue
         best = min(iteration(plan, p, phase2_windows=w) for w in window_sequences(n))
         gaps.append(iteration(plan, p) / best - 1)
-    print(f"\nphase 2 given the greedy's phase 1, {len(gaps)} cases: gap to exhaustive mean "
+    print(f"\nphase 2 given the greedy's phase 1, pack={pack}, {len(gaps)} cases: gap to exhaustive mean "
           f"{statistics.mean(gaps):.2%}, max {max(gaps):.2%}, exact in {sum(g < 1e-9 for g in gaps)}")
+    return gaps
+
+
+def test_phase2_gap_outside_the_assumptions(record_property):
+    """Unequal tail blocks, phase-1 blocks still in flight at the flush: the analytic windows
+    (refined by the simulator, as dcredit() does) against exhaustive search, same phase 1.
+
+    Without packing every block but a tensor's last is of one size, as the
+    derivation has it."""
+    gaps = phase2_gaps(pack=False)
     record_property("phase2_gap_max", max(gaps))
     assert max(gaps) <= 0.10  # measured 7.85%
-    assert statistics.mean(gaps) <= 0.01  # measured 0.57%
+    assert statistics.mean(gaps) <= 0.01  # measured 0.59%
+
+
+def test_phase2_gap_with_packed_blocks(record_property):
+    """Packed small tensors make blocks of many sizes, further from the derivation's equal
+    blocks: the gap is larger in the worst case. Measured (seeds 0..119, 86 cases): mean 0.82%,
+    max 18.2%; the bounds sit just above, so that a regression shows."""
+    gaps = phase2_gaps(pack=True)
+    record_property("phase2_gap_packed_max", max(gaps))
+    assert max(gaps) <= 0.20
+    assert statistics.mean(gaps) <= 0.012
 
 
 # -- phase 1 ----------------------------------------------------------------------
@@ -177,7 +197,62 @@ def test_greedy_counts_small_blocks_in_bytes():
     # start-up; the design's count would have sent t2 alone.
     tensors = tuple(TensorProfile(f"t{i}", 1, "float32", i, 0.0, 0.3) for i in range(6))
     p = Profile(tensors, 1.0, 0.001, 2)
-    assert dcredit(p, block_bytes=S).phase1_windows == (1, 0, 0, 3, 0, 0)
+    # Unpacked: packing would join these neighbours into blocks before the greedy sees them.
+    assert dcredit(p, block_bytes=S, pack=False).phase1_windows == (1, 0, 0, 3, 0, 0)
+
+
+# -- packing ------------------------------------------------------------------------
+
+def test_packing_by_hand():
+    # Ready order 5, 4, ..., 0 every 0.1 s; alpha 0.05 s, beta 0.01 s/byte, S = 16
+    # bytes: patience alpha + beta * S = 0.21 s after a run's first event.
+    #   t5 (8 B) + t4 (4 B): 12 B, 0.1 s apart.
+    #   t3 (8 B) would make 20 B > S: a new run, t3 + t2 (4 B) ...
+    #   t1 is float16: a dtype change ends the run; t0 (24 B) is cut into blocks: never packed.
+    tensors = (TensorProfile("t0", 6, "float32", 0, 0.0, 0.1), TensorProfile("t1", 2, "float16", 1, 0.0, 0.1),
+               TensorProfile("t2", 1, "float32", 2, 0.0, 0.1), TensorProfile("t3", 2, "float32", 3, 0.0, 0.1),
+               TensorProfile("t4", 1, "float32", 4, 0.0, 0.1), TensorProfile("t5", 2, "float32", 5, 0.0, 0.1))
+    p = Profile(tensors, 0.05, 0.01, 2)
+    assert packing_merges(p, S) == [[5, 4], [3, 2]]
+    # Less patience (beta * S below the 0.1 s between gradients): nothing waits, nothing is packed.
+    assert packing_merges(dataclasses.replace(p, alpha_s=0.0, beta_s_per_byte=0.001), S) == []
+    # A larger block: t5..t2 (20 B) fit in 32 B and arrive within 0.37 s of t5.
+    assert packing_merges(p, 32) == [[5, 4, 3, 2]]
+    plan = dcredit(p, block_bytes=S)
+    assert plan.merges == ((5, 4), (3, 2))
+    assert num_blocks(plan) == 2 + 1 + 2  # t0 cut in two, t1 alone, two packed blocks
+
+
+@settings(max_examples=150, deadline=None)
+@given(profiles(max_tensors=8, max_numel=24), st.sampled_from([8, 16, 64]))
+def test_packing_rules_hold(p, block_bytes):
+    plan = dcredit(p, block_bytes=block_bytes)
+    validate(plan, p.numels, dtypes=[t.dtype for t in p.tensors])  # consecutive, one block each, one dtype
+    ready = ready_times(p)
+    events = {}
+    latest = 0.0
+    for t in p.order():
+        latest = max(latest, ready[t])
+        events[t] = latest
+    for run in plan.merges:
+        assert sum(p.tensors[t].nbytes for t in run) <= block_bytes
+        assert all(p.tensors[t].numel > 0 for t in run)
+        assert events[run[-1]] - events[run[0]] <= p.alpha_s + p.beta_s_per_byte * block_bytes + 1e-12
+    assert dcredit(p, block_bytes=block_bytes, pack=False).merges == ()
+
+
+@pytest.mark.parametrize("model", ["resnet18", "vgg", "gpt"])
+@pytest.mark.parametrize("gbit", [1, 10])
+def test_packing_on_the_benchmark_models(model, gbit):
+    """Fewer collectives, and the simulated iteration no more than 1% longer (measured: at most +0.8%,
+    ResNet at 1 Gbit/s; GPT at 1 Gbit/s 2.2% shorter)."""
+    from benchmarks.report import REPO_ROOT
+
+    p = Profile.load(REPO_ROOT / "benchmarks" / "profiles" / f"{model}.json")
+    p = dataclasses.replace(p, beta_s_per_byte=8e-9 / gbit)
+    packed, plain = dcredit(p), dcredit(p, pack=False)
+    assert num_blocks(packed) < num_blocks(plain)
+    assert iteration(packed, p) <= iteration(plain, p) * 1.01
 
 
 def test_greedy_releases_blocks_nothing_can_overtake():
