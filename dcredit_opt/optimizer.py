@@ -7,8 +7,12 @@ remaining blocks are still travelling, highest priority (nearest the input)
 first. The update of each parameter is applied later, on the main thread,
 just before the first forward of a module that owns it (a global module
 forward pre-hook, installed only while updates are pending), by running the
-wrapped optimizer's own ``step()`` on that parameter alone, with the
-hyperparameters that were in force when ``step()`` was called. Optimizer
+wrapped optimizer's own ``step()`` on that parameter, with the
+hyperparameters that were in force when ``step()`` was called. The same
+wrapped step also applies every update whose reduction has already finished,
+taken from the head of the plan's priority order (the order the blocks
+travel in): one wrapped step per module would cost a model of many small
+modules more than the transfer it hides. Optimizer
 state therefore stays exactly what a synchronous step would have made.
 Everything else that could observe a parameter first applies what is
 pending: ``synchronize()``, ``state_dict()``/``load_state_dict()`` of the
@@ -128,6 +132,8 @@ class _DistributedOptimizer:
         self._dc_marked = [False] * T
         self._dc_pending = [False] * T
         self._dc_npending = 0
+        self._dc_queue: list[int] = []  # the plan's priority order; those before _dc_queue_pos are applied
+        self._dc_queue_pos = 0
         self._dc_open = False
         self._dc_flushed = False
         self._dc_synchronized = False
@@ -184,6 +190,7 @@ class _DistributedOptimizer:
             self._dc_backend.buffers_for_engine(buffers), self._dc_postscale)
         self._dc_backend.set_blocks(buffers, layout, self._dc_postscale)
         self._dc_plan, self._dc_layout, self._dc_buffers, self._dc_slots = plan, layout, buffers, slots
+        self._dc_priority_order = sorted(range(plan.num_tensors), key=plan.tensor_priority)
 
     # ---- backward: hooks ------------------------------------------------
 
@@ -330,6 +337,7 @@ class _DistributedOptimizer:
                 and not self._dc_synchronized and self._dc_recorder is None)
         self._dc_synchronized = False
         if lazy:
+            self._dc_queue, self._dc_queue_pos = self._dc_priority_order, 0
             self._dc_install_forward_hook()
         else:
             self._dc_apply(range(len(self._dc_params)))
@@ -390,7 +398,7 @@ class _DistributedOptimizer:
 
     def _dc_apply(self, indices) -> None:
         """Wait for tensors ``indices`` and run the wrapped step on those still pending."""
-        todo = [i for i in indices if self._dc_pending[i]]
+        todo = [i for i in dict.fromkeys(indices) if self._dc_pending[i]]
         if not todo:
             return
         timeout = float(self._dc_config.timeout_s)
@@ -453,7 +461,20 @@ class _DistributedOptimizer:
         if own and self._dc_recorder is not None:
             self._dc_recorder.on_forward(own)
         if own and self._dc_npending:
-            self._dc_apply(own)
+            self._dc_apply(own + self._dc_finished())
+
+    def _dc_finished(self) -> tuple[int, ...]:
+        """Pending tensors at the head of the priority order whose reduction has finished."""
+        queue, k, done = self._dc_queue, self._dc_queue_pos, []
+        while k < len(queue):
+            i = queue[k]
+            if self._dc_pending[i]:
+                if not self._dc_engine.tensor_done(i):
+                    break
+                done.append(i)
+            k += 1
+        self._dc_queue_pos = k
+        return tuple(done)
 
     # ---- profiling, planning, timeline ---------------------------------------
 

@@ -129,8 +129,8 @@ def packing_merges(profile: Profile, block_bytes: int) -> list[list[int]]:
     fit; packing does the same for small ones (biases, norms, early
     convolutions), which would otherwise each pay a collective's start-up
     and its launch, completion and update on the ranks' own cores. A run
-    grows along the ready order while the next tensor is of the same dtype,
-    is not cut, keeps the run within ``block_bytes``, and is ready within
+    grows along the ready order while the next tensor is not empty (an
+    empty one has no block, so it ends the run), is of the same dtype, is not cut, keeps the run within ``block_bytes``, and is ready within
     ``alpha + beta * block_bytes`` of the run's first event: a packed block
     waits for its last gradient no longer than one full block takes to send.
     """
@@ -143,7 +143,7 @@ def packing_merges(profile: Profile, block_bytes: int) -> list[list[int]]:
     for t in profile.order():
         latest = max(latest, ready[t])  # the event at which t enters the heap
         tensor = profile.tensors[t]
-        fits = (bool(run) and tensor.dtype == profile.tensors[run[0]].dtype
+        fits = (bool(run) and tensor.numel > 0 and tensor.dtype == profile.tensors[run[0]].dtype
                 and run_bytes + tensor.nbytes <= block_bytes and latest - first_event <= patience)
         if not fits:
             if len(run) > 1:

@@ -214,3 +214,34 @@ def test_no_launcher_is_a_world_of_one():
     out = _run_init({})
     assert out.returncode == 0, out.stderr
     assert "size 1" in out.stdout
+
+
+def test_lazy_step_applies_every_finished_update_in_one_wrapped_step():
+    # Four modules with parameters. Once every reduction has finished, the
+    # first forward applies all pending updates in one wrapped step(), not one
+    # per module, and the result is still plain SGD's.
+    class CountingSGD(torch.optim.SGD):
+        calls = 0
+
+        def step(self, closure=None):
+            CountingSGD.calls += 1
+            return super().step(closure)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 3))
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = dc.DistributedOptimizer(CountingSGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                                  config=FIXED)
+    for s in range(3):
+        train_step(model, opt, s)
+        train_step(ref, ref_opt, s)
+    assert opt._dc_npending, "the step was not lazy: this test needs the lazy path"
+    opt._dc_engine.wait_all(30.0)
+    before = CountingSGD.calls
+    with torch.no_grad():
+        model(torch.randn(2, 4))
+    assert CountingSGD.calls == before + 1
+    assert not opt._dc_npending
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)

@@ -221,6 +221,11 @@ def test_packing_by_hand():
     plan = dcredit(p, block_bytes=S)
     assert plan.merges == ((5, 4), (3, 2))
     assert num_blocks(plan) == 2 + 1 + 2  # t0 cut in two, t1 alone, two packed blocks
+    # An empty tensor has no block: it ends a run, and a run is of neighbours in the ready order.
+    empty = (TensorProfile("e0", 1, "float32", 0, 0.0, 0.0), TensorProfile("e1", 0, "float32", 1, 0.0, 0.0),
+             TensorProfile("e2", 1, "float32", 2, 0.0, 0.0), TensorProfile("e3", 1, "float32", 3, 0.0, 0.0))
+    assert packing_merges(Profile(empty, 0.0, 0.0, 2), S) == [[3, 2]]
+    assert packing_merges(Profile(empty[:2], 0.0, 0.0, 2), S) == []
 
 
 @settings(max_examples=150, deadline=None)
