@@ -132,8 +132,7 @@ class _DistributedOptimizer:
         self._dc_marked = [False] * T
         self._dc_pending = [False] * T
         self._dc_npending = 0
-        self._dc_queue: list[int] = []  # the plan's priority order; those before _dc_queue_pos are applied
-        self._dc_queue_pos = 0
+        self._dc_queue_pos = 0  # lazy step: tensors before it in _dc_priority_order are applied
         self._dc_open = False
         self._dc_flushed = False
         self._dc_synchronized = False
@@ -337,7 +336,7 @@ class _DistributedOptimizer:
                 and not self._dc_synchronized and self._dc_recorder is None)
         self._dc_synchronized = False
         if lazy:
-            self._dc_queue, self._dc_queue_pos = self._dc_priority_order, 0
+            self._dc_queue_pos = 0
             self._dc_install_forward_hook()
         else:
             self._dc_apply(range(len(self._dc_params)))
@@ -465,7 +464,7 @@ class _DistributedOptimizer:
 
     def _dc_finished(self) -> tuple[int, ...]:
         """Pending tensors at the head of the priority order whose reduction has finished."""
-        queue, k, done = self._dc_queue, self._dc_queue_pos, []
+        queue, k, done = self._dc_priority_order, self._dc_queue_pos, []
         while k < len(queue):
             i = queue[k]
             if self._dc_pending[i]:

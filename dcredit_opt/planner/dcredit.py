@@ -129,9 +129,10 @@ def packing_merges(profile: Profile, block_bytes: int) -> list[list[int]]:
     fit; packing does the same for small ones (biases, norms, early
     convolutions), which would otherwise each pay a collective's start-up
     and its launch, completion and update on the ranks' own cores. A run
-    grows along the ready order while the next tensor is not empty (an
-    empty one has no block, so it ends the run), is of the same dtype, is not cut, keeps the run within ``block_bytes``, and is ready within
-    ``alpha + beta * block_bytes`` of the run's first event: a packed block
+    grows along the ready order while the next tensor is neither empty (no
+    block) nor larger than a block (cut into several), is of the same dtype,
+    keeps the run within ``block_bytes``, and is ready within ``alpha + beta
+    * block_bytes`` of the run's first event: a packed block
     waits for its last gradient no longer than one full block takes to send.
     """
     alpha, beta = profile.alpha_s, profile.beta_s_per_byte
@@ -143,14 +144,15 @@ def packing_merges(profile: Profile, block_bytes: int) -> list[list[int]]:
     for t in profile.order():
         latest = max(latest, ready[t])  # the event at which t enters the heap
         tensor = profile.tensors[t]
-        fits = (bool(run) and tensor.numel > 0 and tensor.dtype == profile.tensors[run[0]].dtype
+        packable = 0 < tensor.nbytes <= block_bytes
+        fits = (bool(run) and packable and tensor.dtype == profile.tensors[run[0]].dtype
                 and run_bytes + tensor.nbytes <= block_bytes and latest - first_event <= patience)
         if not fits:
             if len(run) > 1:
                 runs.append(run)
             run, run_bytes, first_event = [], 0, latest
-            if tensor.numel == 0 or tensor.nbytes > block_bytes:
-                continue  # no block (empty) or several (cut): never packed
+            if not packable:
+                continue  # ends the run, joins none
         run.append(t)
         run_bytes += tensor.nbytes
     if len(run) > 1:
