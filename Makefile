@@ -38,8 +38,14 @@ test-unit: install
 test-distributed: install
 	$(PY) -m pytest tests/distributed -q
 
+# The example on 2 local ranks, then DDP and dcredit-opt side by side on 2 ranks
+# joined by an emulated 1 Gbit/s link (network namespaces when root, else
+# loopback with a note). About 3 minutes on the 2-core development machine with
+# other jobs running (load average 5), after install.
 demo: install
 	$(VENV)/bin/torchrun --nproc_per_node 2 --master_port 29531 examples/train.py
+	@echo
+	$(PY) examples/side_by_side.py
 
 # The full comparison on an emulated network: ranks in network namespaces
 # joined by rate-limited veth pairs (needs root; falls back to loopback with a

@@ -1,9 +1,13 @@
-"""Builds dcredit_opt and its C++ extension dcredit_opt._C.
+"""Builds dcredit_opt's C++ extension dcredit_opt._C (metadata: pyproject.toml).
 
-Install with ``pip install --no-build-isolation -e .`` so that the extension
-is compiled against the torch already in the environment (an isolated build
-would fetch another torch). The torch version is recorded at build time and
-checked at import.
+The extension is compiled against the torch already in the environment, so
+build without isolation: ``pip install --no-build-isolation .`` (``make
+install`` does ``pip install --no-build-isolation --no-deps -e .``). An
+isolated build sees no torch, and fetching one for it would compile against
+a torch other than the one the extension runs with; so torch is not a build
+requirement, and a build without it stops at once with a message saying
+what to run. The torch version is recorded at build time and checked at
+import (``_ext.py``).
 
 When the installed torch has CUDA and a CUDA toolkit is found (``CUDA_HOME``,
 or torch's guess from ``nvcc`` on the PATH), the extension is a ``CUDAExtension`` that also
@@ -12,20 +16,45 @@ compiles ``CUDA_ONLY`` with ``DCREDIT_WITH_CUDA`` defined (see
 code at all.
 """
 
+import sys
 from pathlib import Path
 
-import torch
-from setuptools import find_packages, setup
+# The torch the test suite runs on (Makefile's TORCH_VERSION), and the tested
+# range that pyproject.toml declares (tests/packaging checks they agree).
+TESTED_TORCH = "2.13.0"
+TORCH_RANGE = ">=2.13,<2.15"
+
+try:
+    import torch
+except ImportError:
+    sys.exit(
+        "error: dcredit-opt's C++ extension is compiled against the torch it will run with, so torch must be "
+        "importable while it is built, and here it is not. Either torch is not installed yet, or (the usual "
+        "case) pip is building in an isolated environment, as it does by default, which holds only the build "
+        "tools: torch is deliberately not a build requirement, because a torch fetched into that environment "
+        "would differ from yours (often a multi-GB CUDA download) and the import would refuse the extension. "
+        f"Install torch (any torch{TORCH_RANGE}) if it is not installed, then build without isolation:\n"
+        f"    pip install torch=={TESTED_TORCH}\n"
+        "    pip install --no-build-isolation .\n"
+        "(or pip install --no-build-isolation -e . for an editable install)"
+    )
+
+from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 ROOT = Path(__file__).resolve().parent
 
+# Every source listed here must also be in the sdist (MANIFEST.in).
 CORE = ["csrc/core/scheduler.cc", "csrc/core/backends.cc"]
 TORCH = ["csrc/torch/torch_backend.cc", "csrc/torch/bindings.cc"]
 CUDA_ONLY = ["csrc/torch/cuda_sync.cc"]
 # No -std: torch's build adds the standard its headers need (C++20 since
-# torch 2.14, whose headers refuse C++17).
-CXX_FLAGS = ["-O2", "-Wall"]
+# torch 2.14, whose headers refuse C++17). A release build: -g0 comes after
+# any -g from Python's own CFLAGS and wins, and the linker strips what is
+# left (with debug info the extension is about 18 MB; the sanitizer and
+# debugger builds of the core are tests/cpp/run.sh's).
+CXX_FLAGS = ["-O2", "-Wall", "-g0"]
+LINK_FLAGS = ["-s"]
 
 
 def with_cuda() -> bool:
@@ -48,8 +77,9 @@ def extension(cuda: bool):
         # the host compiler builds them against the toolkit's headers.
         return CUDAExtension(name="dcredit_opt._C", sources=CORE + TORCH + CUDA_ONLY,
                              define_macros=[("DCREDIT_WITH_CUDA", "1")],
-                             extra_compile_args={"cxx": CXX_FLAGS, "nvcc": ["-O2"]})
-    return CppExtension(name="dcredit_opt._C", sources=CORE + TORCH, extra_compile_args=CXX_FLAGS)
+                             extra_compile_args={"cxx": CXX_FLAGS, "nvcc": ["-O2"]}, extra_link_args=LINK_FLAGS)
+    return CppExtension(name="dcredit_opt._C", sources=CORE + TORCH, extra_compile_args=CXX_FLAGS,
+                        extra_link_args=LINK_FLAGS)
 
 
 def write_build_info(cuda: bool) -> None:
@@ -65,14 +95,6 @@ WITH_CUDA = with_cuda()
 write_build_info(WITH_CUDA)
 
 setup(
-    name="dcredit-opt",
-    version="0.1.0",
-    description="A drop-in distributed optimizer for PyTorch with D-Credit gradient scheduling",
-    packages=find_packages(include=["dcredit_opt", "dcredit_opt.*"]),
-    python_requires=">=3.10",
-    install_requires=["numpy"],
     ext_modules=[extension(WITH_CUDA)],
     cmdclass={"build_ext": BuildExtension.with_options(no_python_abi_suffix=False)},
-    entry_points={"console_scripts": ["dcredit-opt=dcredit_opt.cli:main"]},
-    zip_safe=False,
 )

@@ -33,7 +33,7 @@ from pathlib import Path
 from benchmarks import report
 from benchmarks.models import MODELS
 from benchmarks.netem import MAX_RANKS, Network, open_network, parse_rate, rank_env
-from benchmarks.stats import Launch, schedule, table
+from benchmarks.stats import Launch, median, schedule, table
 from benchmarks.worker import SCHEMES
 
 DEFAULT_SCHEMES = SCHEMES
@@ -131,6 +131,7 @@ class RunResult:
     params: int | None = None
     final_loss: float | None = None
     phases_s: dict[str, list[float]] | None = None
+    profile: dict | None = None  # a dcredit run's own measurement (per-tensor times, alpha, beta), rank 0
 
     def to_dict(self) -> dict:
         d = {k: v for k, v in vars(self).items() if k != "launch"}
@@ -202,7 +203,7 @@ def run_launch(net: Network, launch: Launch, args: argparse.Namespace, workdir: 
                          batch_size=record.get("batch_size"), params=record.get("params"))
     return RunResult(launch, "ok", [float(t) for t in record["iter_times_s"]], None, wall,
                      record.get("batch_size"), record.get("params"), record.get("final_loss"),
-                     record.get("phases_s"))
+                     record.get("phases_s"), record.get("profile"))
 
 
 def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> str | None:
@@ -235,6 +236,16 @@ def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> str | None:
     return None
 
 
+def floor_s(profiles: list[dict]) -> float | None:
+    """The synchronous floor (``planner.simulate.synchronous_floor``) of the dcredit runs' own measurements
+    of this model and link, per-tensor times and the network's alpha and beta: their median; None without."""
+    from dcredit_opt.planner.profile import Profile
+    from dcredit_opt.planner.simulate import synchronous_floor
+
+    floors = [synchronous_floor(Profile.from_dict(p)) for p in profiles]
+    return median(floors) if floors else None
+
+
 def summarize_runs(runs: list[RunResult], models: list[str], rates: list[str],
                    schemes: list[str]) -> list[dict]:
     """Per (model, rate): pool the rounds' times per scheme and tabulate."""
@@ -243,14 +254,20 @@ def summarize_runs(runs: list[RunResult], models: list[str], rates: list[str],
         for model in models:
             mine = [r for r in runs if r.launch.model == model and r.launch.rate == rate]
             times: dict[str, list[float]] = {}
+            launches: dict[str, list[list[float]]] = {}
             notes: dict[str, str] = {}
             for r in mine:
                 if r.status == "ok":
                     times.setdefault(r.launch.scheme, []).extend(r.iter_times_s)
+                    launches.setdefault(r.launch.scheme, []).append(list(r.iter_times_s))
                 elif r.launch.scheme not in notes:
                     notes[r.launch.scheme] = f"{r.status}: {(r.error or 'unknown').splitlines()[0]}"
-            rows, bound = table(times, schemes, notes)
-            results.append({"model": model, "rate": rate, "bound_s": bound,
+            # The floor of full-precision synchronous training: profiles of compressed runs (fp16 on the wire,
+            # half the bytes) would lower it, and a compressed scheme may legitimately beat it.
+            floor = floor_s([r.profile for r in mine
+                             if r.status == "ok" and r.profile and not r.launch.scheme.endswith("-fp16")])
+            rows, bound = table(times, schemes, notes, launches, floor)
+            results.append({"model": model, "rate": rate, "bound_s": bound, "floor_s": floor,
                             "rows": [report.row_to_dict(row) for row in rows]})
     return results
 
@@ -261,11 +278,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     launches = schedule(args.models, args.rates, args.schemes, args.rounds)
     unavailable: dict[str, str] = {}
-    if "horovod" in args.schemes:
+    needs_horovod = [s for s in args.schemes if s == "horovod" or s.startswith("hvd-")]
+    if needs_horovod:
         why = horovod_unavailable()
         if why:
-            unavailable["horovod"] = why
-            print(f"skipping scheme horovod: {why}", file=sys.stderr)
+            for scheme in needs_horovod:
+                unavailable[scheme] = why
+                print(f"skipping scheme {scheme}: {why}", file=sys.stderr)
 
     runs: list[RunResult] = []
     networks: dict[str, dict] = {}

@@ -19,7 +19,7 @@ from typing import Any
 
 from benchmarks.stats import Row
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: rows carry speedup_ci and ratio_to_floor, results floor_s
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
@@ -104,7 +104,9 @@ def row_to_dict(row: Row) -> dict[str, Any]:
         "min_s": s.min_s if s else None,
         "max_s": s.max_s if s else None,
         "speedup_vs_ddp": row.speedup_vs_ddp,
+        "speedup_ci": list(row.speedup_ci) if row.speedup_ci else None,
         "ratio_to_bound": row.ratio_to_bound,
+        "ratio_to_floor": row.ratio_to_floor,
         "note": row.note,
     }
 
@@ -129,11 +131,12 @@ SCHEMA: dict[str, Any] = {
         "iter_times_s": list, "error": (str, type(None)), "wall_s": _NUM,
     }],
     "results": [{
-        "model": str, "rate": str, "bound_s": _OPT_NUM,
+        "model": str, "rate": str, "bound_s": _OPT_NUM, "floor_s": _OPT_NUM,
         "rows": [{
             "scheme": str, "n": int, "median_s": _OPT_NUM, "q1_s": _OPT_NUM,
             "q3_s": _OPT_NUM, "min_s": _OPT_NUM, "max_s": _OPT_NUM,
-            "speedup_vs_ddp": _OPT_NUM, "ratio_to_bound": _OPT_NUM, "note": str,
+            "speedup_vs_ddp": _OPT_NUM, "speedup_ci": (list, type(None)), "ratio_to_bound": _OPT_NUM,
+            "ratio_to_floor": _OPT_NUM, "note": str,
         }],
     }],
 }
@@ -208,12 +211,24 @@ def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
     return "-" if x is None else f"{x:{spec}}{suffix}"
 
 
+def speedup_text(speedup: float | None, ci) -> str:
+    """"1.08x [1.02, 1.15]"; an interval that holds 1.0 is read as no difference, and says so."""
+    if speedup is None:
+        return "-"
+    if not ci:
+        return f"{speedup:.2f}x"
+    lo, hi = ci
+    verdict = " no difference" if lo <= 1.0 <= hi else ""
+    return f"{speedup:.2f}x [{lo:.2f}, {hi:.2f}]{verdict}"
+
+
 def markdown_table(result: dict) -> str:
     """One (model, rate) result as a markdown table."""
     head = (f"### {result['model']} @ {result['rate']}  "
-            f"(bound max(compute, comm) = {_fmt(result['bound_s'], '.3f', ' s')})\n\n"
-            "| scheme | n | median (s) | IQR (s) | min-max (s) | speedup vs DDP "
-            "| ratio to bound | note |\n|---|---:|---:|---:|---:|---:|---:|---|\n")
+            f"(bound max(compute, comm) = {_fmt(result['bound_s'], '.3f', ' s')}; synchronous floor = "
+            f"{_fmt(result.get('floor_s'), '.3f', ' s')})\n\n"
+            "| scheme | n | median (s) | IQR (s) | min-max (s) | speedup vs DDP [95 % CI] "
+            "| ratio to bound | ratio to floor | note |\n|---|---:|---:|---:|---:|---:|---:|---:|---|\n")
     lines = []
     for r in result["rows"]:
         iqr = None if r["q1_s"] is None else r["q3_s"] - r["q1_s"]
@@ -221,8 +236,8 @@ def markdown_table(result: dict) -> str:
         note = r["note"].replace("|", "/").replace("\n", " ")[:120]
         lines.append(
             f"| {r['scheme']} | {r['n']} | {_fmt(r['median_s'], '.3f')} | {_fmt(iqr, '.3f')} "
-            f"| {span} | {_fmt(r['speedup_vs_ddp'], '.2f', 'x')} "
-            f"| {_fmt(r['ratio_to_bound'], '.2f', 'x')} | {note} |")
+            f"| {span} | {speedup_text(r['speedup_vs_ddp'], r.get('speedup_ci'))} "
+            f"| {_fmt(r['ratio_to_bound'], '.2f', 'x')} | {_fmt(r.get('ratio_to_floor'), '.2f', 'x')} | {note} |")
     return head + "\n".join(lines) + "\n"
 
 

@@ -6,6 +6,7 @@ Kept apart from the launcher so that they are tested without processes.
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -92,6 +93,43 @@ def ratio(num: float | None, den: float | None) -> float | None:
     return num / den
 
 
+# Bootstrap resamples for a speed-up's interval; fixed seed, so a record's intervals are reproducible.
+BOOTSTRAP_RESAMPLES = 2000
+CONFIDENCE = 0.95
+
+
+def speedup_interval(base: Sequence[Sequence[float]], other: Sequence[Sequence[float]],
+                     resamples: int = BOOTSTRAP_RESAMPLES, confidence: float = CONFIDENCE,
+                     seed: int = 0) -> tuple[float, float] | None:
+    """A percentile-bootstrap interval for ``median(base) / median(other)``.
+
+    Each argument holds one list of iteration times per launch. Iterations of
+    one launch share its start-up, placement and neighbours, so they are not
+    independent draws: each resample draws launches with replacement, then
+    iterations with replacement within each drawn launch (a two-level
+    bootstrap), for both schemes independently. None when either side has no
+    times.
+    """
+    base = [list(x) for x in base if x]
+    other = [list(x) for x in other if x]
+    if not base or not other:
+        return None
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence={confidence} outside (0, 1)")
+    rng = random.Random(seed)
+
+    def draw(launches: list[list[float]]) -> float:
+        pooled: list[float] = []
+        for _ in launches:
+            launch = launches[rng.randrange(len(launches))]
+            pooled.extend(launch[rng.randrange(len(launch))] for _ in launch)
+        return median(pooled)
+
+    ratios = [draw(base) / draw(other) for _ in range(resamples)]
+    tail = (1.0 - confidence) / 2
+    return quantile(ratios, tail), quantile(ratios, 1.0 - tail)
+
+
 @dataclass(frozen=True)
 class Row:
     scheme: str
@@ -99,17 +137,24 @@ class Row:
     speedup_vs_ddp: float | None  # ddp median / this median (> 1: faster than DDP)
     ratio_to_bound: float | None  # this median / bound (>= 1 up to noise)
     note: str = ""
+    speedup_ci: tuple[float, float] | None = None  # 95 % bootstrap interval of speedup_vs_ddp (over launches)
+    ratio_to_floor: float | None = None  # this median / the synchronous floor (planner.simulate.synchronous_floor)
 
 
 def table(times: dict[str, list[float]], schemes: Iterable[str],
-          notes: dict[str, str] | None = None) -> tuple[list[Row], float | None]:
+          notes: dict[str, str] | None = None,
+          launches: dict[str, list[list[float]]] | None = None,
+          floor: float | None = None) -> tuple[list[Row], float | None]:
     """One row per scheme for one (model, rate), and the bound.
 
     ``times`` maps a scheme to its steady-state iteration times pooled over
     rounds; a scheme absent from it (or with no times) gets an empty row and
-    its note (the skip reason or the error).
+    its note (the skip reason or the error). ``launches``, the same times
+    kept apart per launch, gives each speed-up its bootstrap interval;
+    ``floor``, the synchronous floor, each training scheme's ratio to it.
     """
     notes = notes or {}
+    launches = launches or {}
     med = {s: median(t) for s, t in times.items() if t}
     bound = bound_s(med.get("compute"), med.get("comm"))
     base = med.get(BASELINE)
@@ -119,10 +164,15 @@ def table(times: dict[str, list[float]], schemes: Iterable[str],
             rows.append(Row(s, None, None, None, notes.get(s, "no data")))
             continue
         is_bound = s in BOUND_SCHEMES
+        ci = None
+        if not is_bound and BASELINE in launches and s in launches:
+            ci = speedup_interval(launches[BASELINE], launches[s])
         rows.append(Row(
             s, summarize(times[s]),
             None if is_bound else ratio(base, med[s]),
             None if is_bound else ratio(med[s], bound),
             notes.get(s, ""),
+            ci,
+            None if is_bound else ratio(med[s], floor),
         ))
     return rows, bound

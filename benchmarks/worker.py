@@ -16,6 +16,7 @@ what a training loop experiences.
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import itertools
 import json
@@ -31,7 +32,12 @@ import torch.distributed as dist
 from benchmarks.models import get_model, loss_fn, param_count
 
 DC_POLICIES = ("wfbp", "mgwfbp", "bytescheduler", "usbyte", "dear", "dcredit")
-SCHEMES = ("compute", "comm", "ddp", "horovod") + tuple(f"dc-{p}" for p in DC_POLICIES)
+# hvd-dcredit: an unchanged Horovod script with dc.DistributedOptimizer (blocks on our own C++ channels beside
+# Horovod, the default there); hvd-dcredit-ops: the same with Config(backend="horovod"), blocks on Horovod's ops.
+# dc-dcredit-fp16: D-Credit with compression=Compression.fp16 (blocks travel as float16: half the bytes, float16's
+# rounding in the reduced gradient, as with Horovod's fp16 compression).
+SCHEMES = ("compute", "comm", "ddp", "horovod") + tuple(f"dc-{p}" for p in DC_POLICIES) + (
+    "hvd-dcredit", "hvd-dcredit-ops", "dc-dcredit-fp16")
 LR = 0.01
 MOMENTUM = 0.9
 # Generous: a rank may wait on a peer for a whole slow iteration plus start-up,
@@ -41,6 +47,9 @@ PG_TIMEOUT_S = 180
 # (zero_grad + forward + loss, backward, step), to show where an iteration
 # goes: a lazy step moves its waits from `step` into the next `forward`.
 PHASES: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
+# What a dcredit run's rank 0 measured while profiling (its per-tensor times, alpha and beta), for the
+# harness's synchronous floor.
+MEASURED: dict[str, dict] = {}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -132,6 +141,33 @@ def run_ddp(args, model, batch, rank, world):
 
 
 def run_horovod(args, model, batch, rank, world):
+    hvd, close = _join_horovod(rank, world)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters())
+    intervals, loss = _timed_loop(args.iters, args.warmup, _train_step(model, opt, batch))
+    return intervals, loss, close
+
+
+def run_dc_under_horovod(args, model, batch, rank, world):
+    import dcredit_opt as dc
+
+    hvd, close_horovod = _join_horovod(rank, world, fusion_off=True)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    backend = "horovod" if args.scheme.endswith("-ops") else "auto"
+    config = dc.Config.from_env(policy="dcredit", backend=backend)
+    opt = dc.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(), config=config)
+    warmup = args.warmup + opt._dc_config.profile_iters + 1
+    intervals, loss = _timed_loop(args.iters, warmup, _train_step(model, opt, batch))
+
+    def close():
+        dc.shutdown()
+        close_horovod()
+
+    return intervals, loss, close
+
+
+def _join_horovod(rank, world, fusion_off: bool = False):
+    """Horovod over this launch's ranks, as horovodrun would set it up; returns (hvd, close)."""
     import horovod.torch as hvd
     from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
     from horovod.runner.http.http_server import RendezvousServer
@@ -166,10 +202,9 @@ def run_horovod(args, model, batch, rank, world):
         "HOROVOD_CROSS_RANK": str(rank),
         "HOROVOD_CROSS_SIZE": str(world),
     })
+    if fusion_off:
+        os.environ["HOROVOD_FUSION_THRESHOLD"] = "0"  # as the README asks of Horovod users
     hvd.init()
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = hvd.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters())
-    intervals, loss = _timed_loop(args.iters, args.warmup, _train_step(model, opt, batch))
 
     def close():
         hvd.shutdown()
@@ -179,22 +214,27 @@ def run_horovod(args, model, batch, rank, world):
             store.wait([f"horovod_done_{r}" for r in range(world)])
             server.stop()
 
-    return intervals, loss, close
+    return hvd, close
 
 
 def run_dc(args, model, batch, rank, world):
     import dcredit_opt as dc
 
-    policy = args.scheme.removeprefix("dc-")
-    dc.init()
+    policy = args.scheme.removeprefix("dc-").removesuffix("-fp16")
+    compression = dc.Compression.fp16 if args.scheme.endswith("-fp16") else dc.Compression.none
     # DCREDIT_* variables (a timeline path, a timeout) pass through; the
-    # scheme decides the policy.
-    opt = dc.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(),
-                                  config=dc.Config.from_env(policy=policy))
+    # scheme decides the policy. The timeout also bounds joining the job and
+    # the control plane, as PG_TIMEOUT_S does for the other schemes.
+    config = dc.Config.from_env(policy=policy)
+    dc.init(timeout_s=config.timeout_s)
+    opt = dc.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(), compression=compression,
+                                  config=config)
     # The job measures itself for profile_iters iterations, then plans and
     # switches (one more): time only what runs under the chosen plan.
     warmup = args.warmup + opt._dc_config.profile_iters + 1
     intervals, loss = _timed_loop(args.iters, warmup, _train_step(model, opt, batch))
+    if opt.profile is not None:
+        MEASURED["profile"] = opt.profile.to_dict()
 
     def close():
         # A lazy step may leave the last updates in flight; let the optimizer
@@ -214,6 +254,8 @@ def run_dc(args, model, batch, rank, world):
 def _runner(scheme: str):
     if scheme.startswith("dc-"):
         return run_dc
+    if scheme.startswith("hvd-dcredit"):
+        return run_dc_under_horovod
     return {"compute": run_compute, "comm": run_comm, "ddp": run_ddp,
             "horovod": run_horovod}[scheme]
 
@@ -253,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         if PHASES["step"]:  # schemes that train (not `comm`): the timed iterations' phases
             record["phases_s"] = {k: v[len(v) - len(intervals):] for k, v in PHASES.items()}
         record["final_loss"] = float(loss) if loss is not None else None
+        if "profile" in MEASURED:
+            record["profile"] = MEASURED["profile"]
         if close is not None:
             close()
     except BaseException as exc:
@@ -269,4 +313,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # The record is written and every exit handler (dcredit_opt's shutdown, Horovod's) runs; the interpreter's
+    # own teardown is skipped, where a finished rank has aborted a few times under heavy load (see
+    # tests/distributed/spawn.py, exit_after_exit_handlers).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()
+    os._exit(code)

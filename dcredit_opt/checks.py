@@ -19,7 +19,9 @@ from .config import Config
 
 
 def named_tracked_params(optimizer, named_parameters):
-    """Parameters we reduce, in forward (registration) order, with their names."""
+    """Parameters we reduce, in forward (registration) order, with their names; and the optimizer's
+    frozen ones (``requires_grad=False`` now), as (name, parameter), so that ``step()`` can refuse one
+    that was unfrozen later."""
     in_optimizer = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -44,14 +46,17 @@ def named_tracked_params(optimizer, named_parameters):
             raise ValueError(f"named_parameters was specified, but {len(unnamed)} model parameter(s) were not "
                              f"named (shapes {shapes}). Python object ids: "
                              f"{', '.join(str(id(p)) for p in unnamed[:5])}")
-    names, params, seen = [], [], set()
+    names, params, frozen, seen = [], [], [], set()
     for name, p in named:
-        if id(p) in seen or id(p) not in in_optimizer or not p.requires_grad:
-            continue  # tied weights once; frozen and foreign parameters never
+        if id(p) in seen or id(p) not in in_optimizer:
+            continue  # tied weights once; foreign parameters never
         seen.add(id(p))
+        if not p.requires_grad:
+            frozen.append((name, p))
+            continue
         names.append(name)
         params.append(p)
-    return names, params
+    return names, params, frozen
 
 
 def check_same_model_on_all_ranks(names, params) -> None:

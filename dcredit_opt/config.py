@@ -27,7 +27,7 @@ class Config:
 
     policy: str = "dcredit"
     """Planner policy used once the job has profiled itself (``profile_iters``).
-    One of wfbp, ddp, mgwfbp, bytescheduler, usbyte, dear, dcredit, or "fixed" to keep
+    One of wfbp, ddp, mgwfbp, oasr, bytescheduler, usbyte, dear, dcredit, or "fixed" to keep
     the fixed plan below for the whole job."""
 
     backend: str = "auto"
@@ -52,6 +52,12 @@ class Config:
     overlap_forward: bool = True
     """Phase 2: ``step()`` returns before every gradient is reduced, and each layer's
     next forward waits only for its own parameters. Off: ``step()`` waits (WFBP-style)."""
+
+    lazy_step: str = "auto"
+    """When phase 2 is on, who may have their update deferred to the first read in the next
+    forward (Note [Lazy step]): "auto" (torch.optim classes known to update each parameter on
+    its own, while no step hooks are registered), "on" (any optimizer: you vouch that its
+    step() treats each parameter on its own) or "off" (every update applied in step())."""
 
     profile_iters: int = 5
     """Iterations measured at the start of the job before rank 0 plans; 0 keeps the
@@ -102,9 +108,11 @@ class Config:
             raise ValueError(f"Config.profile_iters must be >= 0, got {self.profile_iters!r}")
         if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise ValueError(f"Config.timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
+        if self.lazy_step not in ("auto", "on", "off"):
+            raise ValueError(f"Config.lazy_step {self.lazy_step!r} is unknown; known: auto, on, off")
         if self.backend not in ("auto", "torch", "horovod", "mpi"):
             raise ValueError(f"Config.backend {self.backend!r} is unknown; known: auto, torch, horovod, mpi")
-        known = ("fixed", "wfbp", "ddp", "mgwfbp", "bytescheduler", "usbyte", "dear", "dcredit")
+        known = ("fixed", "wfbp", "ddp", "mgwfbp", "oasr", "bytescheduler", "usbyte", "dear", "dcredit")
         if self.policy not in known:
             raise ValueError(f"Config.policy {self.policy!r} is unknown; known policies: {', '.join(known)}")
 

@@ -28,7 +28,7 @@ import socket
 import numpy as np
 import torch.distributed as dist
 
-from .runtime import LaunchError
+from .errors import LaunchError
 
 log = logging.getLogger("dcredit_opt")
 
@@ -61,6 +61,88 @@ def mpi_environment(environ=os.environ) -> tuple[str, str] | None:
         if rank_var in environ and size_var in environ:
             return rank_var, size_var
     return None
+
+
+# srun exports these for each task of a job step; a batch script run without srun has the job's
+# SLURM_NTASKS but no step of its own.
+_SLURM_STEP_VARS = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS")
+_SLURM_PORT_BASE, _SLURM_PORT_SPAN = 20000, 10000
+
+
+def slurm_environment(environ=os.environ) -> dict | None:
+    """torchrun's variables for a task that ``srun`` started, or None when srun did not start us.
+
+    RANK, WORLD_SIZE and LOCAL_RANK come from SLURM_PROCID,
+    SLURM_STEP_NUM_TASKS and SLURM_LOCALID; MASTER_ADDR from the user, else
+    the first host of the step's node list; MASTER_PORT from the user, else
+    a port every task of the step derives alike from the job and step ids.
+    """
+    if not all(v in environ for v in _SLURM_STEP_VARS):
+        ntasks = environ.get("SLURM_NTASKS", "1")
+        if ntasks.isdigit() and int(ntasks) > 1:
+            log.warning("dcredit_opt: SLURM_NTASKS=%s, but srun did not start this process (no SLURM_PROCID and "
+                        "SLURM_STEP_NUM_TASKS): running as a world of one. Launch each rank with `srun python "
+                        "train.py` (or torchrun)", ntasks)
+        return None
+    rank, size = environ["SLURM_PROCID"], environ["SLURM_STEP_NUM_TASKS"]
+    local = environ.get("SLURM_LOCALID", "0")
+    for var, value in (("SLURM_PROCID", rank), ("SLURM_STEP_NUM_TASKS", size), ("SLURM_LOCALID", local)):
+        if not value.isdigit():
+            raise LaunchError(f"{var}={value!r} is not a non-negative integer: is this an srun task?")
+    address = environ.get("MASTER_ADDR")
+    if not address:
+        nodes = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or ""
+        address = first_host(nodes)
+        if address is None:
+            raise LaunchError(f"cannot tell rank 0's host from SLURM's node list {nodes!r}: export MASTER_ADDR "
+                              "(rank 0's host name or address) to every task, e.g. `export MASTER_ADDR=$(scontrol "
+                              "show hostnames $SLURM_JOB_NODELIST | head -n 1)`")
+    port = environ.get("MASTER_PORT")
+    reserved = environ.get("SLURM_STEP_RESV_PORTS", "").split("-")[0].split(",")[0]
+    if not port and reserved.isdigit():  # srun --resv-ports: a port SLURM reserved for this step
+        port = reserved
+    if not port:
+        job, step = environ.get("SLURM_JOB_ID", "0"), environ.get("SLURM_STEP_ID", "0")
+        if not (job.isdigit() and step.isdigit()):
+            raise LaunchError(f"cannot derive a port from SLURM_JOB_ID={job!r} SLURM_STEP_ID={step!r}: export "
+                              "MASTER_PORT (a free port on rank 0's host) to every task")
+        port = str(_SLURM_PORT_BASE + (int(job) * 131 + int(step)) % _SLURM_PORT_SPAN)
+    return {"RANK": rank, "WORLD_SIZE": size, "LOCAL_RANK": local, "MASTER_ADDR": address, "MASTER_PORT": port}
+
+
+def srun_pmi(environ=os.environ) -> bool:
+    """The MPI variables are srun's own PMI (``srun --mpi=pmi2``): PMI_RANK and PMI_SIZE equal to the step's
+    SLURM_PROCID and SLURM_STEP_NUM_TASKS. Such a task joins through SLURM's variables, needing no mpi4py."""
+    return (all(v in environ for v in _SLURM_STEP_VARS)
+            and environ.get("PMI_RANK") == environ["SLURM_PROCID"]
+            and environ.get("PMI_SIZE") == environ["SLURM_STEP_NUM_TASKS"])
+
+
+def first_host(nodelist: str) -> str | None:
+    """The first host of a SLURM node list (``node[01-04,07],gpu3`` -> ``node01``), or None if unreadable."""
+    depth, end = 0, len(nodelist)
+    for k, ch in enumerate(nodelist):  # the first entry ends at the first comma outside brackets
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            end = k
+            break
+    entry, out = nodelist[:end].strip(), []
+    while entry:
+        open_, close = entry.find("["), entry.find("]")
+        if open_ < 0:
+            if "]" in entry:
+                return None
+            out.append(entry)
+            break
+        if close < open_:
+            return None
+        first = entry[open_ + 1:close].split(",")[0].split("-")[0]
+        if not first.isdigit():
+            return None
+        out += [entry[:open_], first]
+        entry = entry[close + 1:]
+    host = "".join(out)
+    return host or None
 
 
 def import_horovod():
@@ -100,13 +182,6 @@ def join_horovod():
         os.environ.setdefault("HOROVOD_FUSION_THRESHOLD", "0")
         hvd.init()
         owns = True
-    fusion = os.environ.get("HOROVOD_FUSION_THRESHOLD")
-    if (fusion is None or fusion.strip() != "0") and hvd.rank() == 0:  # once per job, not per rank
-        log.warning("dcredit_opt: Horovod's tensor fusion is on (HOROVOD_FUSION_THRESHOLD=%s), so Horovod may "
-                    "merge blocks that the scheduler releases together; results are unchanged, but priorities "
-                    "and windows are kept only approximately. Launch with `horovodrun --fusion-threshold-mb 0` "
-                    "(or HOROVOD_FUSION_THRESHOLD=0) to keep them exact.",
-                    fusion if fusion is not None else "unset: 128 MiB")
     if dist.is_initialized() and (dist.get_world_size() != hvd.size() or dist.get_rank() != hvd.rank()):
         raise LaunchError(
             f"torch.distributed and Horovod disagree about this process: torch.distributed says rank "
@@ -114,6 +189,22 @@ def join_horovod():
             "They were started by different launchers; launch once (e.g. `horovodrun -np N python train.py`) "
             "and initialise only Horovod, or give both the same ranks")
     return hvd, owns
+
+
+_fusion_told = False
+
+
+def warn_if_fusion_on(hvd) -> None:
+    """Blocks on Horovod's operations: say once per job if Horovod may fuse them (Note [Horovod fusion])."""
+    global _fusion_told
+    fusion = os.environ.get("HOROVOD_FUSION_THRESHOLD")
+    if (fusion is None or fusion.strip() != "0") and hvd.rank() == 0 and not _fusion_told:
+        _fusion_told = True
+        log.warning("dcredit_opt: Horovod's tensor fusion is on (HOROVOD_FUSION_THRESHOLD=%s), so Horovod may "
+                    "merge blocks that the scheduler releases together; results are unchanged, but priorities "
+                    "and windows are kept only approximately. Launch with `horovodrun --fusion-threshold-mb 0` "
+                    "(or HOROVOD_FUSION_THRESHOLD=0) to keep them exact.",
+                    fusion if fusion is not None else "unset: 128 MiB")
 
 
 def join_mpi(timeout_s: float):
@@ -135,6 +226,21 @@ def join_mpi(timeout_s: float):
                 f"torch.distributed says rank {dist.get_rank()} of {dist.get_world_size()} but MPI says rank "
                 f"{rank} of {size}: they were started by different launchers; launch once")
         return MPI, rank, size, local_rank, False
+    rendezvous_gloo(rank, size, timeout_s, lambda message: comm.Bcast(message, root=0), "the MPI job",
+                    "and GLOO_SOCKET_IFNAME to every rank")
+    return MPI, rank, size, local_rank, True
+
+
+def rendezvous_gloo(rank: int, size: int, timeout_s: float, broadcast, over: str, hint: str) -> None:
+    """Initialise torch.distributed (Gloo) over a job whose ranks can already broadcast (MPI, Horovod).
+
+    Rank 0 opens a TCPStore on a port the OS picks and tells the others where
+    with one ``broadcast(message)`` of fixed-size bytes (a numpy uint8 array,
+    in place; never a pickle); an error on rank 0 travels the same way, so no
+    rank is left waiting. Ranks on rank 0's machine use loopback (it works
+    even where the host name resolves to nothing routable) unless
+    ``MASTER_ADDR`` says where rank 0 is.
+    """
     timeout = datetime.timedelta(seconds=timeout_s)
     message = np.zeros(_RENDEZVOUS_BYTES, dtype=np.uint8)
     store = None
@@ -146,24 +252,22 @@ def join_mpi(timeout_s: float):
             text = f"error {type(e).__name__}: {e}"
         raw = text.encode()[:_RENDEZVOUS_BYTES]
         message[:len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-    comm.Bcast(message, root=0)
+    broadcast(message)
     words = bytes(message).rstrip(b"\0").decode(errors="replace").split(" ", 3)
     if words[0] != "ok":
-        raise LaunchError(f"rank 0 could not open the rendezvous for torch.distributed under MPI: "
+        raise LaunchError(f"rank 0 could not open the rendezvous for torch.distributed over {over}: "
                           f"{' '.join(words[1:])}")
     host, address, port = words[1], words[2], int(words[3])
     try:
         if store is None:
-            # Ranks on rank 0's machine use loopback: it works even where the
-            # host name resolves to nothing routable.
-            target = "127.0.0.1" if host == socket.gethostname() else address
-            store = dist.TCPStore(target, port, size, is_master=False, timeout=timeout)
+            same_host = host == socket.gethostname() and not os.environ.get("MASTER_ADDR")
+            store = dist.TCPStore("127.0.0.1" if same_host else address, port, size, is_master=False,
+                                  timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
     except Exception as e:
-        raise LaunchError(f"could not set up torch.distributed (Gloo) over the MPI job at {address}:{port} within "
+        raise LaunchError(f"could not set up torch.distributed (Gloo) over {over} at {address}:{port} within "
                           f"{timeout_s:g} s ({type(e).__name__}: {e}); on several machines, export MASTER_ADDR "
-                          "(rank 0's reachable address) and GLOO_SOCKET_IFNAME to every rank") from e
-    return MPI, rank, size, local_rank, True
+                          f"(rank 0's reachable address) {hint}") from e
 
 
 def _address_for_others() -> str:

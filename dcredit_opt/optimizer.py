@@ -5,24 +5,55 @@ Note [Lazy step]
 With phase 2 on, ``step()`` flushes the scheduler and returns at once: the
 remaining blocks are still travelling, highest priority (nearest the input)
 first. The update of each parameter is applied later, on the main thread,
-just before the first forward of a module that owns it (a global module
-forward pre-hook, installed only while updates are pending), by running the
-wrapped optimizer's own ``step()`` on that parameter, with the
-hyperparameters that were in force when ``step()`` was called. The same
-wrapped step also applies every update whose reduction has already finished,
-taken from the head of the plan's priority order (the order the blocks
-travel in): one wrapped step per module would cost a model of many small
-modules more than the transfer it hides. Optimizer
-state therefore stays exactly what a synchronous step would have made.
-Everything else that could observe a parameter first applies what is
-pending: ``synchronize()``, ``state_dict()``/``load_state_dict()`` of the
-optimizer and of every module that owns a parameter, and the next backward.
-What cannot be seen is a direct read of ``p.data`` outside any forward
-between ``step()`` and the next forward; ``synchronize()`` is the cure.
+just before the first read of that parameter in the next iteration, by
+running the wrapped optimizer's own ``step()`` on that parameter with the
+hyperparameters that were in force when ``step()`` was called (copied:
+a tensor learning rate that a scheduler changes in place does not leak in).
+Where the first read happens is learned once (Note [First read] in
+``reads.py``): the update is applied in a forward pre-hook of the module
+whose forward reads the parameter first, and in ``step()`` itself for a
+parameter read outside any forward (an EMA right after ``step()``) or not
+read while we watched. Each module applies only the updates it reads first:
+applying another parameter's finished update early, to save wrapped steps,
+would hide a stale read of it (the check below needs it still pending).
+Optimizer state therefore stays exactly what a synchronous step would have
+made. ``synchronize()``, ``state_dict()``/``load_state_dict()`` of the
+optimizer and of every module the forward ran, and ``step()`` apply what is
+pending first.
+
+The lazy step defers only what it can prove safe, and checks the rest:
+
+- Only optimizers whose update is per parameter (``separable.py``), with no
+  step hooks; any other steps eagerly, with one notice saying why.
+- An early read: a read of a pending parameter before the module we
+  learned (another branch, a peek in the parent, code between ``step()`` and
+  the next forward) applies its update first (Note [Guarded reads] in
+  ``reads.py``). Behind that, a graph read the guard could not see (another
+  thread, compiled code) shows in the parameter's gradient accumulator (Note
+  [Graph reads] in ``csrc/torch/bindings.cc``): every apply checks that
+  first, and so does the start of the backward, for updates still pending
+  then, before the rank launches anything: a ``DCreditError`` naming the
+  parameter. Last line: a pending parameter's tensor hook raises before
+  autograd touches the gradient slot.
+- A gradient written while it is being reduced (``clip_grad_norm_``,
+  ``model.zero_grad(set_to_none=False)``, user code between ``backward()``
+  and ``step()`` or between ``step()`` and the next forward) moves its slot's
+  version counter; ``step()`` and every apply compare it with the version
+  taken when the gradient was handed to the scheduler, and raise before
+  applying anything. Each slot is a tensor of its own over the buffer's
+  storage (not a view), so it has its own counter, and the collectives,
+  which write the blocks through other tensors, never move it.
+- ``GradScaler.step(opt)`` passes the scaler to ``step()``
+  (``_step_supports_amp_scaling``): the gradients are reduced first, then
+  unscaled and checked for Inf/NaN, so every rank skips the same steps.
+
+A compiled model (``torch.compile(model)``, ``model.compile()``) takes the
+same path: the hooks are hidden from Dynamo and run eagerly at a graph break
+(Note [Compiled models] in ``lazy.py``).
 
 Gradients live in flat buffers owned here (one per dtype, laid out by the
-plan); after its hook, ``p.grad`` is a view of its slot, so a finished
-reduction is visible in ``p.grad`` with no copy.
+plan); after its hook, ``p.grad`` is its slot, so a finished reduction is
+visible in ``p.grad`` with no copy.
 """
 
 from __future__ import annotations
@@ -36,11 +67,14 @@ import weakref
 
 import torch
 
-from . import backends, checks, devices, profiler, runtime, timeline
+from . import backends, checks, devices, grouping, profiler, runtime, separable, timeline
+from .compression import block_wire_dtype, wire_dtype_of
 from .config import Config
-from .errors import DCreditError
+from .errors import DCreditError, at_rank
 from .layout import build_layout, fixed_plan
+from .lazy import Keeper, LazyStep, copy_hyper, watch_module_hooks_when_compiled
 from .planner.plan import Plan, validate
+from .reads import PendingReadGuard
 
 log = logging.getLogger("dcredit_opt")
 
@@ -53,16 +87,43 @@ class ReduceOp(enum.Enum):
 Average = ReduceOp.AVERAGE
 Sum = ReduceOp.SUM
 
+# Horovod's reduce ops are ints (horovod.torch.mpi_ops: Average=0, Sum=1, Adasum=2, Min=3, Max=4, Product=5);
+# a script passes them as op=hvd.Average. A gradient average or sum is what an optimizer takes.
+_HOROVOD_OPS = {0: Average, 1: Sum}
+_HOROVOD_UNSUPPORTED = {2: "Adasum", 3: "Min", 4: "Max", 5: "Product"}
 
-def DistributedOptimizer(optimizer, named_parameters=None, backward_passes_per_step: int = 1,
-                         op: ReduceOp = Average, gradient_predivide_factor: float = 1.0,
-                         config: Config | None = None, sparse_as_dense: bool = False):
+
+def reduce_op(op) -> ReduceOp:
+    """``op`` as ours: dcredit_opt.Average/Sum or Horovod's hvd.Average/hvd.Sum."""
+    if isinstance(op, ReduceOp):
+        return op
+    if isinstance(op, int) and not isinstance(op, bool):
+        if op in _HOROVOD_OPS:
+            return _HOROVOD_OPS[op]
+        if op in _HOROVOD_UNSUPPORTED:
+            raise NotImplementedError(
+                f"op=hvd.{_HOROVOD_UNSUPPORTED[op]} is not supported: dcredit_opt reduces gradients with "
+                "Average or Sum (hvd.Average, hvd.Sum, dcredit_opt.Average, dcredit_opt.Sum); for Adasum use "
+                "horovod.torch.DistributedOptimizer")
+    raise ValueError(f"op must be dcredit_opt.Average or dcredit_opt.Sum (or Horovod's hvd.Average, hvd.Sum), "
+                     f"got {op!r}")
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step: int = 1,
+                         op=Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
+                         sparse_as_dense: bool = False, process_set=None, *, config: Config | None = None):
     """Wrap ``optimizer`` so that its gradients are averaged across ranks.
 
-    Same names and meaning as ``horovod.torch.DistributedOptimizer``. The
-    returned object is an instance of a subclass of ``optimizer``'s class that
-    shares its parameter groups and state, so LR schedulers and
-    ``isinstance`` checks keep working.
+    The signature of ``horovod.torch.DistributedOptimizer``, same positions,
+    names and meaning, plus ``config`` (keyword only). ``compression`` is
+    ``Compression.none`` or ``Compression.fp16`` (ours or Horovod's; Note [Wire
+    dtype] in ``compression.py``); ``op`` is ``Average`` or ``Sum`` (ours or
+    Horovod's); ``groups`` (a list of lists of parameters, or a number of
+    groups; ``num_groups`` is its old name) reduces each group's gradients
+    together, in one block, once all of them are ready; ``process_set`` must be
+    the global one. The returned object is an instance of a subclass of
+    ``optimizer``'s class that shares its parameter groups and state, so LR
+    schedulers and ``isinstance`` checks keep working.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -71,31 +132,85 @@ def DistributedOptimizer(optimizer, named_parameters=None, backward_passes_per_s
             "torch.optim.LBFGS is not supported: it re-evaluates the closure inside step()")
     if getattr(optimizer, "_dc_names", None) is not None:
         raise ValueError("optimizer is already a dcredit_opt.DistributedOptimizer")
+    wire = wire_dtype_of(compression)
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be a positive integer, got {backward_passes_per_step!r}")
-    if op not in (Average, Sum):
-        raise ValueError(f"op must be dcredit_opt.Average or dcredit_opt.Sum, got {op!r}")
+    op = reduce_op(op)
     if not (isinstance(gradient_predivide_factor, (int, float)) and gradient_predivide_factor > 0):
         raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor!r}")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
+    _check_process_set(process_set)
     if config is None:
         config = Config.from_env()
     elif not isinstance(config, Config):
         raise TypeError(f"config must be a dcredit_opt.Config, got {type(config).__name__}")
     config.validate()
-    names, params = checks.named_tracked_params(optimizer, named_parameters)
+    names, params, frozen = checks.named_tracked_params(optimizer, named_parameters)
+    owners = _earlier_owners(names, params)
+    group_of = grouping.tensor_groups(groups if groups is not None else (num_groups or None), names, params)
     _check_devices(names, params)
+    _take_over(owners)
 
     base = optimizer.__class__
-    body = {k: v for k, v in _DistributedOptimizer.__dict__.items() if k not in ("__dict__", "__weakref__")}
+    body = {k: v for part in (LazyStep, _DistributedOptimizer) for k, v in part.__dict__.items()
+            if k not in ("__dict__", "__weakref__", "__module__", "__doc__")}
     body["_dc_base"] = base
     cls = type(base.__name__, (base,), body)
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
-    wrapped._dc_setup(names, params, backward_passes_per_step, op, float(gradient_predivide_factor), config,
-                      sparse_as_dense)
+    wrapped._dc_setup(names, params, frozen, backward_passes_per_step, op, float(gradient_predivide_factor), config,
+                      sparse_as_dense, wire, group_of)
     return wrapped
+
+
+# id(parameter) -> (weak parameter, weak DistributedOptimizer that reduces its gradient). Keyed by id:
+# a WeakKeyDictionary would compare tensors with ==.
+_REDUCED_BY: dict = {}
+
+
+def _reduced_by(p):
+    entry = _REDUCED_BY.get(id(p))
+    if entry is None or entry[0]() is not p:
+        return None
+    return entry[1]()
+
+
+def _mark_reduced_by(p, ref) -> None:
+    key = id(p)
+    _REDUCED_BY[key] = (weakref.ref(p, lambda _, key=key: _REDUCED_BY.pop(key, None)), ref)
+
+
+def _earlier_owners(names, params) -> list:
+    """The live optimizers that reduce some of ``params`` already, with the first such parameter's name."""
+    owners: dict = {}
+    for name, p in zip(names, params):
+        other = _reduced_by(p)
+        if other is not None and not getattr(other, "_dc_closed", False):
+            owners.setdefault(id(other), (other, name))
+    return list(owners.values())
+
+
+def _take_over(owners) -> None:
+    """A new optimizer over parameters that an earlier one reduces replaces it (``opt =
+    DistributedOptimizer(...)`` again, to change optimizers mid-training): both hooks would take the
+    gradient. The earlier one is closed, after applying its pending updates; using it later raises."""
+    for other, name in owners:
+        log.warning("dcredit_opt: parameter '%s' is reduced by an earlier DistributedOptimizer (%s); that one is "
+                    "closed now, its pending updates applied, and the new one takes over", name,
+                    type(other).__name__)
+        other._dc_close()
+
+
+def _check_process_set(process_set) -> None:
+    """Only the global process set: every rank reduces every gradient."""
+    if process_set is None:
+        return
+    if getattr(process_set, "process_set_id", None) == 0:
+        return  # Horovod's hvd.global_process_set
+    raise NotImplementedError(
+        f"process_set={process_set!r}: dcredit_opt reduces over every rank of the job (the global process set); "
+        "leave process_set out, or use horovod.torch.DistributedOptimizer for a subset of ranks")
 
 
 def _check_devices(names, params):
@@ -107,15 +222,18 @@ class _DistributedOptimizer:
 
     # ---- set-up ---------------------------------------------------------
 
-    def _dc_setup(self, names, params, bpps, op, predivide, config, sparse_as_dense):
+    _step_supports_amp_scaling = True  # GradScaler.step() hands us the scaler (see _dc_scaled_skip)
+
+    def _dc_setup(self, names, params, frozen, bpps, op, predivide, config, sparse_as_dense, wire, group_of):
         runtime.init(timeout_s=config.timeout_s, backend=config.backend)
         devices.check_world(names, params, config.backend)  # before any collective
         self._dc_config = config
         self._dc_names = names
         self._dc_params = params
-        self._dc_index = {id(p): i for i, p in enumerate(params)}
+        self._dc_frozen = frozen
         self._dc_bpps = bpps
         self._dc_sparse_as_dense = sparse_as_dense
+        self._dc_sparse = [False] * len(params)  # gradients that came sparse and are reduced dense
         world = runtime.size()
         self._dc_prescale = 1.0 / predivide if op == Average else 1.0
         self._dc_postscale = predivide / world if op == Average else 1.0
@@ -124,28 +242,40 @@ class _DistributedOptimizer:
             self._dc_group_of.append(next(gi for gi, g in enumerate(self.param_groups)
                                           if any(q is p for q in g["params"])))
         checks.check_same_model_on_all_ranks(names, params)
+        self._dc_wire = wire  # Note [Wire dtype]: None, or the dtype float blocks travel in
+        self._dc_groups = group_of  # Horovod's groups, merged in every plan (grouping.py)
         checks.check_same_setup_on_all_ranks(config, backward_passes_per_step=bpps, op=op.value,
                                               gradient_predivide_factor=predivide,
-                                              sparse_as_dense=sparse_as_dense)
+                                              sparse_as_dense=sparse_as_dense, compression=str(wire),
+                                              groups=group_of)
         T = len(params)
         self._dc_counts = [0] * T
         self._dc_marked = [False] * T
         self._dc_pending = [False] * T
         self._dc_npending = 0
-        self._dc_queue_pos = 0  # lazy step: tensors before it in _dc_priority_order are applied
         self._dc_open = False
         self._dc_flushed = False
         self._dc_synchronized = False
         self._dc_skip = False
         self._dc_snapshot = None
-        self._dc_steps = 0
-        self._dc_module_params = weakref.WeakKeyDictionary()
-        self._dc_hooked_modules = weakref.WeakSet()
-        self._dc_forward_hook = None
-        self._dc_discovering = True
-        self._dc_forward_seen = False
+        self._dc_versions = [0] * T  # each slot's version when its gradient was handed over
+        self._dc_versions_checked = True  # the first apply after a lazy step() checks every pending slot
+        self._dc_reduced = False  # pending updates whose blocks a new iteration has already waited for
+        self._dc_deferred = False  # pending updates are lazy: a graph read of them before their apply is stale
+        self._dc_tracer = None  # Note [First read]: watching the first iteration after the first step()
+        self._dc_learned = False
+        self._dc_apply_at = weakref.WeakKeyDictionary()  # module -> tensors whose update its forward applies
+        self._dc_eager = tuple(range(T))  # tensors applied in step() even when lazy
+        self._dc_module_hooks = []
+        self._dc_keeper = Keeper(self)
+        self._dc_guard = PendingReadGuard(self._dc_keeper)  # Note [Guarded reads] in reads.py
+        self._dc_told = set()  # notices already given
         self._dc_backend = backends.create(config.backend, config.channels, config.timeout_s)
         self._dc_engine = self._dc_backend.engine
+        reducible = self._dc_backend.reducible_dtypes
+        if wire is not None and reducible is not None and wire not in reducible:
+            log.warning("dcredit_opt: backend '%s' cannot reduce %s, so Compression.fp16 changes nothing here: "
+                        "float32 gradients travel as they are", self._dc_backend.name, wire)
         self._dc_plan = None
         self._dc_staged_plan = None
         self._dc_profile = None
@@ -159,37 +289,52 @@ class _DistributedOptimizer:
             config.window, config.channels, config.credit_bytes, config.overlap_forward))
         me = weakref.ref(self)
         atexit.register(_drain_at_exit, me)
+        # Dropped without _dc_close() (del, garbage collection): what is in flight still
+        # finishes before the channels go, or the peers would wait for blocks never launched.
+        self._dc_life = _Life()
+        self._dc_dropped = weakref.finalize(self, _close_dropped, self._dc_engine, self._dc_backend, self._dc_life,
+                                            float(config.timeout_s))
+        self._dc_dropped.atexit = False  # at exit, _drain_at_exit drains and the runtime closes
         runtime.register_user(self)
         self._dc_grad_hooks = [p.register_post_accumulate_grad_hook(_weak_grad_hook(me, i))
                                for i, p in enumerate(params)]
         # A gradient beyond backward_passes_per_step is refused before autograd
         # adds it to p.grad, which by then is our slot, possibly on the wire.
-        with torch.enable_grad():
-            self._dc_accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
         self._dc_grad_hooks += [p.register_hook(_weak_count_hook(me, i)) for i, p in enumerate(params)]
-        self._dc_install_forward_hook()
+        watch_module_hooks_when_compiled()
+        for p in params:
+            _mark_reduced_by(p, me)
 
     def _dc_set_plan(self, plan: Plan) -> None:
-        """Switch to ``plan``; only between iterations (nothing in flight)."""
+        """Switch to ``plan`` (with Horovod's groups merged in); only between iterations (nothing in flight)."""
         params = self._dc_params
+        plan = grouping.merge_groups(plan, self._dc_groups, [p.dtype for p in params])
         validate(plan, numels=[p.numel() for p in params], max_channels=self._dc_config.channels,
                  dtypes=[p.dtype for p in params])
-        layout = build_layout(plan, [str(p.dtype) for p in params], [p.element_size() for p in params])
+        wire_of = self._dc_wire_dtypes()
+        layout = build_layout(plan, [str(p.dtype) for p in params], [w.itemsize for w in wire_of])
         device = params[0].device if params else torch.device("cpu")
-        dtype_of = {str(p.dtype): p.dtype for p in params}
-        buffers = [torch.zeros(n, dtype=dtype_of[k], device=device)
+        dtype_of = {str(p.dtype): (p.dtype, w) for p, w in zip(params, wire_of)}
+        buffers = [torch.zeros(n, dtype=dtype_of[k][0], device=device)
                    for k, n in zip(layout.segment_keys, layout.segment_numels)]
-        slots = [buffers[layout.tensor_segment[i]].narrow(0, layout.tensor_offset[i], p.numel()).view(p.shape)
-                 for i, p in enumerate(params)]
+        # Note [Wire dtype]: where a buffer's blocks travel in another dtype, and are reduced.
+        wires = [torch.zeros(n, dtype=dtype_of[k][1], device=device) if dtype_of[k][1] != dtype_of[k][0]
+                 else torch.zeros(0, dtype=dtype_of[k][0], device=device)
+                 for k, n in zip(layout.segment_keys, layout.segment_numels)]
+        slots = [_slot(buffers[layout.tensor_segment[i]], layout.tensor_offset[i], p) for i, p in enumerate(params)]
         self._dc_engine.set_plan(
             plan.num_tensors, list(plan.order), list(layout.block_segment), list(layout.block_offset),
             list(layout.block_numel), list(layout.block_bytes), list(layout.block_priority),
             [list(t) for t in layout.block_tensors], list(plan.phase1_windows or [-1] * plan.num_tensors),
             list(plan.phase2_windows), plan.credit_bytes, plan.channels,
-            self._dc_backend.buffers_for_engine(buffers), self._dc_postscale)
-        self._dc_backend.set_blocks(buffers, layout, self._dc_postscale)
+            **self._dc_backend.buffers_for_engine(buffers, wires), postscale=self._dc_postscale)
+        self._dc_backend.set_blocks(buffers, wires, layout, self._dc_postscale)
         self._dc_plan, self._dc_layout, self._dc_buffers, self._dc_slots = plan, layout, buffers, slots
-        self._dc_priority_order = sorted(range(plan.num_tensors), key=plan.tensor_priority)
+
+    def _dc_wire_dtypes(self) -> list:
+        """Per tensor, the dtype its blocks travel in (Note [Wire dtype])."""
+        reducible = self._dc_backend.reducible_dtypes
+        return [block_wire_dtype(p.dtype, self._dc_wire, reducible) for p in self._dc_params]
 
     # ---- backward: hooks ------------------------------------------------
 
@@ -201,7 +346,9 @@ class _DistributedOptimizer:
 
     def _dc_before_accumulate(self, i: int) -> None:
         """Tensor hook: runs before autograd adds a gradient to ``p.grad``, so a refusal changes nothing."""
-        if self._dc_counts[i] >= self._dc_bpps and _will_accumulate(self._dc_accumulators[i]):
+        if self._dc_pending[i]:
+            raise self._dc_stale_read(i)
+        if self._dc_counts[i] >= self._dc_bpps and _will_accumulate(self._dc_params[i]):
             raise self._dc_too_many_passes(i)
 
     def _dc_on_grad(self, i: int, p: torch.Tensor) -> None:
@@ -218,26 +365,45 @@ class _DistributedOptimizer:
         try:
             self._dc_engine.mark_ready(i)
         except (RuntimeError, TimeoutError) as e:
-            raise _where(e, f"phase 1 (backward), at the gradient of '{self._dc_names[i]}' (tensor {i})") from e
+            raise at_rank(e, f"phase 1 (backward), at the gradient of '{self._dc_names[i]}' (tensor {i})") from e
 
     def _dc_begin(self) -> None:
-        if self._dc_npending:
-            self._dc_apply(range(len(self._dc_params)))  # parameters no forward used
+        """The first gradient of an iteration: open the scheduler's iteration.
+
+        Updates still pending here belong to parameters that the forward did not
+        read where we learned it would. If the forward's graph read one of them,
+        that read was stale: refused here, before this rank launches anything.
+        The others stay pending (applying one now, in place, in the middle of a
+        backward, would corrupt what autograd saved), their blocks are waited
+        for, and ``step()`` applies them before staging new gradients.
+        """
+        if self._dc_tracer is not None:
+            self._dc_tracer.stop_recording()  # possibly on autograd's device thread: closed in step()
+        if self._dc_npending and self._dc_deferred:
+            # Before this rank launches anything of the new iteration, so that every rank
+            # whose forward read the same stale parameter stops here, at the same point.
+            self._dc_check_graph_reads([i for i, waits in enumerate(self._dc_pending) if waits])
+        if self._dc_npending and not self._dc_reduced:
+            self._dc_wait_all("the start of backward, waiting for the last step()'s blocks")
+            self._dc_reduced = True
         if self._dc_timeline is not None and self._dc_iteration:
             self._dc_timeline.record(self._dc_engine.trace(), self._dc_engine.ready_times(), self._dc_names,
                                      self._dc_layout.block_tensors, self._dc_iteration)
         if self._dc_staged_plan is not None:
             # Every rank stages the same plan at the same step(), so every
-            # rank switches here, in the same iteration.
+            # rank switches here, in the same iteration. The step() that staged
+            # it was eager (profiling), so no update waits in the old slots.
+            assert not self._dc_npending, "a plan switch with updates pending"
             plan, self._dc_staged_plan = self._dc_staged_plan, None
             self._dc_set_plan(plan)
         self._dc_iteration += 1
         try:
             self._dc_engine.start_iteration()
         except (RuntimeError, TimeoutError) as e:
-            raise _where(e, "phase 1 (start of backward)") from e
+            raise at_rank(e, "phase 1 (start of backward)") from e
         self._dc_open = True
         self._dc_flushed = False
+        self._dc_life.flushed = False
         self._dc_synchronized = False
         self._dc_marked = [False] * len(self._dc_params)
 
@@ -247,10 +413,10 @@ class _DistributedOptimizer:
         g = p.grad
         if g is None:
             slot.zero_()  # unused on this rank: contribute zeros, as Horovod does
+            p.grad = slot
         elif _is_view_of(g, slot):
             if self._dc_prescale != 1.0:
                 slot.mul_(self._dc_prescale)
-            return
         else:
             if g.is_sparse:
                 if not self._dc_sparse_as_dense:
@@ -258,11 +424,13 @@ class _DistributedOptimizer:
                         f"parameter '{self._dc_names[i]}' has a sparse gradient; pass sparse_as_dense=True "
                         "to DistributedOptimizer to reduce it as a dense tensor")
                 g = g.to_dense()
+                self._dc_sparse[i] = True  # the wrapped step gets it back sparse (Horovod's sparse_as_dense)
             if self._dc_prescale != 1.0:
                 torch.mul(g, self._dc_prescale, out=slot)
             else:
                 slot.copy_(g)
-        p.grad = slot
+            p.grad = slot
+        self._dc_versions[i] = slot._version  # from here on, only the collectives write the blocks
 
     def _dc_flush(self) -> None:
         """End of backward: unmarked tensors (unused here) join with what they have."""
@@ -273,23 +441,41 @@ class _DistributedOptimizer:
         try:
             self._dc_engine.flush()
         except (RuntimeError, TimeoutError) as e:
-            raise _where(e, "end of phase 1 (the flush in step() or synchronize())") from e
+            raise at_rank(e, "end of phase 1 (the flush in step() or synchronize())") from e
         self._dc_flushed = True
+        self._dc_life.flushed = True
+
+    def _dc_wait_all(self, where: str) -> None:
+        try:
+            with timeline.profiled("dcredit_opt::wait"):
+                self._dc_engine.wait_all(float(self._dc_config.timeout_s))
+        except (RuntimeError, TimeoutError) as e:
+            raise at_rank(e, where) from e
 
     # ---- the public optimizer API ----------------------------------------
 
     def synchronize(self) -> None:
         """Finish reducing this iteration's gradients (and apply any pending update)."""
+        self._dc_require_open("synchronize()")
+        self._dc_end_learning()
         if self._dc_npending:
             self._dc_apply(range(len(self._dc_params)))
         if self._dc_open and not self._dc_synchronized:
+            self._dc_check_frozen()
             if not self._dc_flushed:
                 self._dc_flush()
-            try:
-                self._dc_engine.wait_all(float(self._dc_config.timeout_s))
-            except (RuntimeError, TimeoutError) as e:
-                raise _where(e, "synchronize(), waiting for every block") from e
+            self._dc_check_writes(range(len(self._dc_params)), "synchronize()")
+            self._dc_wait_all("synchronize(), waiting for every block")
             self._dc_synchronized = True
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Horovod's setter: the backward passes per ``step()`` from now on; only between iterations."""
+        if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
+            raise ValueError(f"backward_passes_per_step must be a positive integer, got {passes!r}")
+        if any(self._dc_counts):
+            raise DCreditError(f"set_backward_passes_per_step({passes}) after a backward pass: call it right "
+                               "after step(), before the next loss.backward()")
+        self._dc_bpps = passes
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -300,10 +486,10 @@ class _DistributedOptimizer:
         finally:
             self._dc_skip = False
 
-    def step(self, closure=None):
-        if getattr(self, "_dc_closed", False):
-            raise DCreditError("this DistributedOptimizer was closed (dc.shutdown() closes every one): its hooks "
-                               "and channels are gone; build a new DistributedOptimizer after dc.init()")
+    @timeline.profiled_call("dcredit_opt::step")
+    def step(self, closure=None, grad_scaler=None):
+        self._dc_require_open("step()")
+        self._dc_end_learning()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -315,36 +501,85 @@ class _DistributedOptimizer:
                           "optimizer.synchronize() in your code.")
         if not self._dc_open:
             if not any(self._dc_counts):
+                if self._dc_zero_gradients_only():
+                    return self._dc_initialise_state(loss)
                 raise DCreditError("step() called, but no gradient was computed since the last step(): "
                                    "call loss.backward() before optimizer.step()")
             self._dc_begin()  # fewer backward passes than backward_passes_per_step: reduce what there is
+        if self._dc_timeline is not None:
+            self._dc_timeline.settle()  # Note [Timeline writer] in timeline.py
+        self._dc_check_frozen()
         if not self._dc_flushed:
+            self._dc_apply_pending()  # the last step()'s updates of parameters this forward did not read
             self._dc_flush()
+        if not self._dc_synchronized:
+            self._dc_check_writes(range(len(self._dc_params)), "step()")
+        if grad_scaler is not None and self._dc_scaled_skip(grad_scaler):
+            return loss
         if self._dc_config.check_finite:
             self._dc_check_finite()
-        self._dc_snapshot = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        self._dc_snapshot = [copy_hyper(g) for g in self.param_groups]
         self._dc_counts = [0] * len(self._dc_params)
         self._dc_open = False
         self._dc_pending = [True] * len(self._dc_params)
         self._dc_npending = len(self._dc_params)
-        self._dc_steps += 1
-        if self._dc_steps >= 2:
-            self._dc_discovering = False
-        # Until a forward has been seen, the modules to hook are unknown: apply
-        # now. While profiling, too: a forward must not include waiting.
-        lazy = (self._dc_plan.overlap_forward and self._dc_config.overlap_forward and self._dc_forward_seen
-                and not self._dc_synchronized and self._dc_recorder is None)
+        self._dc_reduced = False
+        self._dc_deferred = False
+        lazy = self._dc_may_defer()
         self._dc_synchronized = False
         if lazy:
-            self._dc_queue_pos = 0
-            self._dc_install_forward_hook()
+            self._dc_versions_checked = False
+            self._dc_apply(self._dc_eager)
+            self._dc_defer()
+            if self._dc_npending:
+                self._dc_keeper.strong = self  # the model's hooks keep us until the updates are applied
         else:
-            self._dc_apply(range(len(self._dc_params)))
+            self._dc_step_now()
+        if not self._dc_learned and self._dc_tracer is None:
+            self._dc_start_learning()
         if self._dc_recorder is not None:
             self._dc_recorder.on_step(self._dc_engine.ready_times())
             if self._dc_recorder.done:
                 self._dc_finish_profiling()
         return loss
+
+    def _dc_zero_gradients_only(self) -> bool:
+        """No backward since the last ``step()``, and every gradient present is zero (at least one is).
+
+        ``hvd.broadcast_optimizer_state(opt, root)`` creates the state of a
+        fresh optimizer that way: zero gradients, then ``opt.step()``. The
+        average of zeros is zero on every rank, so stepping locally is exactly
+        the synchronous step; any other gradient, set by hand, was never
+        reduced and is refused.
+        """
+        grads = [p.grad for p in self._dc_params if p.grad is not None]
+        if not grads:
+            return False
+        for g in grads:
+            values = g.coalesce().values() if g.is_sparse else g
+            if bool(values.any()):
+                return False
+        return True
+
+    def _dc_initialise_state(self, loss):
+        """``step()`` on zero gradients (see ``_dc_zero_gradients_only``): pending updates first, then the
+        wrapped step over every parameter, nothing reduced."""
+        self._dc_apply_pending()
+        self._dc_base.step(self)
+        return loss
+
+    def _dc_may_defer(self) -> bool:
+        """Whether this step()'s updates may wait for their first read (Note [Lazy step])."""
+        if not (self._dc_plan.overlap_forward and self._dc_config.overlap_forward and self._dc_learned):
+            return False
+        if self._dc_synchronized or self._dc_recorder is not None:
+            return False  # the user asked for every gradient now; or profiling: a forward must not wait
+        reason = separable.why_eager(self._dc_base, self, self._dc_config.lazy_step)
+        if reason is not None:
+            self._dc_tell(reason, f"dcredit_opt: updates are applied in step() (no overlap with the next "
+                                  f"forward), because {reason}")
+            return False
+        return True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._dc_open and any(self._dc_marked) and not self._dc_synchronized:
@@ -368,123 +603,27 @@ class _DistributedOptimizer:
         raise ValueError("add_param_group() on a DistributedOptimizer is not supported: add the group to the "
                          "wrapped optimizer before calling dcredit_opt.DistributedOptimizer")
 
-    def _dc_check_finite(self) -> None:
-        """Config.check_finite: wait for every block; on NaN or Inf refuse the whole step.
+    def _dc_require_open(self, call: str) -> None:
+        if getattr(self, "_dc_closed", False):
+            raise DCreditError(
+                f"{call} on a DistributedOptimizer that was shut down (dc.shutdown() shuts down every one, after "
+                "applying its pending updates): its hooks and channels are gone. state_dict() still works; to "
+                "train on, call dc.init() and build a new DistributedOptimizer")
 
-        The check comes before any update, so a refused step changes no
-        parameter and no optimizer state (a lazy check at each layer's forward
-        would have updated the layers before it). Every rank sees the same
-        reduced values, so every rank refuses the same step.
-        """
-        try:
-            self._dc_engine.wait_all(float(self._dc_config.timeout_s))
-        except (RuntimeError, TimeoutError) as e:
-            raise _where(e, "step(), waiting for every block (Config.check_finite)") from e
-        if all(bool(torch.isfinite(b).all()) for b in self._dc_buffers):
-            return
-        bad = next(i for i, slot in enumerate(self._dc_slots) if not bool(torch.isfinite(slot).all()))
-        self._dc_counts = [0] * len(self._dc_params)
-        self._dc_open = False
-        raise DCreditError(f"the reduced gradient of '{self._dc_names[bad]}' holds NaN or Inf (Config.check_finite "
-                           "is on): step() skipped, no parameter or optimizer state was changed; the reduced "
-                           "gradients stay in p.grad")
-
-    # ---- phase 2: applying updates ----------------------------------------
-
-    def _dc_apply_pending(self) -> None:
-        if self._dc_npending:
-            self._dc_apply(range(len(self._dc_params)))
-
-    def _dc_apply(self, indices) -> None:
-        """Wait for tensors ``indices`` and run the wrapped step on those still pending."""
-        todo = [i for i in dict.fromkeys(indices) if self._dc_pending[i]]
-        if not todo:
-            return
-        timeout = float(self._dc_config.timeout_s)
-        for i in todo:
-            try:
-                self._dc_engine.wait_tensor(i, timeout)
-            except (RuntimeError, TimeoutError) as e:
-                raise _where(e, f"phase 2 (after step()), waiting for the reduced gradient of "
-                                f"'{self._dc_names[i]}' (tensor {i}) to apply its update") from e
-        params, slots = self._dc_params, self._dc_slots
-        groups = self.param_groups
-        saved_params = [g["params"] for g in groups]
-        saved_hyper = [{k: g[k] for k in snap} for g, snap in zip(groups, self._dc_snapshot)]
-        saved_grads = [params[i].grad for i in todo]
-        members = [[] for _ in groups]
-        for i in todo:
-            members[self._dc_group_of[i]].append(params[i])
-        try:
-            for g, m, snap in zip(groups, members, self._dc_snapshot):
-                g["params"] = m
-                g.update(snap)
-            for i in todo:
-                params[i].grad = slots[i]
-            self._dc_base.step(self)
-        finally:
-            for g, ps, hyper in zip(groups, saved_params, saved_hyper):
-                g["params"] = ps
-                g.update(hyper)
-            for i, grad in zip(todo, saved_grads):
-                params[i].grad = grad
-        for i in todo:
-            self._dc_pending[i] = False
-        self._dc_npending -= len(todo)
-        if not self._dc_npending and not self._dc_discovering and self._dc_recorder is None:
-            self._dc_remove_forward_hook()
-
-    def _dc_install_forward_hook(self) -> None:
-        if self._dc_forward_hook is None:
-            self._dc_forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(
-                _weak_forward_hook(weakref.ref(self)))
-
-    def _dc_remove_forward_hook(self) -> None:
-        if self._dc_forward_hook is not None:
-            self._dc_forward_hook.remove()
-            self._dc_forward_hook = None
-
-    def _dc_before_forward(self, module: torch.nn.Module) -> None:
-        self._dc_forward_seen = True
-        own = self._dc_module_params.get(module)
-        if own is None:
-            own = tuple(self._dc_index[id(p)] for p in module._parameters.values()
-                        if p is not None and id(p) in self._dc_index)
-            self._dc_module_params[module] = own
-            if own and module not in self._dc_hooked_modules:
-                # model.state_dict()/load_state_dict() must see applied updates.
-                me = weakref.ref(self)
-                module.register_state_dict_pre_hook(_weak_apply_hook(me))
-                module.register_load_state_dict_pre_hook(_weak_apply_hook(me))
-                self._dc_hooked_modules.add(module)
-        if own and self._dc_recorder is not None:
-            self._dc_recorder.on_forward(own)
-        if own and self._dc_npending:
-            self._dc_apply(own + self._dc_finished())
-
-    def _dc_finished(self) -> tuple[int, ...]:
-        """Pending tensors at the head of the priority order whose reduction has finished."""
-        queue, k, done = self._dc_priority_order, self._dc_queue_pos, []
-        while k < len(queue):
-            i = queue[k]
-            if self._dc_pending[i]:
-                if not self._dc_engine.tensor_done(i):
-                    break
-                done.append(i)
-            k += 1
-        self._dc_queue_pos = k
-        return tuple(done)
+    def _dc_tell(self, key: str, message: str) -> None:
+        """A notice, once per optimizer and reason."""
+        if key not in self._dc_told:
+            self._dc_told.add(key)
+            log.warning("%s", message)
 
     # ---- profiling, planning, timeline ---------------------------------------
 
     def _dc_finish_profiling(self) -> None:
         """Every rank: measure the network; rank 0: plan; everyone: stage rank 0's plan."""
         recorder, self._dc_recorder = self._dc_recorder, None
-        if not self._dc_npending:
-            self._dc_remove_forward_hook()
         alpha, beta, _ = self._dc_backend.measure_alpha_beta(self._dc_params[0].device)
         self._dc_staged_plan, self._dc_profile = profiler.agree_on_plan(recorder, alpha, beta, self._dc_config,
-                                                                        self._dc_params)
+                                                                        self._dc_params, self._dc_wire_dtypes())
 
     @property
     def plan(self) -> Plan:
@@ -510,28 +649,85 @@ class _DistributedOptimizer:
         except (RuntimeError, TimeoutError) as e:
             log.warning("dcredit_opt: gradients still in flight at exit did not finish: %s", e)
 
+    def _dc_end_timeline(self) -> None:
+        """The last iteration into the timeline (drained: its blocks have finished), then close the file."""
+        tl = self._dc_timeline
+        if tl is None:
+            return
+        try:
+            if self._dc_iteration:
+                tl.record(self._dc_engine.trace(), self._dc_engine.ready_times(), self._dc_names,
+                          self._dc_layout.block_tensors, self._dc_iteration)
+            tl.close(self._dc_names)
+        except (RuntimeError, OSError) as e:
+            log.warning("dcredit_opt: the timeline's last iteration was not written: %s", e)
+
     def _dc_close(self) -> None:
-        """Detach from the model: hooks removed, engine shut down. Idempotent."""
+        """Apply what is pending, then detach from the model: hooks removed, engine shut down. Idempotent."""
         if getattr(self, "_dc_closed", False):
             return
+        try:
+            self._dc_apply_pending()
+        except (RuntimeError, TimeoutError) as e:  # DCreditError included: said once, the job goes on closing
+            log.warning("dcredit_opt: the updates pending at shutdown could not be applied: %s", e)
         self._dc_closed = True
+        self._dc_keeper.strong = None
+        self._dc_dropped.detach()
         self._dc_drain()
-        self._dc_remove_forward_hook()
-        for h in self._dc_grad_hooks:
+        self._dc_end_timeline()
+        self._dc_end_learning()
+        self._dc_guard.remove()
+        for h in self._dc_grad_hooks + self._dc_module_hooks:
             h.remove()
-        self._dc_grad_hooks = []
+        self._dc_grad_hooks, self._dc_module_hooks = [], []
         self._dc_backend.close()
+
+
+class _Life:
+    """What a dropped optimizer's finalizer needs to know: whether this iteration's blocks were all released."""
+
+    flushed = False
+
+
+def _close_dropped(engine, backend, life: _Life, timeout_s: float) -> None:
+    """Finalizer of an optimizer dropped without ``_dc_close()``: drain what was released, then close."""
+    try:
+        if life.flushed:
+            engine.wait_all(timeout_s)
+    except (RuntimeError, TimeoutError) as e:
+        log.warning("dcredit_opt: a dropped optimizer's gradients in flight did not finish: %s", e)
+    try:
+        backend.close()
+    except Exception as e:  # noqa: BLE001 - a finalizer must not raise; said once
+        log.warning("dcredit_opt: closing a dropped optimizer's channels failed: %s", e)
 
 
 def _drain_at_exit(ref) -> None:
     opt = ref()
     if opt is not None and not getattr(opt, "_dc_closed", False):
         opt._dc_drain()
+        opt._dc_end_timeline()
 
 
-def _where(e: Exception, where: str) -> Exception:
-    """Engine error ``e`` again, same type, saying which rank saw it and where."""
-    return type(e)(f"rank {runtime.rank()} of {runtime.size()}, {where}: {e}")
+def _slot(buffer: torch.Tensor, offset: int, p: torch.Tensor) -> torch.Tensor:
+    """Tensor ``p``'s gradient slot in ``buffer``: the same memory as the buffer, but a tensor of its own
+    (not a view), so that its version counter moves only when the slot itself is written (Note [Lazy step]).
+
+    Made from the buffer tensor, never from ``buffer.untyped_storage()``: a storage that Python has seen
+    keeps a Python object, and the last reference to the buffer's storage may be dropped on a Gloo
+    worker thread (the last collective's work), which would then need the GIL while the training thread,
+    holding it, destroys that process group and joins the worker.
+    """
+    slot = torch.empty(0, dtype=buffer.dtype, device=buffer.device)
+    return slot.set_(buffer, buffer.storage_offset() + offset, p.shape, _contiguous_strides(p.shape))
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(tuple(shape)):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def _is_view_of(grad, slot) -> bool:
@@ -556,29 +752,13 @@ def _weak_count_hook(ref, i):
     return hook
 
 
-def _will_accumulate(accumulator) -> bool:
+def _will_accumulate(p: torch.Tensor) -> bool:
     """Whether the running backward adds to ``p.grad`` (``torch.autograd.grad()`` does not)."""
+    with torch.enable_grad():  # the graph being run holds p's accumulator: this finds that one
+        accumulator = p.view_as(p).grad_fn.next_functions[0][0]
     try:
         return bool(torch._C._will_engine_execute_node(accumulator))
     except RuntimeError:
         return False  # torch.autograd.grad(): the gradient is returned, p.grad is left alone
     except AttributeError:
         return True  # a torch without this query: assume backward()
-
-
-def _weak_forward_hook(ref):
-    def hook(module, args):
-        opt = ref()
-        if opt is not None:
-            opt._dc_before_forward(module)
-    return hook
-
-
-def _weak_apply_hook(ref):
-    def hook(module, *args, **kwargs):
-        opt = ref()
-        if opt is not None:
-            opt._dc_apply_pending()
-    return hook
-
-

@@ -2,10 +2,15 @@
 
 During the first ``Config.profile_iters`` iterations the optimizer steps
 eagerly (so a forward never includes waiting for gradients) and this module
-records, per iteration, when each module that owns a parameter starts its
-forward, and when each gradient became ready (the scheduler's own
-timestamps). Then every rank joins a short all-reduce sweep on the job's
-channels; rank 0 fits alpha/beta, builds a :class:`~dcredit_opt.planner.profile.Profile`,
+records, per iteration, when each parameter is first read by a forward (the
+forward pre-hook of the module that reads it first, Note [First read] in
+``reads.py``), and when each gradient became ready (the scheduler's own
+timestamps). Profiling ends after exactly ``profile_iters`` calls of
+``step()``, whatever could be measured: every rank counts the same steps, so
+every rank leaves profiling, measures the network and takes the plan at the
+same ``step()`` (a parameter one rank never saw read just has no forward
+time). Then every rank joins a short all-reduce sweep on the optimizer's
+own channel 0; rank 0 fits alpha/beta, builds a :class:`~dcredit_opt.planner.profile.Profile`,
 plans, and broadcasts the plan as JSON; every rank validates it and switches
 at the same iteration. With profiling off the optimizer pays one ``if`` per
 hook.
@@ -50,19 +55,20 @@ class Recorder:
     def done(self) -> bool:
         return len(self.ready) >= self.iterations
 
-    def on_forward(self, tensors) -> None:
-        """A module owning ``tensors`` starts its forward."""
+    def on_forward(self, tensors, now_ns: int | None = None) -> None:
+        """``tensors`` are first read by a forward now (or at ``now_ns``)."""
         if self._current is None:
             self._current = {}
-        now = time.perf_counter_ns()
+        now = time.perf_counter_ns() if now_ns is None else now_ns
         for t in tensors:
             self._current.setdefault(t, now)
 
     def on_step(self, ready_ns) -> None:
-        """An iteration ended; ``ready_ns`` are the scheduler's per-tensor ready times."""
+        """An iteration ended; ``ready_ns`` are the scheduler's per-tensor ready times.
+
+        Every call counts towards ``done``, seen forward or not, so that the
+        end of profiling is the same ``step()`` on every rank."""
         fwd, self._current = self._current or {}, None
-        if len(fwd) < len(self.params):
-            return  # a forward we did not see whole (before the hook existed): not a sample
         # The scheduler stamps with std::steady_clock and perf_counter_ns reads
         # the same CLOCK_MONOTONIC on Linux, so the two series compare directly.
         self.forward_start.append(fwd)
@@ -75,14 +81,14 @@ class Recorder:
         bwd_samples = [[] for _ in range(T)]
         orders = []
         for fwd, ready in zip(self.forward_start, self.ready):
-            by_start = sorted(range(T), key=lambda t: (fwd[t], t))
+            by_start = sorted(fwd, key=lambda t: (fwd[t], t))  # tensors whose first read we saw
             starts = sorted(set(fwd.values()))
             order = tuple(sorted(range(T), key=lambda t: (ready[t], -t)))
             orders.append(order)
             first_ready = ready[order[0]]
             # The last module's forward, the loss and the first backward share
             # the gap to the first ready gradient; split it evenly.
-            tail = max(0, first_ready - starts[-1]) / 2
+            tail = max(0, first_ready - starts[-1]) / 2 if starts else 0
             next_start = {s: (starts[k + 1] if k + 1 < len(starts) else starts[-1] + tail)
                           for k, s in enumerate(starts)}
             charged = set()
@@ -125,17 +131,24 @@ def measure_alpha_beta_with(allreduce, barrier, device: torch.device):
     return alpha, beta, samples
 
 
-def build_profile(recorder: Recorder, alpha: float, beta: float, world_size: int) -> Profile:
+def build_profile(recorder: Recorder, alpha: float, beta: float, world_size: int,
+                  wire_dtypes: list | None = None) -> Profile:
+    """The profile of what was recorded. ``wire_dtypes`` (per tensor, Note [Wire dtype]) count the bytes that
+    travel when every tensor has one dtype and one wire dtype (the planner merges by dtype, and a merge must
+    stay within one buffer); otherwise each tensor counts in its own dtype."""
     fwd_s, bwd_s, order = recorder.compute_times()
-    tensors = [TensorProfile(name=n, numel=p.numel(), dtype=canonical_dtype(p.dtype), forward_index=i,
+    dtypes = [p.dtype for p in recorder.params]
+    if wire_dtypes is not None and len(set(dtypes)) == 1 and len(set(wire_dtypes)) == 1:
+        dtypes = list(wire_dtypes)
+    tensors = [TensorProfile(name=n, numel=p.numel(), dtype=canonical_dtype(d), forward_index=i,
                              fwd_s=fwd_s[i], bwd_s=bwd_s[i])
-               for i, (n, p) in enumerate(zip(recorder.names, recorder.params))]
+               for i, (n, p, d) in enumerate(zip(recorder.names, recorder.params, dtypes))]
     return Profile(tensors=tensors, alpha_s=alpha, beta_s_per_byte=beta, world_size=world_size,
                    ready_order=order)
 
 
 def agree_on_plan(recorder: Recorder, alpha: float, beta: float, config: Config,
-                  params: list) -> tuple[Plan, Profile | None]:
+                  params: list, wire_dtypes: list | None = None) -> tuple[Plan, Profile | None]:
     """The plan every rank switches to after profiling, and the profile (on rank 0; None elsewhere).
 
     Rank 0 builds the profile from its measurements and plans; the plan goes
@@ -145,7 +158,7 @@ def agree_on_plan(recorder: Recorder, alpha: float, beta: float, config: Config,
     text, profile = None, None
     if runtime.rank() == 0:
         try:
-            profile = build_profile(recorder, alpha, beta, runtime.size())
+            profile = build_profile(recorder, alpha, beta, runtime.size(), wire_dtypes)
             plan = make_plan(profile, config.policy, channels=config.channels, overlap_forward=config.overlap_forward)
             validate(plan, numels=[p.numel() for p in params], max_channels=config.channels,
                      dtypes=[p.dtype for p in params])

@@ -1,4 +1,4 @@
-"""Process-level set-up: which world we are in, and the channels we reduce on.
+"""Process-level set-up: which world we are in, and the process groups that channels are made of.
 
 ``init()`` adopts whatever launched us: an initialised Horovod (``hvd.init()``
 first), horovodrun's variables or ``backend="horovod"`` (Horovod, initialised
@@ -10,13 +10,23 @@ with torch.distributed Gloo set up beside it for control); or nothing at all
 
 The control plane (``all_gather``, ``broadcast_``: the model check, the
 broadcast helpers, the plan) runs on Horovod in a Horovod job and on
-torch.distributed otherwise, whichever backend carries the blocks.
+torch.distributed's default group otherwise, whichever backend carries the
+blocks. It is called from the training thread only, so it never races a
+dispatch thread: blocks never go on the default group.
+
+Channels are not shared: each backend (one per ``DistributedOptimizer``)
+makes its own, here through ``channel_groups()`` for torch.distributed, and
+destroys them when it closes. Two optimizers' dispatch threads launch
+independently, so on shared channels their collectives would pair up across
+ranks by timing rather than by block.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
+import itertools
 import logging
 import os
 import sys
@@ -24,6 +34,8 @@ import weakref
 
 import torch
 import torch.distributed as dist
+
+from .errors import LaunchError
 
 log = logging.getLogger("dcredit_opt")
 
@@ -34,10 +46,6 @@ _LAUNCH_HELP = (
 )
 
 
-class LaunchError(RuntimeError):
-    """The launcher's environment is incomplete or its rendezvous does not answer."""
-
-
 @dataclasses.dataclass
 class _World:
     rank: int
@@ -46,17 +54,22 @@ class _World:
     owns_default_group: bool
     timeout_s: float
     channel_groups: list = dataclasses.field(default_factory=list)
+    """Process groups made by ``channel_groups()`` and not destroyed yet; ``shutdown()`` destroys them."""
     kind: str = "torch"
     """Who set up the world: "torch" (torchrun, the user, or a world of one), "horovod" or "mpi"."""
     hvd: object = None
     """``horovod.torch`` in a Horovod world."""
     owns_horovod: bool = False
     backends_created: int = 0
+    on_cpu: bool | None = None
+    """In a Horovod job: whether it runs on CPUs, decided by every rank together (``horovod_on_cpu()``)."""
     """Backends made so far; the same count on every rank (Note [Same order on every rank])."""
 
 
 _world: _World | None = None
-_users: weakref.WeakSet = weakref.WeakSet()
+# Optimizers to close at shutdown(), in the order they were built: the same on every rank.
+_users: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_user_numbers = itertools.count()
 
 
 def init(timeout_s: float = 30.0, backend: str | None = None) -> None:
@@ -74,6 +87,7 @@ def init(timeout_s: float = 30.0, backend: str | None = None) -> None:
 
         backend = Config.from_env().backend
     kind = _launcher(backend)
+    _leave_at_exit()
     if kind == "horovod":
         from . import launchers
 
@@ -113,7 +127,7 @@ def _launcher(backend: str) -> str:
     if dist.is_initialized() and backend != "mpi":
         return "torch"
     torchrun = any(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
-    if backend == "mpi" or (not torchrun and launchers.mpi_environment() is not None):
+    if backend == "mpi" or (not torchrun and launchers.mpi_environment() is not None and not launchers.srun_pmi()):
         return "mpi"
     return "torch"
 
@@ -122,6 +136,16 @@ def _init_default_group(timeout_s: float) -> None:
     env = os.environ
     launcher_vars = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     present = [v for v in launcher_vars if v in env]
+    if not any(v in env for v in ("RANK", "WORLD_SIZE")):
+        from . import launchers
+
+        slurm = launchers.slurm_environment()
+        if slurm is not None:  # srun: torchrun's variables from SLURM's, for env:// below
+            env.update(slurm)
+            present = list(launcher_vars)
+            if slurm["RANK"] == "0":
+                log.info("dcredit_opt: started by srun: %s ranks, rendezvous at %s:%s", slurm["WORLD_SIZE"],
+                         slurm["MASTER_ADDR"], slurm["MASTER_PORT"])
     backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     if not present:
@@ -232,47 +256,142 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str) -> None:
 
 
 def channel_groups(count: int) -> list:
-    """``count`` process groups over all ranks, created collectively on first use.
+    """``count`` new process groups over all ranks: one backend's channels, its own.
 
-    Every rank creates them in the same order, so channel ``c`` is the same
-    communicator everywhere (Note [Same order on every rank]). They inherit
-    the default group's backend; for NCCL see Note [NCCL channels] in
-    ``backends/torch_dist.py``.
+    Collective: every rank calls it in the same order (backends are built
+    when optimizers are, Note [Same order on every rank]), so the k-th group
+    made is the same communicator everywhere. Each new group then runs one
+    tiny all-reduce, here on the training thread: under NCCL that creates its
+    communicator now, in channel order, rather than at the first launch on
+    whichever dispatch thread gets there first (Note [NCCL channels]); under
+    Gloo the group is already connected and this costs one round trip.
+
+    The groups inherit the default group's backend. The caller owns them and
+    gives them back with ``destroy_channel_groups``; ``shutdown()`` destroys
+    any still left.
     """
     world = _require()
+    if not dist.is_initialized() and world.kind == "horovod":
+        _torch_beside_horovod(world)
     if not dist.is_initialized():
         raise LaunchError(f"backend 'torch' needs torch.distributed, which this {world.kind} job does not use: "
                           f"pass Config(backend='{world.kind}') or 'auto', or launch with torchrun")
     timeout = datetime.timedelta(seconds=world.timeout_s)
-    while len(world.channel_groups) < count:
-        world.channel_groups.append(dist.new_group(ranks=list(range(world.size)), timeout=timeout))
-    return world.channel_groups[:count]
+    groups = [dist.new_group(ranks=list(range(world.size)), timeout=timeout) for _ in range(count)]
+    world.channel_groups.extend(groups)
+    device = control_device()
+    for group in groups:
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
+    return groups
+
+
+def _torch_beside_horovod(world: _World) -> None:
+    """Note [C++ channels under Horovod]: set up torch.distributed (Gloo) over a Horovod job's ranks.
+
+    Blocks on Horovod's Python API pay two Python calls and a negotiation
+    cycle each, on two busy cores; blocks on c10d process groups are launched
+    and completed in C++, as under torchrun. So under Horovod the "auto"
+    backend carries gradient blocks on process groups of our own, and the
+    script keeps Horovod for everything else (its own allreduce, broadcasts,
+    metrics). The rendezvous goes through one Horovod broadcast
+    (``launchers.rendezvous_gloo``); the default group is ours, destroyed at
+    ``shutdown()``. Collective: every rank builds its first "torch" backend at
+    the same point. ``Config(backend="horovod")`` keeps blocks on Horovod's
+    operations instead.
+    """
+    from . import launchers
+
+    def broadcast(message) -> None:
+        broadcast_(torch.from_numpy(message), 0, name="rendezvous")  # in place, into the numpy array
+
+    launchers.rendezvous_gloo(world.rank, world.size, world.timeout_s, broadcast, "Horovod",
+                              "or pass Config(backend='horovod')")
+    world.owns_default_group = True
+    if world.rank == 0:
+        log.warning("dcredit_opt: gradient blocks go on torch.distributed (Gloo) process groups beside Horovod "
+                    "(Config(backend='horovod') keeps them on Horovod's operations)")
+
+
+def destroy_channel_groups(groups: list) -> None:
+    """Destroy ``groups`` from ``channel_groups()``; only once nothing is in flight on them.
+
+    Local under Gloo. Those already gone (``shutdown()`` came first) are skipped.
+    """
+    world = _world
+    if world is None:
+        return
+    for group in groups:
+        if not any(g is group for g in world.channel_groups):
+            continue
+        world.channel_groups = [g for g in world.channel_groups if g is not group]
+        _destroy_group(group)
+
+
+def horovod_on_cpu() -> bool:
+    """A Horovod job on CPUs: where our own C++ channels replace Horovod's operations for the blocks (Note [C++
+    channels under Horovod]). Decided once per job, by every rank together: a rank without CUDA makes it a CPU
+    job for all (ranks that chose differently would wait for each other's collectives forever)."""
+    world = _require()
+    if world.on_cpu is None:
+        mine = torch.tensor([0 if torch.cuda.is_available() else 1], dtype=torch.int32)
+        world.on_cpu = any(int(t) for t in all_gather(mine, name="cpu"))
+    return world.on_cpu
+
+
+def _destroy_group(group) -> None:
+    try:
+        dist.destroy_process_group(group)
+    except (RuntimeError, ValueError):
+        pass  # already gone with the default group
 
 
 def register_user(obj) -> None:
-    """``obj`` (a DistributedOptimizer) uses our channels; ``shutdown()`` closes it first."""
-    _users.add(obj)
+    """``obj`` (a DistributedOptimizer) communicates through us; ``shutdown()`` closes it first."""
+    _users[next(_user_numbers)] = obj
+
+
+_exit_registered = False
+
+
+def _leave_at_exit() -> None:
+    """A script that ends without ``shutdown()`` leaves the job at exit, in order: optimizers (drained by
+    their own exit handlers, registered later, so run first), their channels, then the default group we made,
+    before the interpreter's teardown and before mpi4py's and Horovod's own exit handlers (registered earlier,
+    so run later). Left to the teardown, Gloo's and the store's threads may be destroyed while joinable and
+    abort the process ("terminate called without an active exception")."""
+    global _exit_registered
+    if not _exit_registered:
+        _exit_registered = True
+        atexit.register(_shutdown_at_exit)
+
+
+def _shutdown_at_exit() -> None:
+    try:
+        shutdown()
+    except Exception as e:  # noqa: BLE001 - the job is ending; say why, do not mask the exit status
+        log.warning("dcredit_opt: leaving the job at exit failed: %s", e)
 
 
 def shutdown() -> None:
-    """Leave the job: close every optimizer, drop our channels, and the default group if we created it.
+    """Leave the job: close every optimizer (and so its channels), destroy any channel groups still
+    left, and the default group if we created it.
 
     Optimizers are closed first: after a lazy ``step()`` their last blocks are
     still travelling, and destroying the channels under them would cut off
     the peers that are still reducing those blocks.
     """
     global _world
-    for user in list(_users):
+    # In the order they were built, the same on every rank: closing destroys
+    # each one's channels, and c10d notes that destroying an NCCL
+    # communicator was a collective call in some NCCL versions.
+    for user in list(_users.values()):
         user._dc_close()
     _users.clear()
     world, _world = _world, None
     if world is None:
         return
-    for group in world.channel_groups:
-        try:
-            dist.destroy_process_group(group)
-        except (RuntimeError, ValueError):
-            pass  # already gone with the default group
+    for group in world.channel_groups:  # those of engines that were never closed
+        _destroy_group(group)
     if world.owns_default_group and dist.is_initialized():
         dist.destroy_process_group()
     if world.owns_horovod:

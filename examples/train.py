@@ -83,8 +83,8 @@ def main():
     elapsed = time.perf_counter() - start
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     mine = torch.stack([flat.double().sum(), flat.double().abs().sum()])
-    gathered = dc.runtime.all_gather(mine, name="example.check")  # on whatever launched the job
-    agree = all(torch.equal(g, gathered[0]) for g in gathered)
+    gathered = dc.allgather(mine.reshape(1, -1), name="example.check")  # one row per rank, on any launcher
+    agree = all(torch.equal(row, gathered[0]) for row in gathered)
     if dc.rank() == 0:
         plan = opt.plan
         print(f"plan in force: {plan.policy}, {sum(len(p) for p in plan.partition)} blocks over "

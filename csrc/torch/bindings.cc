@@ -3,6 +3,7 @@
 // Every call that can block releases the GIL. Python never runs on our
 // threads: completions land in the scheduler's tables, and Python reads them
 // when it asks (wait_tensor, tensor_done).
+#include <torch/csrc/autograd/variable.h>
 #include <torch/extension.h>
 
 #include <chrono>
@@ -68,7 +69,8 @@ class Engine {
                const std::vector<int64_t>& bytes, const std::vector<int32_t>& priorities,
                const std::vector<std::vector<int32_t>>& block_tensors, std::vector<int32_t> phase1_windows,
                std::vector<int32_t> phase2_windows, int64_t credit_bytes, int32_t channels,
-               const std::vector<at::Tensor>& buffers, double postscale) {
+               const std::vector<at::Tensor>& buffers, double postscale,
+               const std::vector<at::Tensor>& wire_buffers) {
     const size_t B = segments.size();
     if (offsets.size() != B || numels.size() != B || bytes.size() != B || priorities.size() != B ||
         block_tensors.size() != B) {
@@ -92,7 +94,7 @@ class Engine {
                                     std::to_string(torch_->num_channels()));
       }
       if (!scheduler_->Idle()) throw std::logic_error("set_plan while blocks are pending");
-      torch_->SetBlocks(buffers, plan.blocks, plan.num_tensors, postscale);
+      torch_->SetBlocks(buffers, wire_buffers, plan.blocks, plan.num_tensors, postscale);
     }
     scheduler_->SetPlan(std::move(plan));
   }
@@ -126,6 +128,35 @@ class Engine {
   ManualBackend* manual_ = nullptr;
 };
 
+// Note [Graph reads]
+// ~~~~~~~~~~~~~~~~~~
+// A leaf's AccumulateGrad node is held by the graphs that read the leaf; the
+// leaf itself keeps only a weak pointer to it, and its tensor hooks live on
+// the leaf, not on the node. After a lazy step() we drop that weak pointer
+// for every parameter whose update waits (forget_graph_reads): the graphs
+// still alive keep their node, and the first op that reads the parameter
+// with autograd afterwards makes a new one. So, at the point where an update
+// is applied, "this parameter has an accumulator" means exactly "a graph made
+// since step() read it before its update": a stale read (first_graph_read).
+void ForgetGraphReads(const std::vector<at::Tensor>& tensors) {
+  for (const at::Tensor& t : tensors) {
+    if (torch::autograd::impl::get_autograd_meta(t) != nullptr) {
+      torch::autograd::impl::set_grad_accumulator(t, c10::weak_intrusive_ptr<torch::autograd::Node>(
+                                                         c10::intrusive_ptr<torch::autograd::Node>()));
+    }
+  }
+}
+
+int64_t FirstGraphRead(const std::vector<at::Tensor>& tensors) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (torch::autograd::impl::get_autograd_meta(tensors[i]) != nullptr &&
+        torch::autograd::impl::try_get_grad_accumulator(tensors[i])) {
+      return static_cast<int64_t>(i);
+    }
+  }
+  return -1;
+}
+
 }  // namespace
 }  // namespace dcredit
 
@@ -141,6 +172,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Whether this build can reduce blocks on CUDA devices (see cuda_sync.h).
   m.attr("WITH_CUDA") = kWithCuda;
 
+  m.def("forget_graph_reads", &ForgetGraphReads, py::arg("tensors"),
+        "Drop each leaf's link to its gradient accumulator, so that the next read with autograd makes a new "
+        "one (Note [Graph reads]).");
+  m.def("first_graph_read", &FirstGraphRead, py::arg("tensors"),
+        "Index of the first leaf read by a live graph made since forget_graph_reads(), or -1.");
+
   py::class_<Engine>(m, "Engine")
       .def_static("torch", &Engine::Torch, py::arg("groups"), py::arg("timeout_s"),
                   "An engine whose blocks are all-reduced on `groups` (one per channel).")
@@ -151,7 +188,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_plan", &Engine::SetPlan, py::arg("num_tensors"), py::arg("order"), py::arg("segments"),
            py::arg("offsets"), py::arg("numels"), py::arg("bytes"), py::arg("priorities"),
            py::arg("block_tensors"), py::arg("phase1_windows"), py::arg("phase2_windows"),
-           py::arg("credit_bytes"), py::arg("channels"), py::arg("buffers"), py::arg("postscale"), release())
+           py::arg("credit_bytes"), py::arg("channels"), py::arg("buffers"), py::arg("postscale"),
+           py::arg("wire_buffers") = std::vector<at::Tensor>(), release())
       .def("start_iteration", &Engine::StartIteration, release())
       .def("mark_ready", &Engine::MarkReady, py::arg("tensor"), py::arg("record_event") = true, release(),
            "Gradient of `tensor` is final. With `record_event` (the default) and blocks on a CUDA device, its "

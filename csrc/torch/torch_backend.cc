@@ -13,8 +13,23 @@ TorchBackend::TorchBackend(std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> g
   }
 }
 
-void TorchBackend::SetBlocks(const std::vector<at::Tensor>& buffers, const std::vector<BlockSpec>& blocks,
-                             int32_t num_tensors, double postscale) {
+namespace {
+
+// Elements [offset, offset + numel) of flat `buf` as a tensor with no view base.
+// Not buf.narrow(): a view keeps its base, the buffer Python made, and the
+// last reference to a block may be dropped by a Gloo worker thread (the last
+// collective's work), which would then need the GIL to release the buffer's
+// Python object; while the training thread, holding the GIL, destroys that
+// process group and joins the worker: a deadlock. A tensor set on the same
+// storage has no base and no Python object.
+at::Tensor FlatRange(const at::Tensor& buf, int64_t offset, int64_t numel) {
+  return at::empty({0}, buf.options()).set_(buf.storage(), buf.storage_offset() + offset, {numel}, {1});
+}
+
+}  // namespace
+
+void TorchBackend::SetBlocks(const std::vector<at::Tensor>& buffers, const std::vector<at::Tensor>& wire_buffers,
+                             const std::vector<BlockSpec>& blocks, int32_t num_tensors, double postscale) {
   // One device for everything: a block's collective, its event waits and
   // its completion all belong to the device of its buffer.
   const at::Device device = buffers.empty() ? at::Device(at::kCPU) : buffers[0].device();
@@ -27,7 +42,21 @@ void TorchBackend::SetBlocks(const std::vector<at::Tensor>& buffers, const std::
                                   " but buffer 0 is on " + device.str() + ": all blocks must be on one device");
     }
   }
+  if (!wire_buffers.empty() && wire_buffers.size() != buffers.size()) {
+    throw std::invalid_argument("wire_buffers: " + std::to_string(wire_buffers.size()) + " given for " +
+                                std::to_string(buffers.size()) + " buffers");
+  }
+  for (size_t i = 0; i < wire_buffers.size(); ++i) {
+    const at::Tensor& w = wire_buffers[i];
+    if (w.numel() == 0) continue;
+    if (w.device() != device || w.dim() != 1 || !w.is_contiguous() || w.numel() != buffers[i].numel()) {
+      throw std::invalid_argument("wire buffer " + std::to_string(i) +
+                                  " must be flat, contiguous, on the buffers' device and as long as buffer " +
+                                  std::to_string(i));
+    }
+  }
   std::vector<at::Tensor> views;
+  std::vector<at::Tensor> wires;
   std::vector<std::vector<int32_t>> block_tensors;
   views.reserve(blocks.size());
   block_tensors.reserve(blocks.size());
@@ -46,8 +75,10 @@ void TorchBackend::SetBlocks(const std::vector<at::Tensor>& buffers, const std::
                                   std::to_string(s.offset + s.numel) + " past buffer " +
                                   std::to_string(s.segment) + " of " + std::to_string(buf.numel()));
     }
-    if (s.bytes != s.numel * static_cast<int64_t>(buf.element_size())) {
-      throw std::invalid_argument("block " + std::to_string(b) + " bytes do not match its dtype");
+    const bool cast = !wire_buffers.empty() && wire_buffers[s.segment].numel() > 0;
+    const at::Tensor& travels = cast ? wire_buffers[s.segment] : buf;
+    if (s.bytes != s.numel * static_cast<int64_t>(travels.element_size())) {
+      throw std::invalid_argument("block " + std::to_string(b) + " bytes do not match the dtype it travels in");
     }
     for (int32_t t : s.tensors) {
       if (t < 0 || t >= num_tensors) {
@@ -55,7 +86,8 @@ void TorchBackend::SetBlocks(const std::vector<at::Tensor>& buffers, const std::
                                     std::to_string(num_tensors));
       }
     }
-    views.push_back(buf.narrow(0, s.offset, s.numel));
+    views.push_back(FlatRange(buf, s.offset, s.numel));
+    wires.push_back(cast ? FlatRange(travels, s.offset, s.numel) : at::Tensor());
     block_tensors.push_back(s.tensors);
   }
   std::shared_ptr<DeviceSync> sync;
@@ -65,6 +97,7 @@ void TorchBackend::SetBlocks(const std::vector<at::Tensor>& buffers, const std::
     sync->Reset(num_tensors);
   }
   views_ = std::move(views);
+  wires_ = std::move(wires);
   block_tensors_ = std::move(block_tensors);
   postscale_ = postscale;
   device_ = device;
@@ -86,9 +119,11 @@ void TorchBackend::StartIteration() {
 void TorchBackend::Launch(int32_t block, int32_t channel, Done done) {
   try {
     at::Tensor view = views_.at(block);
+    at::Tensor wire = wires_.at(block);
     c10d::ProcessGroup& group = *groups_.at(channel);
-    auto issue = [&group, &view] {
-      std::vector<at::Tensor> tensors{view};
+    auto issue = [&group, &view, &wire] {
+      if (wire.defined()) wire.copy_(view);  // cast for the wire, on the stream the collective waits for
+      std::vector<at::Tensor> tensors{wire.defined() ? wire : view};
       c10d::AllreduceOptions opts;
       opts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
       // On c10d's own stream, which waits for the current one (Note [CUDA
@@ -103,12 +138,13 @@ void TorchBackend::Launch(int32_t block, int32_t channel, Done done) {
     // Runs when the future completes: on the process group's thread for
     // Gloo on the CPU; for a CUDA future, inline here or on that thread, with
     // a current stream that waits for the collective (Note [CUDA streams]).
-    work->getFuture()->addCallback([done, view, post, sync](c10::ivalue::Future& fut) mutable {
+    work->getFuture()->addCallback([done, view, wire, post, sync](c10::ivalue::Future& fut) mutable {
       if (fut.hasError()) {
         done(Status::Error(fut.tryRetrieveErrorMessage()));
         return;
       }
       try {
+        if (wire.defined()) view.copy_(wire);
         if (post != 1.0) view.mul_(post);
       } catch (const std::exception& e) {
         done(Status::Error(e.what()));

@@ -24,10 +24,14 @@ class TorchBackend : public Backend {
 
   // One flat view per block, cut from `buffers` by the plan; `postscale`
   // multiplies each reduced block (1/size for an average). Every buffer must
-  // be on the same device, the CPU or one CUDA device. Only between
-  // iterations.
-  void SetBlocks(const std::vector<at::Tensor>& buffers, const std::vector<BlockSpec>& blocks, int32_t num_tensors,
-                 double postscale);
+  // be on the same device, the CPU or one CUDA device. `wire_buffers` is
+  // empty, or one per buffer: an empty tensor (its blocks travel as they
+  // are) or a flat tensor of the buffer's length in the dtype its blocks
+  // travel in (Note [Wire dtype] in compression.py): a block is cast into
+  // it at launch, reduced there, and cast back when done, then post-scaled.
+  // A block's `bytes` count what travels. Only between iterations.
+  void SetBlocks(const std::vector<at::Tensor>& buffers, const std::vector<at::Tensor>& wire_buffers,
+                 const std::vector<BlockSpec>& blocks, int32_t num_tensors, double postscale);
   int32_t num_channels() const { return static_cast<int32_t>(groups_.size()); }
 
   // Gradient-ready on a CUDA device: `tensor`'s blocks wait for what the
@@ -42,6 +46,7 @@ class TorchBackend : public Backend {
  private:
   std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups_;
   std::vector<at::Tensor> views_;
+  std::vector<at::Tensor> wires_;  // per block: undefined, or where it travels (Note [Wire dtype])
   std::vector<std::vector<int32_t>> block_tensors_;
   double postscale_ = 1.0;
   at::Device device_{at::kCPU};  // where the buffers live

@@ -13,12 +13,22 @@ The scheduler, windows and plans are the same for every backend
   completer thread reports completions (``complete``); see Note
   [Python-driven backend] in ``driven.py``.
 
-Every backend has ``engine``, ``buffers_for_engine(buffers)``,
-``set_blocks(buffers, layout, postscale)``, ``measure_alpha_beta(device)``
-(the profiler's sweep on the backend's own transport) and ``close()``.
+Every backend has ``engine``, ``reducible_dtypes`` (None: any; else the
+dtypes its collectives reduce, the others travel as float32: Note [Wire
+dtype] in ``compression.py``), ``buffers_for_engine(buffers, wires)`` (the
+keywords of ``Engine.set_plan`` that carry memory), ``set_blocks(buffers,
+wires, layout, postscale)``, ``measure_alpha_beta(device)`` (the profiler's
+sweep on the backend's own transport) and ``close()``.
 
-"auto" follows whoever set up the world (``runtime.kind()``): Horovod in a
-Horovod job, mpi4py in a job that mpirun/mpiexec started and dcredit_opt
+A backend serves one optimizer and owns its channels (process groups, MPI
+communicators, Horovod names), made when it is built and released when it
+closes: several optimizers in one process launch independently of each
+other, so they must never share one.
+
+"auto" follows whoever set up the world (``runtime.kind()``): in a Horovod
+job on CPUs, torch.distributed process groups of our own beside Horovod (the
+C++ path; ``backend="horovod"`` keeps Horovod's operations, and so does a
+GPU job, whose NCCL side channels are not built yet), mpi4py in a job that mpirun/mpiexec started and dcredit_opt
 joined (the user launched with MPI, so MPI carries the gradients; pass
 "torch" for Gloo's C++ path instead), torch.distributed otherwise.
 """
@@ -48,7 +58,11 @@ def create(name: str, channels: int, timeout_s: float):
 
 
 def detect() -> str:
-    """The backend of the launcher that set up the world (see the module docstring)."""
+    """The backend of the launcher that set up the world (see the module docstring); under Horovod,
+    blocks go on process groups of our own beside it (Note [C++ channels under Horovod] in runtime.py)."""
     from .. import runtime
 
-    return runtime.kind()
+    kind = runtime.kind()
+    if kind == "horovod" and runtime.horovod_on_cpu():
+        return "torch"
+    return kind

@@ -76,15 +76,28 @@ class DrivenBackend:
         self._finalizer = weakref.finalize(self, _Pump.close, self._pump)
         atexit.register(self._pump.close, True)
 
-    def buffers_for_engine(self, buffers):
-        """Nothing for the engine: it only schedules, and we cut the views (``set_blocks``)."""
-        return []
+    reducible_dtypes = None
 
-    def set_blocks(self, buffers, layout, postscale: float) -> None:
-        """Flat views of every block, in block-id order; only while nothing is in flight."""
-        views = [buffers[s].narrow(0, o, n)
-                 for s, o, n in zip(layout.block_segment, layout.block_offset, layout.block_numel)]
+    def buffers_for_engine(self, buffers, wires):
+        """Nothing for the engine: it only schedules, and we cut the views (``set_blocks``)."""
+        return {"buffers": []}
+
+    def set_blocks(self, buffers, wires, layout, postscale: float) -> None:
+        """Flat views of every block, in block-id order; only while nothing is in flight. The transport
+        reduces a block's wire view where it has one (Note [Wire dtype]): the pump casts into it before
+        the start and back after the finish."""
+        views, casts = [], []
+        for s, o, n in zip(layout.block_segment, layout.block_offset, layout.block_numel):
+            view = buffers[s].narrow(0, o, n)
+            if wires[s].numel():
+                wire = wires[s].narrow(0, o, n)
+                views.append(wire)
+                casts.append((view, wire))
+            else:
+                views.append(view)
+                casts.append(None)
         self._transport.set_blocks(views, float(postscale))
+        self._pump.casts = casts
 
     def measure_alpha_beta(self, device: torch.device):
         """The profiler's all-reduce sweep on this backend's own transport (nothing is in flight then)."""
@@ -110,6 +123,7 @@ class _Pump:
         self._label = label
         self._rank = rank
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # (block, handle) in launch order; None ends
+        self.casts: list = []  # per block: None, or (view, wire) to cast before the start and after the finish
         self._closing = False
         self._closed = False
         self._launch_ns = 0
@@ -133,6 +147,9 @@ class _Pump:
                 t0 = clock()
                 block, channel = launch
                 try:
+                    cast = self.casts[block]
+                    if cast is not None:
+                        cast[1].copy_(cast[0])
                     handle = transport.start(block, channel)
                 except Exception as e:  # noqa: BLE001 - this block's failure; the scheduler raises it
                     engine.complete(block, False, self._failure("start", block, e))
@@ -159,6 +176,9 @@ class _Pump:
                 transport.wait(block, handle)
                 t0 = clock()
                 transport.finish(block)
+                cast = self.casts[block]
+                if cast is not None:
+                    cast[0].copy_(cast[1])
             except Exception as e:  # noqa: BLE001 - this block's failure; the scheduler raises it
                 engine.complete(block, False, self._failure("all-reduce", block, e))
                 continue

@@ -3,12 +3,15 @@
 Horovod matches operations across ranks by name, in a negotiation that its
 background thread runs once per cycle. A block's name is
 ``dc.<backend>.<plan>.<block>``: equal on every rank, because every rank
-builds the same optimizers in the same order and switches plans at the same
-iteration; unique among operations in flight, because a block is reduced
-once per iteration and completes before the next one starts; and stable from
-one iteration to the next, so that Horovod's response cache answers it
-without a full negotiation. Fusion is discussed in Note [Horovod fusion]
-(``launchers.py``).
+builds the same optimizers in the same order (``<backend>`` is
+``runtime.next_backend_id()``) and switches plans at the same iteration;
+unique among operations in flight, because a block is reduced once per
+iteration and completes before the next one starts, and another optimizer's
+blocks, in flight at the same time, carry another ``<backend>``; and stable
+from one iteration to the next, so that Horovod's response cache answers it
+without a full negotiation. The profiler's sweep is named
+``dc.<backend>.sweep.<elements>`` for the same reasons. Fusion is discussed
+in Note [Horovod fusion] (``launchers.py``).
 
 Horovod runs its collectives one after another on one background thread, so
 channels do not add concurrency here: a window of k blocks means k
@@ -21,15 +24,22 @@ from __future__ import annotations
 
 import atexit
 
+import torch
+
 from .. import runtime
 from .driven import DrivenBackend
 
 
 class HorovodBackend(DrivenBackend):
     name = "horovod"
+    # Horovod's CPU collectives have no bfloat16: those gradients travel as float32 (Note [Wire dtype]).
+    reducible_dtypes = (torch.float16, torch.float32, torch.float64)
 
     def __init__(self, channels: int, timeout_s: float):
         hvd = runtime.horovod()
+        from ..launchers import warn_if_fusion_on
+
+        warn_if_fusion_on(hvd)
         super().__init__(_HorovodTransport(hvd, f"dc.{runtime.next_backend_id()}"), timeout_s)
 
 

@@ -4,7 +4,11 @@ Each channel is its own communicator (``COMM_WORLD.Dup()``, made by every
 rank in the same order when the optimizer is built), so a window of k blocks
 on k channels is k collectives in flight at once, and the MPI library is free
 to progress them together. Collectives on one communicator match by order,
-which the driver thread keeps (the scheduler's launch order).
+which the driver thread keeps (the scheduler's launch order). Every optimizer
+duplicates its own and frees them when it closes: two optimizers' drivers
+start their blocks in an order that differs between ranks, so on a shared
+communicator one optimizer's block would be reduced with the other's. The
+profiler's sweep runs on the first of them.
 
 The driver starts collectives while the completer waits in ``MPI_Wait``, so
 the library must allow calls from several threads (``MPI_THREAD_MULTIPLE``,
@@ -19,8 +23,8 @@ import numpy as np
 import torch
 
 from .. import runtime
+from ..errors import LaunchError
 from ..launchers import import_mpi
-from ..runtime import LaunchError
 from .driven import DrivenBackend
 
 # dtypes every MPI has a type for; float16/bfloat16 have none in the standard.
@@ -29,6 +33,7 @@ _SUPPORTED = (torch.float32, torch.float64)
 
 class MPIBackend(DrivenBackend):
     name = "mpi"
+    reducible_dtypes = _SUPPORTED  # float16/bfloat16 gradients travel as float32 (Note [Wire dtype])
 
     def __init__(self, channels: int, timeout_s: float):
         MPI = import_mpi()
@@ -60,8 +65,7 @@ class _MPITransport:
                 raise ValueError(f"backend 'mpi' reduces CPU tensors only, got a gradient on {v.device}: use "
                                  "backend 'torch' (NCCL) or 'horovod' for GPU training")
             if v.dtype not in _SUPPORTED:
-                raise ValueError(f"backend 'mpi' reduces float32 and float64 gradients, got {v.dtype}: use "
-                                 "backend 'torch' (Gloo) for float16/bfloat16")
+                raise ValueError(f"backend 'mpi' reduces float32 and float64 blocks, got {v.dtype}")
         self._views = views
         self._arrays = [v.numpy() for v in views]  # share memory with the buffers
         self._postscale = postscale

@@ -1,9 +1,18 @@
 """torch.distributed: blocks all-reduced in C++ on one process group per channel.
 
-The groups (``runtime.channel_groups``) inherit the default group's backend:
-Gloo on CPUs, NCCL on GPUs. On a GPU the C++ adapter also orders every
-collective after its gradient's stream (Note [CUDA streams] in
-``csrc/torch/cuda_sync.h``).
+Each backend (so each ``DistributedOptimizer``) makes its own groups when it
+is built (``runtime.channel_groups``: ``new_group`` on every rank, in the
+order the optimizers are built) and destroys them when it closes. Groups are
+never shared between optimizers: each optimizer has its own dispatch thread,
+and the launches of two optimizers interleave by each rank's timing, so on a
+shared group rank 0's block of one optimizer would meet rank 1's block of the
+other (Gloo aborts when their sizes differ, and silently sums unrelated
+gradients when they do not). The profiler's sweep runs on the backend's own
+channel 0, for the same reason.
+
+The groups inherit the default group's backend: Gloo on CPUs, NCCL on GPUs.
+On a GPU the C++ adapter also orders every collective after its gradient's
+stream (Note [CUDA streams] in ``csrc/torch/cuda_sync.h``).
 
 Note [NCCL channels]
 --------------------
@@ -13,18 +22,26 @@ parameters, so a channel is one communicator, with its own internal stream.
 What NCCL requires of several communicators, and how we meet it:
 
 1. Per communicator, every rank issues the same collectives in the same
-   order: NCCL matches them by position. The launch sequence is the same on
-   every rank (Note [Same order on every rank]) and block ``seq`` goes to
-   channel ``seq % channels``, so each communicator sees the same sequence
-   everywhere; and the interleaving across communicators is the same too.
-2. Communicators are created collectively. Every rank calls ``new_group``
-   in the same order; c10d creates a group's communicator at its first
-   collective on the device (or splits it from the default group's, when
-   that group was bound to a device with ``device_id``). First collectives
-   follow the launch sequence, channel 0 first, on every rank, so no rank
-   waits in one creation while a peer waits in another. The first launch on
-   each channel pays for the creation on the dispatch thread (milliseconds to
-   seconds at scale), in the first iteration only.
+   order: NCCL matches them by position. An optimizer's launch sequence is
+   the same on every rank (Note [Same order on every rank]) and block
+   ``seq`` goes to channel ``seq % channels``, so each of its communicators
+   sees the same sequence everywhere, and the interleaving across its
+   communicators is the same too. Communicators are never shared between
+   optimizers: two optimizers' launches interleave by timing, differently on
+   each rank (see the module docstring).
+2. Communicators are created collectively. Every rank builds its optimizers,
+   and so calls ``new_group``, in the same order. c10d would create a
+   group's communicator at its first collective on the device (or split it
+   from the default group's, when that group was bound to a device with
+   ``device_id``); ``runtime.channel_groups`` runs that first collective
+   itself, a one-element all-reduce per group on the training thread while
+   the optimizer is built, so every rank creates the communicators one
+   after another in the same order. Left to the first launches, the
+   creations of two optimizers' communicators would run on two dispatch
+   threads in an order that differs between ranks, while the other
+   optimizer's kernels may already be waiting on the device for their peers.
+   The cost (one communicator creation per channel: milliseconds to seconds
+   at scale) is paid once, when the optimizer is built.
 3. One rank per GPU. All ranks of a communicator must sit on distinct
    devices, and the control plane puts its tensors on the current device; so
    the parameters must be on the rank's current CUDA device
@@ -40,12 +57,18 @@ What NCCL requires of several communicators, and how we meet it:
    together. In practice an NCCL kernel takes a few SMs (one block per NCCL
    "channel", an unrelated use of the word, bounded by NCCL_MAX_NCHANNELS),
    so 2 to 4 of ours fit beside compute kernels, which finish and free theirs.
-   Keep ``Config.channels`` small on GPUs. Recent NCCL (the 2.30.7 that torch
-   2.14.1 ships has it) can order kernels of different communicators on one
-   device by host launch order: ``NCCL_LAUNCH_ORDER_IMPLICIT=1`` in the
-   environment before the first collective removes the hazard.
+   Keep ``Config.channels`` small on GPUs; with several optimizers on one
+   GPU it is the sum of their channels that must fit. Recent NCCL (the
+   2.30.7 that torch 2.14.1 ships has it) can order kernels of different
+   communicators on one device by host launch order:
+   ``NCCL_LAUNCH_ORDER_IMPLICIT=1`` in the environment before the first
+   collective removes the hazard for one optimizer. Not for several: their
+   host launch order differs between ranks (rule 1), and kernels serialised
+   in orders that differ between ranks wait for each other forever.
 5. Each communicator costs device memory (NCCL's buffers) and creation time;
-   another reason for few channels.
+   another reason for few channels. An optimizer's communicators live until
+   it closes (``_dc_close()``, or ``dc.shutdown()``, which closes optimizers
+   in the order they were built, the same on every rank).
 6. Timeouts: c10d's NCCL watchdog aborts a collective that outlives the
    group's timeout (``Config.timeout_s``, the scheduler's own) and by default
    ends the process (TORCH_NCCL_ASYNC_ERROR_HANDLING). The two race, so under
@@ -54,6 +77,9 @@ What NCCL requires of several communicators, and how we meet it:
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+
 from .. import _ext, profiler, runtime
 
 
@@ -61,18 +87,42 @@ class TorchDistBackend:
     name = "torch"
 
     def __init__(self, channels: int, timeout_s: float):
-        self.engine = _ext.load().Engine.torch(runtime.channel_groups(channels), float(timeout_s))
+        self._groups = runtime.channel_groups(channels)  # this backend's own (see the module docstring)
+        self.engine = _ext.load().Engine.torch(self._groups, float(timeout_s))
+        if runtime.kind() == "horovod":  # registered after hvd.init(), so it runs before Horovod's own exit
+            atexit.register(_abort_failed_horovod_mpi_job, self.engine, runtime.horovod())
 
-    def buffers_for_engine(self, buffers):
-        """What ``Engine.set_plan`` gets: the C++ adapter cuts its own block views."""
-        return buffers
+    reducible_dtypes = None  # Gloo and NCCL reduce every floating dtype
 
-    def set_blocks(self, buffers, layout, postscale: float) -> None:
+    def buffers_for_engine(self, buffers, wires):
+        """What ``Engine.set_plan`` gets: the C++ adapter cuts its own block views (and wire views)."""
+        return {"buffers": buffers, "wire_buffers": wires}
+
+    def set_blocks(self, buffers, wires, layout, postscale: float) -> None:
         """Nothing to do: the engine already holds the views."""
 
     def measure_alpha_beta(self, device):
-        """The profiler's all-reduce sweep on channel 0."""
-        return profiler.measure_alpha_beta(runtime.channel_groups(1)[0], device)
+        """The profiler's all-reduce sweep on this backend's channel 0 (nothing of ours is in flight then;
+        another optimizer's blocks may be, on its own groups)."""
+        return profiler.measure_alpha_beta(self._groups[0], device)
 
     def close(self) -> None:
+        """Stop the engine, then destroy the groups: the engine's dispatch thread is gone, and the
+        optimizer has drained what was in flight."""
         self.engine.shutdown()
+        groups, self._groups = self._groups, []
+        runtime.destroy_channel_groups(groups)
+
+
+def _abort_failed_horovod_mpi_job(engine, hvd) -> None:
+    """At exit, after a block of ours failed (a peer stalled or died) in a Horovod job on MPI: Horovod's
+    shutdown would wait in MPI_Finalize for that peer forever, so the whole job ends with MPI_Abort, as
+    with blocks on Horovod's operations (``HorovodBackend``'s transport, ``abandon``)."""
+    if engine.error() is None:
+        return
+    with contextlib.suppress(Exception):  # Horovod already shut down, or without MPI: nothing waits in MPI
+        if not hvd.mpi_enabled():
+            return
+        from mpi4py import MPI  # Horovod initialised MPI; mpi4py adopts it
+
+        MPI.COMM_WORLD.Abort(1)

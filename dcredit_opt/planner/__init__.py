@@ -2,14 +2,16 @@
 
 ``plan`` (the format the runtime executes), ``profile`` (what was measured),
 ``cost`` (the alpha-beta model), ``simulate`` (one iteration replayed under
-the runtime's rules), ``dcredit`` and ``policies`` (D-Credit and the
-baselines). No processes, no torch.
+the runtime's rules), ``dcredit`` (D-Credit's windows), ``usbyte`` and
+``oasr`` (those papers' algorithms), ``policies`` (every policy and the
+registry), ``search`` (the D-Credit planner's search over its own and the
+baselines' plans). No processes, no torch.
 """
 
 from .plan import ALL, Plan, PlanError, validate
 from .policies import POLICIES, make_plan
 from .profile import Profile, ProfileError, TensorProfile, bytes_of
-from .simulate import SimResult, lower_bound, simulate
+from .simulate import SimResult, lower_bound, simulate, synchronous_floor
 
 __all__ = [
     "ALL",
@@ -24,5 +26,6 @@ __all__ = [
     "lower_bound",
     "make_plan",
     "simulate",
+    "synchronous_floor",
     "validate",
 ]

@@ -351,13 +351,26 @@ def dcredit(profile: Profile, *, block_bytes: int = DEFAULT_BLOCK_BYTES, channel
         overlap_forward=True,
         policy="dcredit",
     )
-    table = block_table(base, profile)
+    return dcredit_windows(base, profile, block_bytes=block_bytes, update_s=update_s, refine=refine)
+
+
+def dcredit_windows(base: Plan, profile: Profile, *, block_bytes: int = DEFAULT_BLOCK_BYTES, update_s: float = 0.0,
+                    refine: bool = True, table: BlockTable | None = None, channel_fifo: bool = False) -> Plan:
+    """``base`` (its blocks, merges and priority kept) with D-Credit's windows: greedy in phase 1, optimal after.
+
+    ``block_bytes`` is the ``S`` of the greedy's rule (module docstring).
+    ``table``, if given, must be ``block_table(base, profile)``; ``channel_fifo`` is the
+    simulator's network model for the refinement.
+    """
+    table = table or block_table(base, profile)
     state = replay_phase1(base, profile, greedy=True, block_bytes=block_bytes, table=table)
     plan = dataclasses.replace(base, phase1_windows=state.phase1_windows)
     batches = _phase2_batches(table, state, profile, update_s)
     windows = windows_for_batches(batches)
     if refine and batches:
-        snapshot = FlushSnapshot(plan, profile, table=table)  # phase-1 windows do not change the layout
+        # Phase-1 windows do not change the layout; the plan is ours, valid by construction
+        # when ``base`` is (the callers validate what they return).
+        snapshot = FlushSnapshot(plan, profile, table=table, checked=False, channel_fifo=channel_fifo)
         k = snapshot.pending
         if k:
             candidates = list(dict.fromkeys([windows, (windows[0] + k, *windows[1:]), (batches[0] + k, *batches[1:])]))

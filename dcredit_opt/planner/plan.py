@@ -71,6 +71,7 @@ POLICY_NAMES = (
     "wfbp",
     "ddp",
     "mgwfbp",
+    "oasr",
     "bytescheduler",
     "usbyte",
     "dear",

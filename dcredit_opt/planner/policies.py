@@ -14,14 +14,15 @@ data parallelism. ``make_plan(profile, "deft")`` says so.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
 from .dcredit import DEFAULT_BLOCK_BYTES, dcredit, partition_by_bytes
+from .oasr import overlap_aware_merges
 from .plan import ALL, POLICY_NAMES, Plan
 from .profile import Profile
-from .simulate import ready_times, simulate
+from .simulate import event_times, simulate
+from .usbyte import unit_grid, usbyte
 
 DDP_BUCKET_CAP_BYTES = 25 << 20
 """PyTorch DDP's ``bucket_cap_mb`` default."""
@@ -34,14 +35,6 @@ def _whole_tensors(profile: Profile) -> tuple[tuple[int, ...], ...]:
     return tuple((t.numel,) if t.numel else () for t in profile.tensors)
 
 
-def _event_times(profile: Profile) -> list[float]:
-    """When the runtime processes each event, with events in the profile's ready order."""
-    ready = ready_times(profile)
-    out, latest = [], 0.0
-    for t in profile.order():
-        latest = max(latest, ready[t])
-        out.append(latest)
-    return out
 
 
 def _send_as_ready(profile: Profile, policy: str, *, merges: Sequence[Sequence[int]] = (),
@@ -114,7 +107,7 @@ def ddp(profile: Profile, *, bucket_cap_bytes: int = DDP_BUCKET_CAP_BYTES,
 
 
 def startup_sharing_merges(profile: Profile) -> list[list[int]]:
-    """MG-WFBP/OASR-WFBP merging: join the next gradient when waiting for it costs less than a start-up.
+    """MG-WFBP merging: join the next gradient when waiting for it costs less than a start-up.
 
     Model: collectives run one after another on the link; a group could
     start at ``s = max(its last gradient's event, link free)``. Sending it
@@ -127,7 +120,7 @@ def startup_sharing_merges(profile: Profile) -> list[list[int]]:
     """
     alpha, beta = profile.alpha_s, profile.beta_s_per_byte
     order = profile.order()
-    events = _event_times(profile)
+    events = event_times(profile)
     groups: list[list[int]] = []
     current: list[int] = []
     start = free = 0.0
@@ -156,6 +149,16 @@ def startup_sharing_merges(profile: Profile) -> list[list[int]]:
 def mgwfbp(profile: Profile, *, channels: int = 1) -> Plan:
     """WFBP with start-up sharing merges (:func:`startup_sharing_merges`); step() waits."""
     return _send_as_ready(profile, "mgwfbp", merges=startup_sharing_merges(profile), channels=channels)
+
+
+def oasr(profile: Profile, *, channels: int = 1) -> Plan:
+    """OASR-WFBP: whole tensors merged where the overlap-aware model says so (:mod:`.oasr`); step() waits.
+
+    Unlike MG-WFBP's greedy rule, the merges minimise the end of the whole
+    backward's communication (an exact dynamic programme), so a merge is
+    made or refused by what it does to every later collective's overlap.
+    """
+    return _send_as_ready(profile, "oasr", merges=overlap_aware_merges(profile), channels=channels)
 
 
 def bytescheduler(profile: Profile, *, block_bytes: int = DEFAULT_BLOCK_BYTES, credit_blocks: int = 4,
@@ -188,7 +191,7 @@ def bytescheduler(profile: Profile, *, block_bytes: int = DEFAULT_BLOCK_BYTES, c
 
 def tune_bytescheduler(profile: Profile, *, block_sizes: Sequence[int] | None = None,
                        credits: Sequence[int] = (1, 2, 4, 8, 16), channels: int = 1,
-                       update_s: float = 0.0) -> Plan:
+                       update_s: float = 0.0, channel_fifo: bool = False) -> Plan:
     """The ByteScheduler plan with the shortest simulated iteration over ``block_sizes x credits``.
 
     ByteScheduler tunes its partition size and credit online (Bayesian
@@ -199,11 +202,11 @@ def tune_bytescheduler(profile: Profile, *, block_sizes: Sequence[int] | None = 
     sizes = _block_size_grid(profile, step=1) if block_sizes is None else block_sizes
     return _fastest(profile, update_s, "tune_bytescheduler",
                     (bytescheduler(profile, block_bytes=size, credit_blocks=credit, channels=channels)
-                     for size in sizes for credit in credits))
+                     for size in sizes for credit in credits), channel_fifo)
 
 
 def tune_dcredit(profile: Profile, *, block_sizes: Sequence[int] | None = None, channels: int = 1,
-                 update_s: float = 0.0) -> Plan:
+                 update_s: float = 0.0, channel_fifo: bool = False) -> Plan:
     """The D-Credit plan with the shortest simulated iteration over ``block_sizes``.
 
     D-Credit chooses its windows itself; the block size is the one free
@@ -213,7 +216,8 @@ def tune_dcredit(profile: Profile, *, block_sizes: Sequence[int] | None = None, 
     """
     sizes = _block_size_grid(profile, step=2) if block_sizes is None else block_sizes
     return _fastest(profile, update_s, "tune_dcredit",
-                    (dcredit(profile, block_bytes=size, channels=channels, update_s=update_s) for size in sizes))
+                    (dcredit(profile, block_bytes=size, channels=channels, update_s=update_s) for size in sizes),
+                    channel_fifo)
 
 
 def _block_size_grid(profile: Profile, step: int) -> list[int]:
@@ -223,11 +227,11 @@ def _block_size_grid(profile: Profile, step: int) -> list[int]:
     return sorted({max(1, top >> k) for k in range(0, 11, step)})
 
 
-def _fastest(profile: Profile, update_s: float, who: str, plans) -> Plan:
-    """The first of ``plans`` with the shortest simulated iteration."""
+def _fastest(profile: Profile, update_s: float, who: str, plans, channel_fifo: bool = False) -> Plan:
+    """The first of ``plans`` with the shortest simulated iteration (under ``channel_fifo``'s network model)."""
     best, best_s = None, math.inf
     for plan in plans:
-        s = simulate(plan, profile, update_s=update_s).iteration_s
+        s = simulate(plan, profile, update_s=update_s, channel_fifo=channel_fifo).iteration_s
         if s < best_s:
             best, best_s = plan, s
     if best is None:
@@ -235,30 +239,20 @@ def _fastest(profile: Profile, update_s: float, who: str, plans) -> Plan:
     return best
 
 
-def usbyte_block_bytes(profile: Profile, min_block_bytes: int, max_block_bytes: int) -> list[int]:
-    """Block size per tensor, growing geometrically from the input (min) to the output (max).
+def tune_usbyte(profile: Profile, *, block_sizes: Sequence[int] | None = None, per_octave: int = 5,
+                channels: int = 1, update_s: float = 0.0, channel_fifo: bool = False) -> Plan:
+    """The US-Byte plan (:mod:`.usbyte`) with the shortest simulated iteration over its unit size.
 
-    Why: tensors near the input are ready last in backward and needed first
-    in forward, so most of their communication overlaps the forward, where
-    fine blocks let a layer's forward start as soon as its own small blocks
-    are in. Tensors near the output are ready first, while backward still
-    has a long time to run, so large blocks that pay fewer start-ups cost
-    nothing in waiting.
+    Tuned with ByteScheduler's budget: ByteScheduler tries ``len(block_sizes)``
+    sizes times its 5 credits; US-Byte has no credit (it sizes each message
+    itself), so it tries as many unit sizes over the same range,
+    ``per_octave`` per factor of two (:func:`.usbyte.unit_grid`). Default sizes:
+    ByteScheduler's default grid.
     """
-    if not 0 < min_block_bytes <= max_block_bytes:
-        raise ValueError(f"need 0 < min_block_bytes <= max_block_bytes, got {min_block_bytes}, {max_block_bytes}")
-    L = profile.num_tensors
-    ratio = max_block_bytes / min_block_bytes
-    return [max(1, round(min_block_bytes * ratio ** (l / (L - 1)))) if L > 1 else min_block_bytes
-            for l in range(L)]
-
-
-def usbyte(profile: Profile, *, min_block_bytes: int = DEFAULT_BLOCK_BYTES // 4,
-           max_block_bytes: int = DEFAULT_BLOCK_BYTES * 4, credit_blocks: int = 4, channels: int = 1) -> Plan:
-    """US-Byte: unequal blocks (:func:`usbyte_block_bytes`) under a fixed credit, as ByteScheduler."""
-    sizes = usbyte_block_bytes(profile, min_block_bytes, max_block_bytes)
-    plan = bytescheduler(profile, credit_blocks=credit_blocks, channels=channels)
-    return dataclasses.replace(plan, partition=partition_by_bytes(profile, sizes), policy="usbyte")
+    sizes = _block_size_grid(profile, step=1) if block_sizes is None else block_sizes
+    return _fastest(profile, update_s, "tune_usbyte",
+                    (usbyte(profile, block_bytes=size, channels=channels, update_s=update_s)
+                     for size in unit_grid(sizes, per_octave)), channel_fifo)
 
 
 def dear(profile: Profile, *, channels: int = 1) -> Plan:
@@ -282,6 +276,7 @@ POLICIES: dict[str, Callable[..., Plan]] = {
     "wfbp": wfbp,
     "ddp": ddp,
     "mgwfbp": mgwfbp,
+    "oasr": oasr,
     "bytescheduler": bytescheduler,
     "usbyte": usbyte,
     "dear": dear,

@@ -79,7 +79,7 @@ class TensorProfile:
     bwd_s: float
     """Backward time until this gradient is final, counted from the previous gradient, in seconds."""
 
-    @property
+    @functools.cached_property  # a profile is immutable; planners ask for these per candidate
     def nbytes(self) -> int:
         return self.numel * bytes_of(self.dtype)
 
@@ -115,19 +115,19 @@ class Profile:
     def num_tensors(self) -> int:
         return len(self.tensors)
 
-    @property
+    @functools.cached_property  # a profile is immutable; planners ask for these per candidate
     def numels(self) -> tuple[int, ...]:
         return tuple(t.numel for t in self.tensors)
 
-    @property
+    @functools.cached_property  # a profile is immutable; planners ask for these per candidate
     def dtypes(self) -> tuple[str, ...]:
         return tuple(canonical_dtype(t.dtype) for t in self.tensors)
 
-    @property
+    @functools.cached_property  # a profile is immutable; planners ask for these per candidate
     def nbytes(self) -> tuple[int, ...]:
         return tuple(t.nbytes for t in self.tensors)
 
-    @property
+    @functools.cached_property  # a profile is immutable; planners ask for these per candidate
     def total_bytes(self) -> int:
         return sum(self.nbytes)
 

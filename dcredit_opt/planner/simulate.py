@@ -124,6 +124,37 @@ def lower_bound(profile: Profile) -> float:
     return max(compute, comm)
 
 
+def synchronous_floor(profile: Profile) -> float:
+    """The shortest iteration any schedule of synchronous data parallelism can reach on one link.
+
+    Above :func:`lower_bound` by two chains that no order of blocks hides:
+
+    - The gradient ready last (usually the input side's, at the end of
+      backward) must be reduced before the next forward reaches it, and that
+      forward then runs to the end: ``backward + alpha + beta * bytes(last
+      ready) + forward from it on`` (``compute + alpha + beta * bytes`` when it
+      is the first layer's). A tied input embedding, ready last and large,
+      makes this one long.
+    - Whatever block arrives last, the forward of its layer and of every
+      later one, then the backward until the first gradient, leave the link
+      with nothing to send; at best that block is the last layer's:
+      ``comm + fwd(last layer) + bwd(first gradient)``.
+    """
+    if not profile.num_tensors:
+        return lower_bound(profile)
+    compute = sum(t.fwd_s + t.bwd_s for t in profile.tensors)
+    total = profile.total_bytes
+    comm = profile.alpha_s + profile.beta_s_per_byte * total if total > 0 else 0.0
+    order = profile.order()
+    last = order[-1]
+    nbytes = profile.tensors[last].nbytes
+    transfer = profile.alpha_s + profile.beta_s_per_byte * nbytes if nbytes else 0.0
+    input_side = (sum(t.bwd_s for t in profile.tensors) + transfer
+                  + sum(t.fwd_s for t in profile.tensors[last:]))
+    output_side = comm + profile.tensors[-1].fwd_s + profile.tensors[order[0]].bwd_s if total > 0 else 0.0
+    return max(compute, comm, input_side, output_side)
+
+
 def ready_times(profile: Profile) -> tuple[float, ...]:
     """When each gradient becomes ready (by forward index): backward in the profile's ready order."""
     ready = [0.0] * profile.num_tensors
@@ -132,6 +163,17 @@ def ready_times(profile: Profile) -> tuple[float, ...]:
         now += profile.tensors[t].bwd_s
         ready[t] = now
     return tuple(ready)
+
+
+def event_times(profile: Profile) -> list[float]:
+    """When the runtime processes each event (the profile's ready order): its gradient and every earlier one
+    are ready."""
+    ready = ready_times(profile)
+    out, latest = [], 0.0
+    for t in profile.order():
+        latest = max(latest, ready[t])
+        out.append(latest)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +226,25 @@ def simulate(plan: Plan, profile: Profile, *, update_s: float = 0.0, channel_fif
     return run.result(update_s)
 
 
+def iteration_time(plan: Plan, profile: Profile, *, update_s: float = 0.0, channel_fifo: bool = False,
+                   table: BlockTable | None = None) -> float:
+    """``simulate(...).iteration_s`` without the per-block records: what a planner's search needs.
+
+    ``table``, if given, must be ``block_table(plan, profile)``.
+    """
+    _check_args(plan, profile, update_s)
+    return unchecked_iteration_time(plan, profile, update_s=update_s, channel_fifo=channel_fifo, table=table)
+
+
+def unchecked_iteration_time(plan: Plan, profile: Profile, *, update_s: float = 0.0, channel_fifo: bool = False,
+                             table: BlockTable | None = None) -> float:
+    """:func:`iteration_time` for a plan already known valid for ``profile`` (a planner's own candidates)."""
+    run = _Run(plan, profile, channel_fifo, table)
+    run.run()
+    ends = run.forward(update_s)[1]
+    return ends[-1] if ends else 0.0
+
+
 class FlushSnapshot:
     """Phase 1 simulated once, to try several ``phase2_windows`` from the flush on.
 
@@ -192,9 +253,11 @@ class FlushSnapshot:
     """
 
     def __init__(self, plan: Plan, profile: Profile, *, channel_fifo: bool = False,
-                 table: BlockTable | None = None) -> None:
-        """``table``, if given, must be ``block_table(plan, profile)`` (planners have it already)."""
-        _check_args(plan, profile, 0.0)
+                 table: BlockTable | None = None, checked: bool = True) -> None:
+        """``table``, if given, must be ``block_table(plan, profile)`` (planners have it already);
+        ``checked=False`` skips validating a plan the caller built and knows valid."""
+        if checked:
+            _check_args(plan, profile, 0.0)
         self._run = _Run(plan, profile, channel_fifo, table)
         self._run.run(stop_at_flush=True)
         self.pending = self._run.in_flight + len(self._run.queue)
@@ -259,6 +322,14 @@ class _Run:
         self.now = 0.0
         self.next_event = 0
         self.flushed = False
+        # Events where nothing enters the heap and nothing may be released
+        # (window 0) change nothing; the loop jumps over them (planners
+        # simulate many candidates, and packed plans have mostly such events).
+        T = plan.num_tensors
+        self.next_active = [T] * (T + 1)
+        for i in range(T - 1, -1, -1):
+            active = bool(self.table.enters_at[i]) or plan.window_at(i) != 0
+            self.next_active[i] = i if active else self.next_active[i + 1]
         # Network state: collectives in their latency phase (end time, block);
         # collectives transferring, in virtual time (see run); and, with
         # channel FIFO, each channel's running collective and its waiting line.
@@ -359,7 +430,10 @@ class _Run:
         if self.next_event == T and not self.flushed and self.now >= self.table.backward_end_s:
             self._flush()  # resuming a branch stopped at the flush
             self._try_launch()
+        next_active = self.next_active
         while True:
+            if self.next_event < T:
+                self.next_event = next_active[self.next_event]
             if self.next_event < T:
                 t_release = event_s[self.next_event]
             else:
@@ -388,7 +462,7 @@ class _Run:
                     heapq.heappush(self.transfer, (self.served + self.nbytes[b], b))
             while self.next_event < T and event_s[self.next_event] <= self.now:
                 self._process_event(self.next_event)
-                self.next_event += 1
+                self.next_event = next_active[self.next_event + 1]
             if self.next_event == T and not self.flushed and t_release <= self.now:
                 if stop_at_flush:
                     return
@@ -402,18 +476,25 @@ class _Run:
         plan = self.plan
         T = plan.num_tensors
         done = [-math.inf] * T
+        end_s = self.end_s
         for b, (tensors, _, _, _) in enumerate(self.table.layout):
+            e = end_s[b]
             for t in tensors:
-                done[t] = max(done[t], self.end_s[b])
+                done[t] = max(done[t], e)
         backward_end = self.table.backward_end_s
-        total = sum(self.tensor_bytes)
-        share = [update_s * self.tensor_bytes[t] / total if total else update_s / T for t in range(T)]
         starts, ends = [], []
         if plan.overlap_forward:
+            if update_s:
+                total = sum(self.tensor_bytes)
+                share = [update_s * self.tensor_bytes[t] / total if total else update_s / T for t in range(T)]
+            else:
+                share = [0.0] * T
             prev = backward_end
+            fwd = self.fwd
             for t in range(T):
-                start = max(prev, done[t]) + share[t]
-                prev = start + self.fwd[t]
+                d = done[t]
+                start = max(prev, d) + share[t]
+                prev = start + fwd[t]
                 starts.append(start)
                 ends.append(prev)
         else:

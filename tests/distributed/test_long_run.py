@@ -164,9 +164,12 @@ def long_run_worker(seed: int = 2024) -> dict:
     return out
 
 
-@pytest.mark.timeout(240)
+# A hang guard only, never a measure of speed: 4 ranks on 2 cores beside
+# other jobs took 110 s at load 10-12 and 180 s at load 10-18. Both limits
+# are scaled by DC_TEST_TIME_SCALE (tests/timing.py).
+@pytest.mark.timeout(600)
 def test_200_steps_with_a_random_plan_every_20_steps_on_4_ranks():
-    results = spawn.run(long_run_worker, WORLD, timeout_s=220)
+    results = spawn.run(long_run_worker, WORLD, timeout_s=570)
     r0 = results[0]
     assert len(r0["plans"]) == STEPS // PLAN_EVERY - 1
     assert len(set(r0["plans"])) == len(r0["plans"]), "the random plans repeat"

@@ -295,3 +295,121 @@ def stalled_peer(horovod_first: bool = False, timeout_s: float = 5.0) -> dict:
         sys.stdout.flush()
         raise
     return {}
+
+
+# ---- Horovod's DistributedOptimizer arguments: compression, op, groups; 16-bit gradients ----------------
+
+
+def _pair(**net_kw):
+    torch.manual_seed(0)
+    model = Net(**net_kw)
+    return model, copy.deepcopy(model)
+
+
+def _fp16(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float32).to(torch.float16).to(torch.float32))
+
+
+def horovod_arguments(horovod_first: bool = False, steps: int = 6, backend: str = "auto") -> dict:
+    """Horovod's optimizer arguments on this job's backend; the checks are in test_horovod_api.py.
+
+    - "wire_fp16": with ``compression=Compression.fp16`` the reduced gradient is what float16 arithmetic
+      gives (each rank's value rounded to float16, summed, halved), which float32 would not; under
+      ``compression=none`` it is the float32 average. Values chosen so that the two differ.
+    - "fp16_training": a few steps with fp16 compression against the float32 reference (close, not equal),
+      and the bytes the scheduler counts.
+    - "groups": Horovod's ``groups`` (a list and a number) and ``op=hvd.Sum``-style ints train exactly like
+      the reference; the plan merges each group into one block.
+    - "bf16": bfloat16 parameters train (on backends without bfloat16 their blocks travel as float32).
+    """
+    _join(horovod_first)
+    world, rank = dc.size(), dc.rank()
+    config = dc.Config(block_bytes=256, window=2, channels=2, policy="fixed", backend=backend)
+    out: dict = {"backend": None}
+
+    # The reduced gradient itself, read after synchronize().
+    values = (1.0 + 2.0 ** -12, 1.0 / 3.0)  # rank r's gradient is values[r % 2] everywhere
+    for name, compression in (("wire_none", dc.Compression.none), ("wire_fp16", dc.Compression.fp16)):
+        p = nn.Parameter(torch.zeros(1000))
+        opt = dc.DistributedOptimizer(torch.optim.SGD([p], lr=0.1), [("p", p)], compression, config=config)
+        (p * values[rank % 2]).sum().backward()
+        opt.synchronize()
+        out[name] = p.grad[:3].tolist()
+        out["backend"] = opt._dc_backend.name
+        out[name + "_bytes"] = sum(opt._dc_layout.block_bytes)
+        with opt.skip_synchronize():
+            opt.step()
+        opt._dc_close()
+    f32 = [torch.tensor(v, dtype=torch.float32) for v in values[:world]] if world <= 2 else None
+    out["expect_none"] = float(sum(f32) / world) if f32 is not None else None
+    out["expect_fp16"] = (_fp16(sum(_fp16(v) for v in values[:world])) / world) if world <= 2 else None
+
+    # Training with fp16 on the wire, against the float32 reference.
+    model, ref = _pair()
+    ropt = OPTIMIZERS["sgd"](ref.parameters())
+    opt = dc.DistributedOptimizer(OPTIMIZERS["sgd"](model.parameters()), model.named_parameters(),
+                                  dc.Compression.fp16, config=config)
+    for step in range(steps):
+        step_both(model, ref, opt, ropt, step, rank, world)
+    opt.synchronize()
+    out["fp16_training"] = {"diff": max_diff(model, ref), "checksum": checksum(model),
+                            "bytes": sum(opt._dc_layout.block_bytes),
+                            "f32_bytes": sum(p.numel() * 4 for p in model.parameters())}
+    opt._dc_close()
+
+    # groups, as a list and as a number; op as Horovod's ints (0: Average, 1: Sum).
+    results = {}
+    for label, groups_of in (("list", lambda m: [[m.inp.weight, m.out.bias, m.mid.bias], [m.norm.weight, m.inp.bias]]),
+                             ("number", lambda m: 3)):
+        model, ref = _pair()
+        ropt = OPTIMIZERS["adam"](ref.parameters())
+        opt = dc.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()), model.named_parameters(),
+                                      op=0, groups=groups_of(model), config=config)
+        for step in range(steps):
+            step_both(model, ref, opt, ropt, step, rank, world)
+        opt.synchronize()
+        names = opt._dc_names
+        results[label] = {"diff": max_diff(model, ref), "checksum": checksum(model),
+                          "merges": [[names[t] for t in m] for m in opt.plan.merges],
+                          "blocks": [[names[t] for t in b] for b in opt._dc_layout.block_tensors]}
+        opt._dc_close()
+    # op=1 (Horovod's Sum): the sum of the gradients, with the learning rate divided by the world size.
+    model, ref = _pair()
+    opt = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05 / world), model.named_parameters(),
+                                  op=1, config=config)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for step in range(steps):
+        step_both(model, ref, opt, ropt, step, rank, world)
+    opt.synchronize()
+    results["sum"] = {"diff": max_diff(model, ref), "checksum": checksum(model)}
+    opt._dc_close()
+    out["groups"] = results
+
+    # bfloat16 parameters: the reference sums the ranks' bfloat16 gradients in float32, as the wire does.
+    torch.manual_seed(0)
+    model = Net().to(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    opt = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model.named_parameters(),
+                                  config=config)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = batch(step, rank)
+        nn.functional.mse_loss(model(x.bfloat16()).float(), y).backward()
+        opt.step()
+        total = [torch.zeros(p.shape) for p in ref.parameters()]
+        for r in range(world):
+            ref.zero_grad()
+            x, y = batch(step, r)
+            nn.functional.mse_loss(ref(x.bfloat16()).float(), y).backward()
+            for t, p in zip(total, ref.parameters()):
+                t += p.grad.float()
+        for t, p in zip(total, ref.parameters()):
+            p.grad = (t / world).to(torch.bfloat16)
+        ropt.step()
+    opt.synchronize()
+    out["bf16"] = {"diff": max(float((a.float() - b.float()).abs().max()) for a, b in
+                               zip(model.parameters(), ref.parameters())),
+                   "checksum": checksum(model), "wire": [str(d) for d in opt._dc_wire_dtypes()[:1]]}
+    opt._dc_close()
+    return out

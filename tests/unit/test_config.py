@@ -28,6 +28,7 @@ FIELDS = (
     ("credit_bytes", "int"),
     ("channels", "int"),
     ("overlap_forward", "bool"),
+    ("lazy_step", "str"),
     ("profile_iters", "int"),
     ("timeout_s", "float"),
     ("timeline_path", "str | None"),

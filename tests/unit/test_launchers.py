@@ -13,12 +13,15 @@ from pathlib import Path
 
 import pytest
 
+from tests import timing
+
 pytestmark = pytest.mark.timeout(180)
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HOROVOD_RANK", "HOROVOD_SIZE",
                  "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "DCREDIT_BACKEND",
-                 "HOROVOD_FUSION_THRESHOLD")
+                 "HOROVOD_FUSION_THRESHOLD", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_LOCALID",
+                 "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEP_RESV_PORTS")
 
 TRAIN = """
 import torch, torch.nn as nn
@@ -35,6 +38,7 @@ print("backend", opt._dc_backend.name, "size", dc.size(), "kind", dc.runtime.kin
 opt._dc_close()
 dc.shutdown()
 """
+TRAIN_ON_HOROVOD_OPS = TRAIN.replace('policy="fixed"', 'policy="fixed", backend="horovod"')
 
 
 def run(code: str, env: dict | None = None, pythonpath: str | None = None, timeout: float = 150):
@@ -42,7 +46,7 @@ def run(code: str, env: dict | None = None, pythonpath: str | None = None, timeo
     clean["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, str(ROOT), clean.get("PYTHONPATH")) if p)
     clean.update(env or {})
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=clean, capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, check=False)
+                          timeout=timing.scaled(timeout), cwd=ROOT, check=False)
 
 
 def importable(code: str) -> bool:
@@ -103,13 +107,15 @@ def test_mpi4py_without_an_mpi_library_says_what_to_install(backend):
     assert "/nonexistent/libmpi.so.12" in message and "mpiexec -n N" in message
 
 
-def test_backend_torch_in_a_horovod_job_says_which_backend_to_use():
+def test_backend_torch_in_a_horovod_job_trains_on_channels_beside_horovod():
+    # Note [C++ channels under Horovod]: torch.distributed is set up beside Horovod, through its broadcast.
     if not importable("import horovod.torch"):
         pytest.skip("Horovod with PyTorch support is not installed (make horovod)")
     out = run("import dcredit_opt as dc\ndc.init(backend='horovod')\n" + TRAIN.replace('policy="fixed"',
                                                                                      'policy="fixed", backend="torch"'))
-    message = launch_error(out)
-    assert "backend 'torch' needs torch.distributed" in message and "Config(backend='horovod')" in message
+    assert out.returncode == 0, out.stderr
+    assert "backend torch size 1 kind horovod" in out.stdout, out.stdout
+    assert "process groups beside Horovod" in out.stderr
 
 
 # ---- worlds of one through each launcher path -------------------------------------
@@ -119,7 +125,7 @@ def test_horovod_world_of_one_trains_with_fusion_off():
     if not importable("import horovod.torch"):
         pytest.skip("Horovod with PyTorch support is not installed (make horovod)")
     out = run("import os, dcredit_opt as dc\ndc.init(backend='horovod')\n"
-              "print('fusion', os.environ.get('HOROVOD_FUSION_THRESHOLD'))\n" + TRAIN)
+              "print('fusion', os.environ.get('HOROVOD_FUSION_THRESHOLD'))\n" + TRAIN_ON_HOROVOD_OPS)
     assert out.returncode == 0, out.stderr
     assert "fusion 0" in out.stdout and "backend horovod size 1 kind horovod" in out.stdout, out.stdout
     assert "tensor fusion is on" not in out.stderr
@@ -128,10 +134,15 @@ def test_horovod_world_of_one_trains_with_fusion_off():
 def test_adopting_horovod_with_fusion_on_warns_once():
     if not importable("import horovod.torch"):
         pytest.skip("Horovod with PyTorch support is not installed (make horovod)")
-    out = run("import horovod.torch as hvd\nhvd.init()\nimport dcredit_opt as dc\ndc.init()\n" + TRAIN)
+    out = run("import horovod.torch as hvd\nhvd.init()\nimport dcredit_opt as dc\ndc.init()\n" + TRAIN_ON_HOROVOD_OPS)
     assert out.returncode == 0, out.stderr
     assert "backend horovod size 1 kind horovod" in out.stdout, out.stdout
     assert out.stderr.count("tensor fusion is on") == 1 and "--fusion-threshold-mb 0" in out.stderr
+    # By default the blocks go on our own channels beside Horovod: fusion does not touch them.
+    out = run("import horovod.torch as hvd\nhvd.init()\nimport dcredit_opt as dc\ndc.init()\n" + TRAIN)
+    assert out.returncode == 0, out.stderr
+    assert "backend torch size 1 kind horovod" in out.stdout, out.stdout
+    assert "tensor fusion is on" not in out.stderr
 
 
 def test_mpi_world_of_one_trains_and_sets_up_gloo_for_control():
@@ -141,3 +152,94 @@ def test_mpi_world_of_one_trains_and_sets_up_gloo_for_control():
               "print('gloo', dist.is_initialized() and dist.get_backend())\n" + TRAIN)
     assert out.returncode == 0, out.stderr
     assert "gloo gloo" in out.stdout and "backend mpi size 1 kind mpi" in out.stdout, out.stdout
+
+
+# ---- SLURM: srun tasks -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nodes, first", [
+    ("node[01-04,07],gpu3", "node01"), ("gpu3", "gpu3"), ("node1,node2", "node1"), ("a[1-2]b[05-06]-ib", "a1b05-ib"),
+    ("rack[2,4]n[1]", "rack2n1"), ("x[a-b]", None), ("n[1-3", None), ("n1]", None), ("", None),
+])
+def test_first_host_of_a_slurm_node_list(nodes, first):
+    from dcredit_opt.launchers import first_host
+
+    assert first_host(nodes) == first
+
+
+SRUN_TASK = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "4", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
+             "SLURM_STEP_NODELIST": "cn[07-08]", "SLURM_JOB_NODELIST": "cn[07-09]", "SLURM_JOB_ID": "4242",
+             "SLURM_STEP_ID": "3"}
+
+
+def test_srun_task_gets_torchrun_variables():
+    from dcredit_opt.launchers import slurm_environment
+
+    env = slurm_environment(SRUN_TASK)
+    assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")} == {
+        "RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "cn07"}
+    # Every task of the step derives the same port; another step of the job gets another one.
+    assert env["MASTER_PORT"] == slurm_environment({**SRUN_TASK, "SLURM_PROCID": "0"})["MASTER_PORT"]
+    assert env["MASTER_PORT"] != slurm_environment({**SRUN_TASK, "SLURM_STEP_ID": "4"})["MASTER_PORT"]
+    assert 20000 <= int(env["MASTER_PORT"]) < 30000
+    given = slurm_environment({**SRUN_TASK, "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29600"})
+    assert (given["MASTER_ADDR"], given["MASTER_PORT"]) == ("10.0.0.5", "29600")
+
+
+def test_srun_task_with_an_unreadable_node_list_says_to_export_master_addr():
+    from dcredit_opt.errors import LaunchError
+    from dcredit_opt.launchers import slurm_environment
+
+    with pytest.raises(LaunchError, match="export MASTER_ADDR"):
+        slurm_environment({**SRUN_TASK, "SLURM_STEP_NODELIST": "cn[a-b]"})
+    with pytest.raises(LaunchError, match="SLURM_PROCID='x'"):
+        slurm_environment({**SRUN_TASK, "SLURM_PROCID": "x"})
+
+
+def test_batch_script_without_srun_is_a_world_of_one_and_says_so():
+    out = run("import dcredit_opt as dc\ndc.init()\nprint('size', dc.size())", env={"SLURM_NTASKS": "4",
+                                                                                      "SLURM_JOB_ID": "7"})
+    assert out.returncode == 0, out.stderr
+    assert "size 1" in out.stdout and "srun did not start this process" in out.stderr
+
+
+def test_two_srun_tasks_train_together():
+    # What srun exports to the two tasks of a step on one node; dc.init() joins them with no torchrun variable.
+    port = str(29000 + os.getpid() % 900)
+    env = {**SRUN_TASK, "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "localhost",
+           "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": port}
+    clean = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    clean["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), clean.get("PYTHONPATH")) if p)
+    code = "import dcredit_opt as dc\n" + TRAIN
+    procs = [subprocess.Popen([sys.executable, "-c", code], env={**clean, **env, "SLURM_PROCID": str(r),
+                                                                  "SLURM_LOCALID": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+             for r in range(2)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=timing.scaled(150)))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    for p, (stdout, stderr) in zip(procs, outs):
+        assert p.returncode == 0, stderr
+        assert "backend torch size 2 kind torch" in stdout, stdout
+
+
+def test_srun_with_pmi2_joins_through_slurm_and_takes_a_reserved_port():
+    from dcredit_opt.launchers import slurm_environment, srun_pmi
+
+    pmi2 = {**SRUN_TASK, "PMI_RANK": "1", "PMI_SIZE": "4"}
+    assert srun_pmi(pmi2)
+    assert not srun_pmi({**SRUN_TASK, "PMI_RANK": "0", "PMI_SIZE": "4"}), "PMI that disagrees with SLURM is MPI's"
+    assert not srun_pmi({"PMI_RANK": "0", "PMI_SIZE": "2"}), "mpiexec outside SLURM is MPI's"
+    assert slurm_environment({**SRUN_TASK, "SLURM_STEP_RESV_PORTS": "12301-12310"})["MASTER_PORT"] == "12301"
+
+
+def test_srun_pmi2_task_is_a_torch_job_not_an_mpi_one():
+    out = run("import dcredit_opt as dc\nprint('launcher', dc.runtime._launcher('auto'))",
+              env={**SRUN_TASK, "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "PMI_RANK": "0", "PMI_SIZE": "1"})
+    assert out.returncode == 0, out.stderr
+    assert "launcher torch" in out.stdout, out.stdout

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dcredit_opt import _ext
+from tests import timing
 
 C = _ext.load()
 ALL = C.RELEASE_ALL
@@ -35,7 +36,7 @@ LONG_S = 60.0
 # cover a loaded machine. Kept short because a wrong launch count shows up as
 # a wait this long, repeated for every example hypothesis tries while
 # shrinking (pytest-timeout's signal is one more failing example to it).
-SYNC_S = 3.0
+SYNC_S = timing.scaled(3.0)
 # Hypothesis runs many engines per test; no per-example deadline, since the
 # dispatch thread's wake-ups make an example's time vary.
 PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

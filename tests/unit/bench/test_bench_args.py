@@ -55,6 +55,8 @@ def test_scheme_list_is_frozen():
     assert worker.SCHEMES == (
         "compute", "comm", "ddp", "horovod",
         "dc-wfbp", "dc-mgwfbp", "dc-bytescheduler", "dc-usbyte", "dc-dear", "dc-dcredit",
+        "hvd-dcredit", "hvd-dcredit-ops",  # an unchanged Horovod script with our optimizer: C++ channels, Horovod ops
+        "dc-dcredit-fp16",  # Compression.fp16
     )
 
 

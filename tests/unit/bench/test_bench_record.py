@@ -171,3 +171,24 @@ def test_error_line_names_the_exception():
     assert harness._error_line(log) == "dcredit_opt._C.SchedulerError: block 45 failed: Connection reset"
     assert harness._error_line("ValueError: bad\n") == "ValueError: bad"
     assert harness._error_line("all fine\n") is None
+
+
+def test_synchronous_floor_comes_from_full_precision_dcredit_runs():
+    from dcredit_opt.planner.profile import Profile, TensorProfile
+    from dcredit_opt.planner.simulate import synchronous_floor
+
+    def profile(dtype: str) -> dict:
+        tensors = tuple(TensorProfile(f"t{i}", 1000, dtype, i, 0.01, 0.02) for i in range(3))
+        return Profile(tensors, 1e-4, 1e-6, 2).to_dict()
+
+    fp32, fp16 = profile("float32"), profile("float16")
+    runs = [RunResult(Launch("gpt", "1gbit", 0, "ddp"), "ok", [1.0, 1.1]),
+            RunResult(Launch("gpt", "1gbit", 0, "dc-dcredit"), "ok", [0.9, 1.0], profile=fp32),
+            RunResult(Launch("gpt", "1gbit", 0, "dc-dcredit-fp16"), "ok", [0.8, 0.9], profile=fp16)]
+    [result] = harness.summarize_runs(runs, ["gpt"], ["1gbit"], ["ddp", "dc-dcredit", "dc-dcredit-fp16"])
+    floor = synchronous_floor(Profile.from_dict(fp32))
+    assert floor > synchronous_floor(Profile.from_dict(fp16))
+    assert result["floor_s"] == pytest.approx(floor)
+    by = {r["scheme"]: r for r in result["rows"]}
+    assert by["dc-dcredit"]["ratio_to_floor"] == pytest.approx(0.95 / floor)
+    assert by["ddp"]["speedup_ci"] is not None

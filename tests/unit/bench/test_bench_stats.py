@@ -1,4 +1,5 @@
 import math
+import random
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from benchmarks.stats import (
     quantile,
     ratio,
     schedule,
+    speedup_interval,
     summarize,
     table,
 )
@@ -120,3 +122,50 @@ def test_table_without_ddp_or_bounds():
     assert rows[0].speedup_vs_ddp is None and rows[0].ratio_to_bound is None
     assert rows[1].summary is None and rows[1].note == "no data"
     assert not math.isnan(rows[0].summary.median_s)
+
+
+def test_speedup_interval_holds_the_point_estimate_and_narrows_with_more_launches():
+    rng = random.Random(1)
+    ddp = [[1.2 + rng.gauss(0, 0.05) for _ in range(10)] for _ in range(3)]
+    fast = [[1.0 + rng.gauss(0, 0.05) for _ in range(10)] for _ in range(3)]
+    lo, hi = speedup_interval(ddp, fast)
+    point = median([t for x in ddp for t in x]) / median([t for x in fast for t in x])
+    assert lo <= point <= hi and lo > 1.0, (lo, point, hi)
+    more = speedup_interval(ddp * 4, fast * 4)
+    assert more[1] - more[0] < hi - lo
+    assert speedup_interval(ddp, fast) == (lo, hi), "the interval is not reproducible"
+
+
+def test_speedup_interval_holds_one_for_the_same_distribution_and_none_without_data():
+    rng = random.Random(2)
+    a = [[1.0 + rng.gauss(0, 0.1) for _ in range(10)] for _ in range(3)]
+    b = [[1.0 + rng.gauss(0, 0.1) for _ in range(10)] for _ in range(3)]
+    lo, hi = speedup_interval(a, b)
+    assert lo < 1.0 < hi
+    assert speedup_interval([], b) is None and speedup_interval(a, [[]]) is None
+
+
+def test_one_launch_that_differs_widens_the_interval():
+    # Launch-to-launch spread (one slow launch) must show in the interval, not be averaged away as if every
+    # iteration were an independent draw.
+    steady = [[1.0] * 10, [1.0] * 10, [1.0] * 10]
+    drifting = [[1.0] * 10, [1.0] * 10, [1.3] * 10]
+    lo, hi = speedup_interval(steady, drifting)
+    assert lo < 0.8 and hi == pytest.approx(1.0)
+
+
+def test_table_gives_each_speedup_its_interval():
+    times = {"ddp": [1.2] * 6, "dc-dcredit": [1.0] * 6}
+    launches = {"ddp": [[1.2] * 3, [1.2] * 3], "dc-dcredit": [[1.0] * 3, [1.0] * 3]}
+    rows, _ = table(times, ["ddp", "dc-dcredit"], launches=launches)
+    by = {r.scheme: r for r in rows}
+    assert by["dc-dcredit"].speedup_ci == pytest.approx((1.2, 1.2))
+    assert by["ddp"].speedup_ci == pytest.approx((1.0, 1.0))
+
+
+def test_speedup_text_says_no_difference_when_the_interval_holds_one():
+    from benchmarks.report import speedup_text
+
+    assert speedup_text(1.08, (1.02, 1.15)) == "1.08x [1.02, 1.15]"
+    assert speedup_text(1.01, [0.97, 1.05]) == "1.01x [0.97, 1.05] no difference"
+    assert speedup_text(None, None) == "-" and speedup_text(1.5, None) == "1.50x"

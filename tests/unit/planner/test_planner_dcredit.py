@@ -253,7 +253,7 @@ def test_packing_on_the_benchmark_models(model, gbit):
     ResNet at 1 Gbit/s; GPT at 1 Gbit/s 2.2% shorter)."""
     from benchmarks.report import REPO_ROOT
 
-    p = Profile.load(REPO_ROOT / "benchmarks" / "profiles" / f"{model}.json")
+    p = Profile.load(REPO_ROOT / "dcredit_opt" / "profiles" / f"{model}.json")
     p = dataclasses.replace(p, beta_s_per_byte=8e-9 / gbit)
     packed, plain = dcredit(p), dcredit(p, pack=False)
     assert num_blocks(packed) < num_blocks(plain)

@@ -73,14 +73,6 @@ def test_bytescheduler_by_hand():
         overlap_forward=True, policy="bytescheduler")
 
 
-def test_usbyte_by_hand():
-    # 512 * 4 ** (l / 3) bytes: 512, 813, 1290, 2048 -> 128, 203, 322, 512 float32 elements.
-    assert policies.usbyte_block_bytes(P4, 512, 2048) == [512, 813, 1290, 2048]
-    assert policies.usbyte(P4, min_block_bytes=512, max_block_bytes=2048, credit_blocks=2) == Plan(
-        numels=P4.numels, order=ORDER, partition=((128, 128), (203,) * 5 + (9,), (64,), (512,)),
-        phase1_windows=(2, 2, 2, 2), phase2_windows=(2,), overlap_forward=True, policy="usbyte")
-
-
 def test_dear_by_hand():
     assert policies.dear(P4) == Plan(numels=P4.numels, order=ORDER, partition=WHOLE, merges=((2, 1, 0),),
                                      phase1_windows=(ALL,) * 4, phase2_windows=(4,), overlap_forward=True,
@@ -132,7 +124,7 @@ def test_tune_dcredit_picks_the_best_block_size():
 
 def test_registry_is_frozen():
     # A new policy must be added here on purpose, and must be a name plan.validate accepts.
-    assert sorted(POLICIES) == ["bytescheduler", "dcredit", "ddp", "dear", "mgwfbp", "usbyte", "wfbp"]
+    assert sorted(POLICIES) == ["bytescheduler", "dcredit", "ddp", "dear", "mgwfbp", "oasr", "usbyte", "wfbp"]
     assert set(POLICIES) <= set(POLICY_NAMES)
 
 
@@ -150,7 +142,7 @@ def test_make_plan_errors_name_the_policy():
 @given(profiles(max_tensors=8, max_numel=300, dtypes=("float32", "float16", "bfloat16", "int8")),
        st.sampled_from(sorted(POLICIES)), st.sampled_from([8, 64, 1 << 20]))
 def test_every_policy_gives_a_valid_plan(p, name, block_bytes):
-    kwargs = {"block_bytes": block_bytes} if name in ("bytescheduler", "dcredit") else {}
+    kwargs = {"block_bytes": block_bytes} if name in ("bytescheduler", "usbyte", "dcredit") else {}
     plan = make_plan(p, name, **kwargs)
     validate(plan, numels=p.numels, dtypes=p.dtypes)
     assert plan.policy == name

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from dcredit_opt.planner.plan import ALL, Plan, PlanError
 from dcredit_opt.planner.profile import Profile, TensorProfile
-from dcredit_opt.planner.simulate import FlushSnapshot, lower_bound, simulate
+from dcredit_opt.planner.simulate import FlushSnapshot, lower_bound, simulate, synchronous_floor
 
 from .strategies import plans_for, profile_and_plan, profiles
 
@@ -243,3 +243,25 @@ def test_lower_bound_is_tight_for_compute_or_communication(p):
     compute = sum(t.fwd_s + t.bwd_s for t in p.tensors)
     comm = p.alpha_s + p.beta_s_per_byte * p.total_bytes if p.total_bytes else 0.0
     assert lb == max(compute, comm)
+
+
+def test_synchronous_floor_by_hand():
+    # Three tensors of 1000 float32 (4000 B), forward 1 s and backward 1 s each: compute 6 s; one all-reduce of
+    # 12000 B: 0.5 + 12 = 12.5 s. Input side: 6 + (0.5 + 4) = 10.5 s. Output side: 12.5 + fwd(last) 1 + bwd(first
+    # ready) 1 = 14.5 s.
+    p = profile_of([1000, 1000, 1000])
+    assert lower_bound(p) == pytest.approx(12.5)
+    assert synchronous_floor(p) == pytest.approx(14.5)
+    # Compute-bound: 0.1 s per pass, tiny link cost: the input side's reduction after backward decides.
+    q = profile_of([1000, 10, 10], fwd=0.1, bwd=0.1, alpha=0.01, beta=1e-5)
+    assert synchronous_floor(q) == pytest.approx(0.6 + 0.01 + 1e-5 * 4000)
+    assert synchronous_floor(profile_of([])) == lower_bound(profile_of([]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(profile_and_plan(), st.booleans())
+def test_no_plan_beats_the_synchronous_floor(pp, fifo):
+    profile, plan = pp
+    r = simulate(plan, profile, channel_fifo=fifo)
+    assert r.iteration_s >= synchronous_floor(profile) - 1e-9
+    assert synchronous_floor(profile) >= lower_bound(profile)

@@ -1,0 +1,100 @@
+"""Horovod's collective operations, on whichever world runs the job.
+
+    import dcredit_opt as hvd          # a Horovod script, unchanged
+    hvd.init()
+    loss = hvd.allreduce(torch.tensor(loss), name="avg_loss").item()
+
+Names, arguments and meanings are Horovod's (``horovod.torch``, 0.28):
+``allreduce`` averages by default (``op=Sum``, ``Min``, ``Max``, ``Product``;
+the legacy ``average=``), with ``prescale_factor``/``postscale_factor`` and
+``compression``; the ``_`` forms work in place; the ``_async`` forms return a
+handle for ``poll`` and ``synchronize``; ``allgather`` concatenates along
+dimension 0, whose length may differ between ranks; ``allreduce``,
+``allgather`` and ``broadcast`` are differentiable, as Horovod's are.
+
+Note [Collectives beside the optimizer]
+---------------------------------------
+- Under Horovod (``runtime.kind() == "horovod"``) every operation is
+  Horovod's own, matched by name in its negotiation. Its allreduce lacks 8-
+  and 16-bit integers and bfloat16: those are reduced as int32 / float32
+  and cast back; allgather and broadcast move bytes, exact for any dtype.
+- Otherwise they run on torch.distributed's default group: torchrun's, the
+  user's, or the Gloo group that ``init()`` sets up beside an MPI job
+  (``launchers.join_mpi``), which is also the control plane's. An
+  optimizer's blocks never use that group (they have channels of their
+  own), so these never pair up with blocks. Operations are matched by
+  order, so every rank calls them in the same order (Horovod only needs
+  the same names).
+- Before each operation the ranks all-gather a small descriptor of it
+  (operation, op, root, dtype, shape, name: ``describe``). Ranks that
+  disagree all raise the same ``ValueError``, naming the ranks and what
+  differs, instead of a hang or a wrong result; and ``allgather`` learns
+  every rank's first dimension. That exchange is synchronous: an ``_async``
+  call returns once every rank has made it, then the data moves in the
+  background.
+- Every wait has a deadline, ``runtime.timeout_s()`` (``init(timeout_s=)``):
+  a peer that never calls raises ``TimeoutError`` instead of hanging.
+  Horovod's ``synchronize`` has no deadline, so its handles are polled,
+  with a sleep that grows to 10 ms: these are a script's metrics and checks,
+  not the gradient path.
+  Under NCCL a wait makes the stream wait, and the copy of the result to
+  the CPU is what blocks: NCCL's own watchdog (the group's timeout, which
+  is ``timeout_s`` when dcredit_opt created the group) bounds that.
+- After a timeout the operation is still pending in the backend, so later
+  collectives cannot be trusted: the error says to end the job. How the
+  process then exits is the launcher's (MPI may abort it at exit).
+"""
+
+from .allreduce import (
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+)
+from .core import Handle, Max, Min, Product, global_process_set, poll, synchronize
+from .gather import (
+    allgather,
+    allgather_async,
+    allgather_object,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    broadcast_object,
+    grouped_allgather,
+    grouped_allgather_async,
+)
+
+__all__ = [
+    "Handle",
+    "Max",
+    "Min",
+    "Product",
+    "allgather",
+    "allgather_async",
+    "allgather_object",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "broadcast_object",
+    "global_process_set",
+    "grouped_allgather",
+    "grouped_allgather_async",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "poll",
+    "synchronize",
+]

@@ -1,0 +1,266 @@
+"""Horovod's allgather, broadcast, ``*_object`` and barrier.
+
+See Note [Collectives beside the optimizer] (``collectives/__init__.py``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from .. import objects, runtime
+from . import core
+from .allreduce import allreduce
+from .core import Handle, agree, describe, label, require_world
+
+# ---- allgather, broadcast -------------------------------------------------------------------
+
+# What Horovod's allgather takes; other dtypes (bool, bfloat16, complex) travel as rows of bytes.
+_HOROVOD_GATHERS = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
+                    torch.float64)
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous, on the control device) as a flat uint8 tensor: gathers and broadcasts copy bytes,
+    exact for every dtype, with none of the backends' dtype gaps."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _allgather_launch(tensor: torch.Tensor, name: str | None, fn: str) -> Handle:
+    kind = require_world(fn)
+    core.check_name(name, fn)
+    core.check_tensor(tensor, fn)
+    if tensor.dim() == 0:
+        raise ValueError(f"{fn}: tensor must have at least one dimension (the one concatenated), got a scalar; "
+                         "use tensor.reshape(1)")
+    what = label(fn, name)
+    if kind == "horovod":
+        hvd = runtime.horovod()
+        sent = tensor.detach().contiguous()
+        if sent.dtype not in _HOROVOD_GATHERS:
+            # Rows of bytes, exact; Horovod's errors about mismatched shapes then count bytes.
+            rest = tensor.shape[1:]
+            sent = sent.reshape(tensor.shape[0], math.prod(rest)).view(torch.uint8)
+            return Handle(what, hvd=hvd, hvd_handle=hvd.allgather_async(sent, name=name),
+                          finish=lambda out: out.view(tensor.dtype).reshape(out.shape[0], *rest))
+        return Handle(what, hvd=hvd, hvd_handle=hvd.allgather_async(sent, name=name), finish=lambda out: out)
+    size = runtime.size()
+    if size == 1:
+        return Handle(what, result=tensor.detach().clone())
+    table = agree(describe("allgather", [tensor], name=name, gather=True), what, name)
+    firsts = [row[-1] for row in table]
+    row_bytes = math.prod(tensor.shape[1:]) * tensor.element_size()
+    device = runtime.control_device()
+    longest = max(firsts) * row_bytes
+    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+    mine[:tensor.shape[0] * row_bytes] = _bytes_of(tensor.detach().to(device).contiguous())
+    parts = [torch.empty_like(mine) for _ in range(size)]
+    works = [dist.all_gather(parts, mine, async_op=True)] if longest else []
+
+    def finish(_):
+        data = torch.cat([p[:n * row_bytes] for p, n in zip(parts, firsts)])
+        out = data.view(tensor.dtype).reshape(sum(firsts), *tensor.shape[1:])
+        return out.to(tensor.device)
+
+    return Handle(what, works=works, finish=finish)
+
+
+def allgather_async(tensor, name=None, process_set=None) -> Handle:
+    """Start concatenating every rank's ``tensor`` along dimension 0 (lengths may differ)."""
+    core.check_process_set(process_set, "allgather_async")
+    return _allgather_launch(tensor, name, "allgather_async")
+
+
+def allgather(tensor, name=None, process_set=None) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated along dimension 0, in rank order; the first dimension may differ
+    between ranks, the others may not. Differentiable (the gradient of this rank's slice, averaged over the
+    ranks, as Horovod's)."""
+    core.check_process_set(process_set, "allgather")
+    if isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
+        require_world("allgather")
+        return _AllgatherFn.apply(tensor, name)
+    return _allgather_launch(tensor, name, "allgather").wait()
+
+
+def _grouped_allgather_launch(tensors, name: str | None, fn: str) -> Handle:
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{fn}: tensors must be a list of tensors, got {type(tensors).__name__}")
+    names = [None if name is None else f"{name}.{i}" for i in range(len(tensors))]
+    parts = [_allgather_launch(t, n, fn) for t, n in zip(tensors, names)]
+    return Handle(label(fn, name), parts=parts, finish=lambda outs: outs)
+
+
+def grouped_allgather_async(tensors, name=None, process_set=None) -> Handle:
+    """Start an ``allgather`` of each tensor of the list; ``synchronize`` returns the list of results."""
+    core.check_process_set(process_set, "grouped_allgather_async")
+    return _grouped_allgather_launch(tensors, name, "grouped_allgather_async")
+
+
+def grouped_allgather(tensors, name=None, process_set=None) -> list:
+    """``allgather`` of each tensor of the list, as a list."""
+    core.check_process_set(process_set, "grouped_allgather")
+    return _grouped_allgather_launch(tensors, name, "grouped_allgather").wait()
+
+
+class _AllgatherFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name):
+        ctx.first = tensor.shape[0]
+        return _allgather_launch(tensor, name, "allgather").wait()
+
+    @staticmethod
+    def backward(ctx, grad):
+        reduced = allreduce(grad.contiguous(), op=0)
+        firsts = allgather(torch.tensor([ctx.first], dtype=torch.int64))
+        start = int(firsts[:runtime.rank()].sum())
+        return reduced.narrow(0, start, ctx.first), None
+
+
+def _broadcast_launch(tensor: torch.Tensor, root_rank: int, name: str | None, fn: str, inplace: bool) -> Handle:
+    kind = require_world(fn)
+    core.check_name(name, fn)
+    core.check_tensor(tensor, fn)
+    root_rank = core.check_root(root_rank, fn)
+    what = label(fn, name)
+    if kind == "horovod":
+        hvd = runtime.horovod()
+        # As bytes: exact, and independent of which dtypes Horovod's CPU operations have.
+        sent = tensor.detach().contiguous().clone()
+
+        def finish_hvd(_):
+            if inplace:
+                with torch.no_grad():
+                    tensor.copy_(sent)
+                return tensor
+            return sent
+
+        if not sent.numel():
+            return Handle(what, result=finish_hvd(None))
+        return Handle(what, hvd=hvd, hvd_handle=hvd.broadcast_async_(_bytes_of(sent), root_rank, name=name),
+                      finish=finish_hvd)
+    size = runtime.size()
+    if size > 1:
+        agree(describe("broadcast", [tensor], root_rank=root_rank, name=name), what, name)
+    device = runtime.control_device()
+    staged = tensor.detach().to(device).contiguous()
+    if not inplace and staged.data_ptr() == tensor.data_ptr():
+        staged = staged.clone()  # the input is not changed
+    works = [dist.broadcast(_bytes_of(staged), src=root_rank, async_op=True)] if size > 1 and staged.numel() else []
+
+    def finish(_):
+        if inplace:
+            if staged.data_ptr() != tensor.data_ptr():
+                with torch.no_grad():
+                    tensor.copy_(staged)
+            return tensor
+        return staged.to(tensor.device)
+
+    handle = Handle(what, works=works, finish=finish)
+    if not works:
+        handle.wait()
+    return handle
+
+
+def broadcast_async(tensor, root_rank, name=None, process_set=None) -> Handle:
+    """Start sending ``root_rank``'s ``tensor`` to every rank; ``synchronize`` returns a new tensor."""
+    core.check_process_set(process_set, "broadcast_async")
+    return _broadcast_launch(tensor, root_rank, name, "broadcast_async", False)
+
+
+def broadcast_async_(tensor, root_rank, name=None, process_set=None) -> Handle:
+    """Start overwriting ``tensor`` with ``root_rank``'s."""
+    core.check_process_set(process_set, "broadcast_async_")
+    return _broadcast_launch(tensor, root_rank, name, "broadcast_async_", True)
+
+
+def broadcast(tensor, root_rank, name=None, process_set=None) -> torch.Tensor:
+    """``root_rank``'s ``tensor``, as a new tensor on every rank (same shape and dtype everywhere).
+    Differentiable: the root gets the gradients averaged over the ranks, the others zero (Horovod's)."""
+    core.check_process_set(process_set, "broadcast")
+    if isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
+        require_world("broadcast")
+        core.check_root(root_rank, "broadcast")
+        return _BroadcastFn.apply(tensor, root_rank, name)
+    return _broadcast_launch(tensor, root_rank, name, "broadcast", False).wait()
+
+
+def broadcast_(tensor, root_rank, name=None, process_set=None) -> torch.Tensor:
+    """Overwrite ``tensor`` with ``root_rank``'s, in place; returns it."""
+    core.check_process_set(process_set, "broadcast_")
+    return _broadcast_launch(tensor, root_rank, name, "broadcast_", True).wait()
+
+
+class _BroadcastFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name):
+        ctx.root_rank = root_rank
+        return _broadcast_launch(tensor, root_rank, name, "broadcast", False).wait()
+
+    @staticmethod
+    def backward(ctx, grad):
+        reduced = allreduce(grad.contiguous(), op=0)
+        return (reduced if runtime.rank() == ctx.root_rank else torch.zeros_like(reduced)), None, None
+
+
+# ---- objects, barrier -----------------------------------------------------------------------
+
+
+def broadcast_object(obj, root_rank=0, name=None, process_set=None):
+    """``root_rank``'s ``obj`` on every rank. Differs from Horovod's: the object travels as JSON, never
+    pickled, so it may hold only plain values, containers, tensors and numpy arrays (``objects.py``)."""
+    fn = "broadcast_object"
+    kind = require_world(fn)
+    core.check_name(name, fn)
+    core.check_process_set(process_set, fn)
+    root_rank = core.check_root(root_rank, fn)
+    rank = runtime.rank()
+    payload = objects.encode(obj) if rank == root_rank else b""
+    if runtime.size() == 1:
+        return objects.decode(payload)
+    base = name or fn
+    length = torch.tensor([len(payload)], dtype=torch.int64)
+    if kind != "horovod":
+        agree(describe(fn, root_rank=root_rank, name=name), label(fn, name), name)
+    broadcast_(length, root_rank, name=f"{base}.length")
+    data = torch.zeros(int(length.item()), dtype=torch.uint8)
+    if rank == root_rank:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    broadcast_(data, root_rank, name=f"{base}.data")
+    return objects.decode(bytes(data.numpy()))
+
+
+def allgather_object(obj, name=None, process_set=None) -> list:
+    """Every rank's ``obj``, in rank order. Objects travel as JSON, never pickled (see ``broadcast_object``)."""
+    fn = "allgather_object"
+    kind = require_world(fn)
+    core.check_name(name, fn)
+    core.check_process_set(process_set, fn)
+    payload = objects.encode(obj)
+    if runtime.size() == 1:
+        return [objects.decode(payload)]
+    if kind != "horovod":
+        agree(describe(fn, name=name), label(fn, name), name)
+    base = name or fn
+    lengths = allgather(torch.tensor([len(payload)], dtype=torch.int64), name=f"{base}.length")
+    data = allgather(torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload
+                     else torch.zeros(0, dtype=torch.uint8), name=f"{base}.data")
+    out, start = [], 0
+    for n in lengths.tolist():
+        out.append(objects.decode(bytes(data[start:start + n].numpy())))
+        start += n
+    return out
+
+
+def barrier(process_set=None) -> None:
+    """Wait (at most ``timeout_s``) until every rank has called ``barrier``."""
+    kind = require_world("barrier")
+    core.check_process_set(process_set, "barrier")
+    if runtime.size() == 1:
+        return
+    if kind == "horovod":
+        # Horovod's own barrier has no deadline: a one-element all-reduce does the same, with one.
+        allreduce(torch.zeros(1), name="dcredit_opt.barrier", op=1)
+        return
+    agree(describe("barrier"), "barrier", None)

@@ -1,0 +1,369 @@
+"""The lazy step's half of the wrapper: applying deferred updates where they are first read.
+
+See Note [Lazy step] in ``optimizer.py`` and Note [First read] in
+``reads.py``. :class:`LazyStep` holds methods of the generated optimizer
+subclass; its state is set up in ``_DistributedOptimizer._dc_setup``.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from . import _ext
+from .errors import DCreditError, at_rank
+from .reads import FirstReadTracer
+from .timeline import profiled
+
+
+class LazyStep:
+    # ---- applying updates ------------------------------------------------------
+
+    def _dc_apply_pending(self) -> None:
+        if self._dc_npending:
+            self._dc_apply(range(len(self._dc_params)))
+
+    def _dc_step_now(self) -> None:
+        """The eager step, inside ``step()``: the wrapped ``step()`` once, over the real groups, so that its
+        hooks run once and see every parameter, and the hyperparameters are the ones in force."""
+        self._dc_wait(range(len(self._dc_params)))
+        sparse = [i for i, was in enumerate(self._dc_sparse) if was]
+        saved = [self._dc_params[i].grad for i in sparse]
+        try:
+            for i in sparse:
+                self._dc_params[i].grad = self._dc_slots[i].to_sparse()
+            with profiled("dcredit_opt::apply"):
+                self._dc_base.step(self)
+        finally:
+            for i, grad in zip(sparse, saved):
+                self._dc_params[i].grad = grad
+        self._dc_pending = [False] * len(self._dc_params)
+        self._dc_npending = 0
+        self._dc_keeper.strong = None
+
+    def _dc_wait(self, todo) -> None:
+        if self._dc_reduced:
+            return  # a backward that started since has waited for every block
+        timeout = float(self._dc_config.timeout_s)
+        with profiled("dcredit_opt::wait"):
+            for i in todo:
+                try:
+                    self._dc_engine.wait_tensor(i, timeout)
+                except (RuntimeError, TimeoutError) as e:
+                    raise at_rank(e, f"phase 2 (after step()), waiting for the reduced gradient of "
+                                    f"'{self._dc_names[i]}' (tensor {i}) to apply its update") from e
+
+    def _dc_apply(self, indices) -> None:
+        """Wait for tensors ``indices`` and run the wrapped step on those still pending, with the
+        hyperparameters of the ``step()`` that deferred them."""
+        todo = [i for i in dict.fromkeys(indices) if self._dc_pending[i]]
+        if not todo:
+            return
+        guard, armed = self._dc_guard, self._dc_guard.armed
+        guard.armed = False  # the wrapped step reads the parameters it updates: not reads to guard
+        try:
+            if self._dc_deferred:
+                self._dc_check_graph_reads(todo)
+            self._dc_wait(todo)
+            if not self._dc_versions_checked:
+                # The first apply after a lazy step(): every pending slot, so that a write
+                # between step() and the next forward stops us before any update.
+                self._dc_versions_checked = True
+                self._dc_check_writes([i for i, p in enumerate(self._dc_pending) if p], "the lazy step")
+            else:
+                self._dc_check_writes(todo, "the lazy step")
+            with profiled("dcredit_opt::apply"):
+                self._dc_run_wrapped_step(todo)
+        finally:
+            guard.armed = armed
+        for i in todo:
+            self._dc_pending[i] = False
+        self._dc_npending -= len(todo)
+        if not self._dc_npending:
+            guard.remove()  # inside the guard's own handler it only disarms; it leaves at the next chance
+            self._dc_keeper.strong = None  # nothing waits: a dropped optimizer may go
+
+    def _dc_run_wrapped_step(self, todo) -> None:
+        params, slots = self._dc_params, self._dc_slots
+        groups = self.param_groups
+        saved_params = [g["params"] for g in groups]
+        saved_hyper = [{k: g[k] for k in snap} for g, snap in zip(groups, self._dc_snapshot)]
+        saved_grads = [params[i].grad for i in todo]
+        members = [[] for _ in groups]
+        for i in todo:
+            members[self._dc_group_of[i]].append(params[i])
+        try:
+            for g, m, snap in zip(groups, members, self._dc_snapshot):
+                g["params"] = m
+                g.update(snap)
+            for i in todo:
+                params[i].grad = slots[i].to_sparse() if self._dc_sparse[i] else slots[i]
+            self._dc_base.step(self)
+        finally:
+            for g, ps, hyper in zip(groups, saved_params, saved_hyper):
+                g["params"] = ps
+                g.update(hyper)
+            for i, grad in zip(todo, saved_grads):
+                params[i].grad = grad
+
+    def _dc_apply_on_read(self, indices) -> None:
+        """A read of pending parameters before the place learned for them (Note [Guarded reads] in reads.py):
+        their updates are applied now, before the read, so it sees what a synchronous step gives."""
+        i = indices[0]
+        self._dc_tell("early read", f"dcredit_opt: parameter '{self._dc_names[i]}' was read before the place "
+                                    f"where the first iteration read it first ({self._dc_reader_of(i)}), so its "
+                                    "update was applied at that read: the result is the same, but that update "
+                                    "did not overlap the forward. Said once.")
+        self._dc_apply(indices)
+
+    def _dc_defer(self) -> None:
+        """End of a lazy ``step()``: from here on, a graph that reads a pending parameter before its update is
+        applied shows in that parameter's gradient accumulator (Note [Graph reads] in csrc/torch/bindings.cc)."""
+        pending = [p for p, waits in zip(self._dc_params, self._dc_pending) if waits]
+        if pending:
+            _ext.load().forget_graph_reads(pending)
+            self._dc_guard.arm(self._dc_params)
+        self._dc_deferred = True
+
+    def _dc_before_forward(self, module: torch.nn.Module) -> None:
+        """Forward pre-hook of a module that first reads some of our parameters."""
+        own = self._dc_apply_at.get(module)
+        if not own:
+            return
+        if self._dc_timeline is not None:
+            self._dc_timeline.on_forward(own[0])
+        if self._dc_recorder is not None:
+            self._dc_recorder.on_forward(own)
+        if self._dc_npending:
+            self._dc_apply(own)
+        else:
+            self._dc_guard.leave_if_idle()
+
+    # ---- the checks ---------------------------------------------------------------
+
+    def _dc_check_writes(self, indices, where: str) -> None:
+        """Raise if a gradient slot was written since it was handed to the scheduler (Note [Lazy step])."""
+        slots, versions = self._dc_slots, self._dc_versions
+        for i in indices:
+            if slots[i]._version != versions[i]:
+                raise DCreditError(
+                    f"the gradient of '{self._dc_names[i]}' was changed in place while dcredit_opt was still "
+                    f"reducing it (seen in {where}): by clip_grad_norm_, GradScaler.unscale_, "
+                    "model.zero_grad(set_to_none=False) or other code writing p.grad between loss.backward() and "
+                    "the next forward. No pending update was applied. Reduce first, then change the gradients: "
+                    "optimizer.synchronize(); <clip/unscale>; `with optimizer.skip_synchronize(): "
+                    "optimizer.step()` (the Horovod recipe). To clear gradients use optimizer.zero_grad() or "
+                    "model.zero_grad() with set_to_none=True")
+
+    def _dc_check_graph_reads(self, todo) -> None:
+        """Raise if autograd read a pending parameter since the lazy ``step()``: that read saw the old value."""
+        found = _ext.load().first_graph_read([self._dc_params[i] for i in todo])
+        if found >= 0:
+            raise self._dc_read_before_update(todo[found])
+
+    def _dc_check_frozen(self) -> None:
+        """A parameter frozen at wrap time and unfrozen since would be stepped with its local gradient."""
+        for name, p in self._dc_frozen:
+            if p.grad is not None:
+                raise DCreditError(
+                    f"parameter '{name}' had requires_grad=False when the optimizer was wrapped, so dcredit_opt "
+                    "does not reduce its gradient, but it has one now (it was unfrozen later): its update would "
+                    "use this rank's gradient alone. Nothing was applied. Build the DistributedOptimizer after "
+                    "unfreezing it (freeze by leaving its gradient None instead), or set its .grad to None")
+
+    def _dc_check_finite(self) -> None:
+        """Config.check_finite: wait for every block; on NaN or Inf refuse the whole step.
+
+        The check comes before any update, so a refused step changes no
+        parameter and no optimizer state (a lazy check at each layer's forward
+        would have updated the layers before it). Every rank sees the same
+        reduced values, so every rank refuses the same step.
+        """
+        self._dc_wait_all("step(), waiting for every block (Config.check_finite)")
+        if all(bool(torch.isfinite(b).all()) for b in self._dc_buffers):
+            return
+        bad = next(i for i, slot in enumerate(self._dc_slots) if not bool(torch.isfinite(slot).all()))
+        self._dc_counts = [0] * len(self._dc_params)
+        self._dc_open = False
+        raise DCreditError(f"the reduced gradient of '{self._dc_names[bad]}' holds NaN or Inf (Config.check_finite "
+                           "is on): step() skipped, no parameter or optimizer state was changed; the reduced "
+                           "gradients stay in p.grad")
+
+    def _dc_scaled_skip(self, scaler) -> bool:
+        """``GradScaler.step(opt)``: unscale the *reduced* gradients; True if the step must be skipped.
+
+        Every rank then sees the same Inf/NaN, so every rank skips the same
+        steps and the scaler's scale stays the same everywhere. The scaler
+        reads and writes the gradients, so they must be final first.
+        """
+        from torch.amp.grad_scaler import OptState
+
+        stage = scaler._per_optimizer_states[id(self)]["stage"]
+        if stage is OptState.UNSCALED and not self._dc_synchronized:
+            raise DCreditError(
+                "scaler.unscale_(optimizer) ran while dcredit_opt was still reducing the gradients, so it "
+                "unscaled and checked local, half-reduced values. Call optimizer.synchronize() before "
+                "scaler.unscale_(optimizer), then `with optimizer.skip_synchronize(): scaler.step(optimizer)`; "
+                "or leave the unscaling to scaler.step(optimizer), which reduces first")
+        self._dc_wait_all("step(), waiting for every block before GradScaler unscales them")
+        self._dc_synchronized = True  # final: the scaler's own writes below are expected
+        if stage is OptState.READY:
+            scaler.unscale_(self)
+        if not sum(float(v.item()) for v in scaler._found_inf_per_device(self).values()):
+            return False
+        self._dc_counts = [0] * len(self._dc_params)
+        self._dc_open = False
+        self._dc_synchronized = False
+        return True
+
+    def _dc_stale_read(self, i: int) -> DCreditError:
+        learned = self._dc_reader_of(i)
+        return DCreditError(
+            f"parameter '{self._dc_names[i]}' was read by this forward before its update from the last step() "
+            f"was applied (its gradient is being computed while the update still waits; dcredit_opt learned in "
+            f"the first iteration that it is first read {learned}, but this iteration read it earlier or "
+            "elsewhere, e.g. another branch or a functional use). Nothing of this gradient was used. Call "
+            "optimizer.synchronize() after step() before such a forward, or pass "
+            "Config(lazy_step='off') to apply every update in step()")
+
+    def _dc_read_before_update(self, i: int) -> DCreditError:
+        learned = self._dc_reader_of(i)
+        return DCreditError(
+            f"parameter '{self._dc_names[i]}' was read (by an op that autograd records) before its update from "
+            f"the last step() was applied, so that read used the old value. dcredit_opt learned in the first "
+            f"iteration that it is first read {learned}, and applies its update there, but this iteration read it "
+            "earlier or elsewhere (another branch, a functional use, a read outside the model). It was not updated "
+            "(nor any parameter of a module this forward has not reached yet). Call optimizer.synchronize() after step() before such a forward, or pass Config(lazy_step='off') to "
+            "apply every update in step()")
+
+    def _dc_reader_of(self, i: int) -> str:
+        for module, own in self._dc_apply_at.items():
+            if i in own:
+                return f"by the forward of a {type(module).__name__}"
+        return "outside any module's forward"
+
+    # ---- learning where parameters are first read (Note [First read]) ---------------
+
+    def _dc_start_learning(self) -> None:
+        self._dc_tracer = FirstReadTracer(self._dc_params, self)
+        self._dc_tracer.start()
+
+    def _dc_end_learning(self) -> None:
+        """Leave the tracer (on the training thread) and install the apply points it found."""
+        tracer = self._dc_tracer
+        if tracer is None or not tracer.close():
+            return
+        self._dc_tracer = None
+        if self._dc_learned or getattr(self, "_dc_closed", False):
+            return
+        self._dc_learned = True
+        if self._dc_recorder is not None:
+            for i, ns in tracer.first_read_ns.items():
+                if tracer.readers[i] is not None:
+                    self._dc_recorder.on_forward((i,), ns)
+        by_module: dict = {}
+        eager = []
+        for i in range(len(self._dc_params)):
+            ref = tracer.readers.get(i)
+            module = ref() if ref is not None else None
+            if module is None:
+                eager.append(i)
+            else:
+                by_module.setdefault(module, []).append(i)
+        me = self._dc_keeper
+        for module, own in by_module.items():
+            self._dc_apply_at[module] = tuple(own)
+            self._dc_module_hooks.append(module.register_forward_pre_hook(_weak_forward_hook(me)))
+        # model.state_dict()/load_state_dict() of any module the forward ran, or
+        # below it, must see applied updates.
+        hooked = set()
+        for top in list(tracer.modules):
+            for module in top.modules():
+                if id(module) not in hooked:
+                    hooked.add(id(module))
+                    self._dc_module_hooks.append(module.register_state_dict_pre_hook(_weak_apply_hook(me)))
+                    self._dc_module_hooks.append(module.register_load_state_dict_pre_hook(_weak_apply_hook(me)))
+        self._dc_eager = tuple(eager)
+        if eager:
+            unread = [self._dc_names[i] for i in eager if i not in tracer.readers]
+            outside = [self._dc_names[i] for i in eager if i in tracer.readers]
+            parts = []
+            if outside:
+                parts.append(f"{len(outside)} read outside any module's forward (e.g. '{outside[0]}')")
+            if unread:
+                parts.append(f"{len(unread)} not read by the first forward after step() (e.g. '{unread[0]}')")
+            self._dc_tell("eager", f"dcredit_opt: of {len(self._dc_params)} parameters, {' and '.join(parts)}: "
+                                   "their updates are applied in step(), without overlap (Note [First read])")
+
+
+def copy_hyper(group: dict) -> dict:
+    """A group's hyperparameters as of now: tensors copied, so an in-place change later does not leak in."""
+    return {k: _detached_copy(v) for k, v in group.items() if k != "params"}
+
+
+def _detached_copy(v):
+    if isinstance(v, torch.Tensor):
+        return v.detach().clone()
+    if isinstance(v, (tuple, list)):
+        return type(v)(_detached_copy(x) for x in v)
+    return v
+
+
+def watch_module_hooks_when_compiled() -> None:
+    """Note [Compiled models]: make Dynamo recompile a model when module hooks are added or removed.
+
+    The apply points are forward pre-hooks, installed after the first
+    iteration, when a compiled model may already have a graph. By default
+    Dynamo does not guard on module hooks (``skip_nnmodule_hook_guards``),
+    so that graph would go on running without them, and every update would
+    be applied too late (the stale-read check would then stop the job). With
+    the guard, the model recompiles once when our hooks appear; each hook is
+    ``torch.compiler.disable``-d, so it runs eagerly at a graph break before
+    the module's compiled code. Set when an optimizer is built, before the
+    first forward compiles anything.
+    """
+    try:
+        import torch._dynamo.config as dynamo_config
+    except ImportError:  # a torch without Dynamo: nothing is compiled
+        return
+    if hasattr(dynamo_config, "skip_nnmodule_hook_guards"):
+        dynamo_config.skip_nnmodule_hook_guards = False
+
+
+class Keeper:
+    """How the model's hooks reach their optimizer: weakly, except while updates wait.
+
+    A script may drop its optimizer right after a lazy ``step()`` (``del
+    opt``, or ``opt = DistributedOptimizer(...)`` again): the updates it
+    deferred must still be applied where the next forward first reads them.
+    So, while any update is pending, the hooks hold the optimizer; once none
+    is, only weakly, and a dropped optimizer is then freed (and its finalizer
+    drains and closes its channels).
+    """
+
+    __slots__ = ("_ref", "strong")
+
+    def __init__(self, optimizer):
+        self._ref = weakref.ref(optimizer)
+        self.strong = None
+
+    def __call__(self):
+        return self.strong if self.strong is not None else self._ref()
+
+
+def _weak_forward_hook(keeper: Keeper):
+    @torch.compiler.disable
+    def hook(module, args):
+        opt = keeper()
+        if opt is not None:
+            opt._dc_before_forward(module)
+    return hook
+
+
+def _weak_apply_hook(keeper: Keeper):
+    def hook(module, *args, **kwargs):
+        opt = keeper()
+        if opt is not None:
+            opt._dc_apply_pending()
+    return hook

@@ -1,0 +1,313 @@
+"""Where each parameter is first read after ``step()``: learned once, from the job itself.
+
+Note [First read]
+-----------------
+The lazy step (Note [Lazy step] in ``optimizer.py``) may defer a
+parameter's update only until the first read of that parameter after
+``step()``, wherever that read happens: in its own module's forward, in a
+parent's forward (an ``nn.ParameterList`` entry, ``F.linear(h,
+self.mid.weight)`` with ``mid`` never called, a tied weight), or in user code
+between ``step()`` and the next forward (an EMA of the weights). Ownership
+(``module._parameters``) says nothing about reads, so we watch them.
+
+For one iteration, from the return of the first ``step()`` to the start of
+the next backward, a :class:`FirstReadTracer` is active: a
+``TorchFunctionMode`` sees every torch operation called from Python, and a
+pair of global module hooks keeps the stack of module forwards that are
+running. The first operation that reads a parameter (matched by memory, so
+``p``, ``p.detach()``, ``p.data`` and views all count) records the innermost
+module whose forward is running, or ``None`` when no forward is. Operations
+that only make aliases or look at metadata (``detach``, ``view``,
+``.shape``, ``.grad``) are not reads: ``model.state_dict()`` only detaches
+(and its own hook applies what is pending).
+
+The optimizer then applies each parameter's update in a forward pre-hook of
+the module that read it first, and applies at ``step()`` itself (eagerly)
+every parameter read outside any forward or not read at all while we
+watched. A later iteration that reads a parameter earlier than we learned
+(another branch, other control flow) is handled by the guard below.
+
+Note [Guarded reads]
+--------------------
+What the first iteration learned is a forecast, not a proof: a later
+iteration may read a parameter earlier (another branch, a peek at a weight in
+the parent, an EMA or a log line that first runs at step 1000, a read through
+``detach()``, ``.data`` or under ``torch.no_grad()``). So from the end of every
+lazy ``step()`` until no update is pending any more (through the forward, and
+through the backward and up to the next ``step()`` for parameters that
+forward skipped), a :class:`PendingReadGuard` (a ``TorchFunctionMode``,
+matching parameters by memory like the tracer, a tensor over several of them
+touching each) sees every torch operation on the training thread; one whose
+arguments include a parameter whose update is still pending applies that
+update first, then runs. That covers reads and writes alike (``p.mul_()``
+for a manual weight decay, ``p.data = x`` for a roll-back), and
+``data_ptr()`` and ``untyped_storage()``, through which custom kernels and
+the pickler (``torch.save``) take the values. The read sees exactly what a
+synchronous step gives, and a notice says once that the update did not
+overlap the forward. The guard sits at the bottom of the mode stack, so a
+script's own modes enter and leave above it, and leaves the stack once
+nothing is pending, so that torch's C++ fast paths (which step aside while
+any mode is active) come back. Under code that Dynamo traces it is a
+pass-through: reads inside a compiled graph are not seen.
+
+Two lines stand behind it. A read the guard cannot see (another thread,
+code compiled by ``torch.compile``) but that autograd records shows in the
+parameter's gradient accumulator (Note [Graph reads] in
+``csrc/torch/bindings.cc``): every apply, and the start of the backward,
+raise a ``DCreditError`` naming the parameter before anything is applied or
+launched. A read that neither sees (another thread or compiled code, without
+autograd; a collective or C++ extension handed ``p`` directly) is the
+remaining gap, stated in the README.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+import weakref
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+# Operations that make an alias or read metadata only, never values.
+_NOT_READS = frozenset({
+    "detach", "detach_", "view", "view_as", "size", "dim", "numel", "nelement", "ndimension", "stride",
+    "storage_offset", "is_contiguous", "data_ptr", "element_size", "untyped_storage", "is_floating_point",
+    "is_complex", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "__len__",
+    "__hash__", "__format__", "get_device", "is_shared", "is_pinned", "_is_view",
+    "__get__", "__set__", "__delete__",  # attributes: .grad, .data, .shape; a later op on .data is a read
+})
+
+
+def _name(func) -> str:
+    return getattr(func, "__name__", "")
+
+
+class Addresses:
+    """Which tracked parameters an operation's tensor arguments lie in, by memory.
+
+    Each parameter's memory as [start, end) byte addresses: a tensor whose
+    data pointer falls inside is the parameter or an alias of part of it
+    (``p``, ``p.detach()``, ``p.data``, views). Addresses, not
+    ``untyped_storage()``: asking every argument for its storage would give
+    our gradient buffers' storages Python objects (see ``_slot`` in
+    ``optimizer.py``).
+    """
+
+    def __init__(self, params):
+        self._ranges = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), i)
+                              for i, p in enumerate(params) if p.numel())
+        self._starts = [r[0] for r in self._ranges]
+
+    def read_by(self, args, kwargs):
+        """Indices of the parameters whose memory the arguments touch (an index may come more than once); a
+        tensor over several parameters (a flat buffer they are views of) touches each of them."""
+        for t in _tensors(args, kwargs):
+            try:
+                ptr = t.data_ptr() if t.numel() else 0
+            except RuntimeError:  # sparse, fake or functional tensors have no address: not a parameter
+                continue
+            if not ptr:
+                continue
+            end = ptr + _extent_bytes(t)
+            k = max(bisect.bisect_right(self._starts, ptr) - 1, 0)
+            while k < len(self._ranges) and self._ranges[k][0] < end:
+                if self._ranges[k][1] > ptr:
+                    yield self._ranges[k][2]
+                k += 1
+
+
+class FirstReadTracer(TorchFunctionMode):
+    """Records, per tracked parameter, the module whose forward first reads it (Note [First read])."""
+
+    def __init__(self, params, owner):
+        super().__init__()
+        self._owner = weakref.ref(owner)  # an optimizer dropped mid-watch leaves us inert, not recording
+        self._addresses = Addresses(params)
+        self._stack: list = []
+        self.readers: dict[int, weakref.ref | None] = {}
+        """Tensor index -> weak reference to the module whose forward read it first, or None (outside any forward)."""
+        self.first_read_ns: dict[int, int] = {}
+        self.modules: weakref.WeakSet = weakref.WeakSet()
+        """Every module whose forward ran while we watched."""
+        self.active = False
+        self._hooks: list = []
+
+    # ---- lifetime ------------------------------------------------------------
+
+    def start(self) -> None:
+        # Tracers of optimizers that were dropped while watching are still on
+        # the stack (only their own thread could pop them): pop those on top.
+        while True:
+            stack = torch.overrides._get_current_function_mode_stack()
+            if not (stack and isinstance(stack[-1], FirstReadTracer) and stack[-1]._owner() is None):
+                break
+            stack[-1].close()
+        self.active = True
+        # Dynamo must not trace our hooks (a compiled model runs them inside
+        # its frame): disabled, they run eagerly, at a graph break.
+        self._hooks = [
+            torch.nn.modules.module.register_module_forward_pre_hook(torch.compiler.disable(self._enter_module)),
+            torch.nn.modules.module.register_module_forward_hook(torch.compiler.disable(self._leave_module),
+                                                                 always_call=True),
+        ]
+        self.__enter__()
+
+    def stop_recording(self) -> None:
+        """No more records (safe from any thread, e.g. a backward hook); the mode stays pushed until :meth:`close`."""
+        self.active = False
+
+    def close(self) -> bool:
+        """Leave the mode and drop the hooks, on the thread that started it. False if another mode sits on top
+        of ours (then we stay inert and the caller retries later)."""
+        self.active = False
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        stack = torch.overrides._get_current_function_mode_stack()
+        if self in stack:
+            if stack[-1] is not self:
+                return False
+            self.__exit__(None, None, None)
+        return True
+
+    # ---- recording -----------------------------------------------------------
+
+    def _enter_module(self, module, args) -> None:
+        if self.active:
+            self._stack.append(module)
+            self.modules.add(module)
+
+    def _leave_module(self, module, args, output) -> None:
+        if self._stack and self._stack[-1] is module:
+            self._stack.pop()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.active and _name(func) not in _NOT_READS:
+            if self._owner() is None:
+                self.active = False
+            else:
+                self._record(args, kwargs)
+        return func(*args, **kwargs)
+
+    def _record(self, args, kwargs) -> None:
+        for i in self._addresses.read_by(args, kwargs):
+            if i not in self.readers:
+                module = self._stack[-1] if self._stack else None
+                self.readers[i] = weakref.ref(module) if module is not None else None
+                self.first_read_ns[i] = time.perf_counter_ns()
+
+
+_SET_DATA = torch.Tensor.data.__set__
+# What the guard lets pass. data_ptr() and untyped_storage() are reads to it: custom kernels and the pickler
+# (torch.save) take the values from there. The tracer does not count them: a checkpoint saved after every
+# step() (state_dict() applies what is pending first) must not turn the lazy step off.
+_GUARD_NOT_READS = _NOT_READS - {"data_ptr", "untyped_storage"}
+
+
+class PendingReadGuard(TorchFunctionMode):
+    """Applies a pending update at any read of its parameter that comes first (Note [Guarded reads]).
+
+    One per optimizer. Armed at the end of a lazy ``step()``, at the bottom of
+    the mode stack (so that a script's own modes and ``with
+    torch.device(...)`` blocks enter and leave above it undisturbed); it
+    disarms once nothing is pending and then leaves the stack at the first
+    chance (outside its own handler), so that no torch operation pays for it
+    and torch's C++ fast paths, which step aside while any mode is active,
+    come back.
+    """
+
+    def __init__(self, keeper):
+        super().__init__()
+        self._keeper = keeper  # the optimizer: strongly while updates wait (lazy.Keeper)
+        self._addresses = None
+        self.armed = False
+
+    def arm(self, params) -> None:
+        """From here on, a read of a pending parameter applies its update first (on the training thread)."""
+        self._addresses = Addresses(params)  # every time: a script may have replaced a parameter's .data
+        stack = torch.overrides._get_current_function_mode_stack()
+        if self not in stack:
+            _drop_inert_guards()
+            _insert_at_bottom(self)
+        self.armed = True
+
+    def remove(self) -> None:
+        """Disarm and leave the mode stack (on the training thread; elsewhere, or inside this guard's own
+        handler, where torch has taken it off the stack for the call, it stays inert until the next chance)."""
+        self.armed = False
+        _remove_from_stack(self)
+
+    def leave_if_idle(self) -> None:
+        if not self.armed:
+            _remove_from_stack(self)
+
+    def inert(self) -> bool:
+        opt = self._keeper()
+        return opt is None or getattr(opt, "_dc_closed", False)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # First: inside code that Dynamo traces the guard is a plain pass-through (no guard on our
+        # attributes, so arming and disarming never recompile anything).
+        if torch.compiler.is_dynamo_compiling() or not self.armed or (
+                _name(func) in _GUARD_NOT_READS and func != _SET_DATA):  # p.data = x replaces what it reads
+            return func(*args, **kwargs)
+        opt = self._keeper()
+        if opt is None or not opt._dc_npending:
+            self.armed = False
+        else:
+            pending = opt._dc_pending
+            read = [i for i in dict.fromkeys(self._addresses.read_by(args, kwargs)) if pending[i]]
+            if read:
+                opt._dc_apply_on_read(read)
+        return func(*args, **kwargs)
+
+
+def _insert_at_bottom(mode: TorchFunctionMode) -> None:
+    """Push ``mode`` under every mode now on this thread's stack (torch's stack functions, as
+    ``TorchFunctionMode.__enter__``/``__exit__`` use them)."""
+    above = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
+    torch._C._push_on_torch_function_stack(mode)
+    for m in reversed(above):
+        torch._C._push_on_torch_function_stack(m)
+
+
+def _remove_from_stack(mode: TorchFunctionMode) -> None:
+    stack = torch.overrides._get_current_function_mode_stack()
+    if mode not in stack:
+        return
+    above = []
+    while True:
+        m = torch._C._pop_torch_function_stack()
+        if m is mode:
+            break
+        above.append(m)
+    for m in reversed(above):
+        torch._C._push_on_torch_function_stack(m)
+
+
+def _drop_inert_guards() -> None:
+    """Guards of optimizers closed or dropped elsewhere (another thread, a finalizer) leave this stack."""
+    for m in torch.overrides._get_current_function_mode_stack():
+        if isinstance(m, PendingReadGuard) and m.inert():
+            _remove_from_stack(m)
+
+
+def _extent_bytes(t: torch.Tensor) -> int:
+    """Bytes from a tensor's first element to just past its last, strides included."""
+    if t.is_contiguous():
+        return t.numel() * t.element_size()
+    return (sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0) + 1) * t.element_size()
+
+
+def _tensors(args, kwargs):
+    """Tensors among the arguments, one level into lists and tuples (how torch functions take them)."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    yield b

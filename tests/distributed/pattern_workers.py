@@ -1,0 +1,918 @@
+"""What each rank runs in test_patterns.py: training patterns of real scripts, against a synchronous reference.
+
+Issue C1, "no silent wrong result": every pattern either trains exactly like
+synchronous data parallelism or raises ``DCreditError`` naming the parameter
+and the fix, on every rank, without hanging.
+
+The reference is the one of ``workers.py``: each rank regenerates every
+rank's batch (seeded by step and rank), computes each rank's gradient on a
+copy of the model, averages them by hand (a parameter no rank used gets a zero
+gradient, as dcredit_opt and Horovod give it) and steps a plain optimizer.
+
+Several patterns run in one launch (a launch costs seconds); each runs on a
+fresh model and a fresh optimizer, closed at its end, and reports on its own:
+an exception that escapes a pattern is caught and reported under its name
+(``error``), and the next pattern goes on.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import copy
+import io
+import logging
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dcredit_opt as dc
+
+from .workers import Net, batch, checksum
+
+STEPS = 6
+
+
+
+def fixed_config(**kw) -> dc.Config:
+    """The plan of the brief: small blocks, so that every tensor spans blocks; the lazy step on from step 2."""
+    return dc.Config(**{"policy": "fixed", "block_bytes": 128, "window": 2, "channels": 2, **kw})
+
+
+# ---- models ------------------------------------------------------------------------------
+
+
+class ParamListNet(nn.Module):
+    """P3a/P10: ``nn.ParameterList`` entries read by the parent's forward (the list's forward never runs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.mid = nn.Linear(32, 61)
+        self.out = nn.Linear(61, 7)
+        self.scales = nn.ParameterList([nn.Parameter(torch.linspace(0.5, 1.5, 32)),
+                                        nn.Parameter(torch.linspace(1.5, 0.5, 61))])
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x)) * self.scales[0]
+        h = torch.tanh(self.mid(h)) * self.scales[1]
+        return self.out(h)
+
+
+class FunctionalChildNet(nn.Module):
+    """P3b: ``F.linear(h, self.mid.weight, self.mid.bias)`` in the parent; ``mid`` is never called."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.mid = nn.Linear(32, 61)
+        self.out = nn.Linear(61, 7)
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x))
+        h = torch.tanh(F.linear(h, self.mid.weight, self.mid.bias))
+        return self.out(h)
+
+
+class FunctionalBareNet(nn.Module):
+    """P3c: bare parameters of the parent used functionally (``F.linear``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.w = nn.Parameter(torch.randn(61, 32) * 0.15)
+        self.b = nn.Parameter(torch.zeros(61))
+        self.out = nn.Linear(61, 7)
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x))
+        h = torch.tanh(F.linear(h, self.w, self.b))
+        return self.out(h)
+
+
+class BareParamNet(nn.Module):
+    """Bare parameters of the parent, used elementwise: one before any child runs, one between children."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = nn.Parameter(torch.linspace(0.5, 1.5, 16))
+        self.inp = nn.Linear(16, 32)
+        self.mid = nn.Linear(32, 61)
+        self.gain = nn.Parameter(torch.linspace(1.5, 0.5, 61))
+        self.out = nn.Linear(61, 7)
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x * self.pre))
+        h = torch.tanh(self.mid(h)) * self.gain
+        return self.out(h)
+
+
+class TiedNet(nn.Module):
+    """Input embedding and output head share one weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 16)
+        self.mid = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 20, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tok):
+        h = self.emb(tok).mean(1)
+        return self.head(torch.tanh(self.mid(h)))
+
+
+class TwiceNet(nn.Module):
+    """One module called twice in a forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.sq = nn.Linear(32, 32)
+        self.out = nn.Linear(32, 7)
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x))
+        h = torch.tanh(self.sq(h))
+        h = torch.tanh(self.sq(h))
+        return self.out(h)
+
+
+class CkptNet(nn.Module):
+    """A block run under activation checkpointing (recomputed in backward)."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+        self.inp = nn.Linear(16, 32)
+        self.block = nn.Sequential(nn.Linear(32, 61), nn.Tanh(), nn.Linear(61, 32))
+        self.out = nn.Linear(32, 7)
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x))
+        h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=self.reentrant)
+        return self.out(torch.tanh(h))
+
+
+class StaleNet(nn.Module):
+    """P3d/P3e: from step 5 on, ``a.weight`` is read by the parent before ``a`` runs (learned: in ``a``).
+
+    ``mode`` says how: "sum" (``h + a.weight.sum()``, then ``a`` runs: the brief's case; autograd saves
+    nothing of the early read), "saved" (``h + (a.weight ** 2).sum()``, then ``a`` runs: autograd saves the
+    tensor), "functional" (``F.linear(h, a.weight, a.bias)`` instead of calling ``a``), "untracked"
+    (``h + a.weight.detach().sum()``, then ``a`` runs: a read that autograd does not record); "thread" and
+    "thread_untracked": "sum" and "untracked" computed on another thread, which the read guard (Note
+    [Guarded reads]) does not watch."""
+
+    def __init__(self, mode: str = "sum"):
+        super().__init__()
+        self.mode = mode
+        self.a = nn.Linear(16, 32)
+        self.out = nn.Linear(32, 7)
+        self.step = 0
+
+    def forward(self, x):
+        h = x
+        if self.step >= 5:
+            if self.mode == "functional":
+                return self.out(torch.relu(F.linear(h, self.a.weight, self.a.bias)))
+            if self.mode == "sum":
+                h = h + self.a.weight.sum()
+            elif self.mode == "untracked":
+                h = h + self.a.weight.detach().sum()
+            elif self.mode in ("thread", "thread_untracked"):
+                read = (lambda: self.a.weight.sum()) if self.mode == "thread" else lambda: self.a.weight.detach().sum()
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                    h = h + pool.submit(read).result()
+            else:
+                h = h + (self.a.weight ** 2).sum() * 1e-2
+        return self.out(torch.relu(self.a(h)))
+
+
+class ClipSGD(torch.optim.Optimizer):
+    """P6: a custom optimizer whose step looks at every parameter together (global gradient-norm clip)."""
+
+    def __init__(self, params, lr: float = 0.05, max_norm: float = 0.05):
+        super().__init__(params, {"lr": lr, "max_norm": max_norm})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        total = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        for g in self.param_groups:
+            coef = min(1.0, g["max_norm"] / (total + 1e-6))
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-g["lr"] * coef)
+
+
+# ---- data, losses, the reference ------------------------------------------------------------
+
+
+def tokens(step: int, rank: int):
+    g = torch.Generator().manual_seed(104729 * step + rank)
+    return torch.randint(0, 20, (8, 5), generator=g), torch.randint(0, 20, (8,), generator=g)
+
+
+def mse(model, step, rank):
+    x, y = batch(step, rank)
+    return F.mse_loss(model(x), y)
+
+
+def tied_loss(model, step, rank):
+    tok, tgt = tokens(step, rank)
+    return F.cross_entropy(model(tok), tgt)
+
+
+def reference_grads(ref: nn.Module, loss_of_rank, world: int) -> None:
+    """Synchronous data parallelism by hand: each rank's gradient summed, divided by ``world``;
+    a parameter no rank used gets zeros (what dcredit_opt and Horovod reduce for it)."""
+    for p in ref.parameters():
+        p.grad = None
+    for r in range(world):
+        loss_of_rank(r).backward()
+    finish_reference_grads(ref, world)
+
+
+def finish_reference_grads(ref: nn.Module, world: int) -> None:
+    for p in ref.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad / world
+
+
+def state_diff(a: dict, b: dict) -> float:
+    assert list(a) == list(b), (list(a), list(b))
+    return max((float((x.float() - y.float()).abs().max()) for x, y in zip(a.values(), b.values())), default=0.0)
+
+
+def param_diff(model: nn.Module, ref: nn.Module) -> float:
+    return max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+class Job:
+    """One pattern's rank, its model, the reference, and the optimizers it made (closed at the end)."""
+
+    def __init__(self, backend: str):
+        self.rank, self.world, self.backend = dc.rank(), dc.size(), backend
+        self.opts: list = []
+
+    def config(self, **kw) -> dc.Config:
+        return fixed_config(backend=self.backend, **kw)
+
+    def make(self, model_fn, opt_fn, config=None, seed: int = 0, **wrap):
+        torch.manual_seed(seed)
+        model = model_fn()
+        ref = copy.deepcopy(model)
+        opt = self.wrap(opt_fn(model.parameters()), model, config, **wrap)
+        return model, ref, opt, opt_fn(ref.parameters())
+
+    def wrap(self, torch_opt, model, config=None, **wrap):
+        opt = dc.DistributedOptimizer(torch_opt, named_parameters=model.named_parameters(),
+                                      config=config or self.config(), **wrap)
+        self.opts.append(opt)
+        return opt
+
+    def train(self, model, ref, opt, ropt, loss_fn=mse, steps: int = STEPS, after_step=None, scheds=()):
+        for step in range(steps):
+            opt.zero_grad()
+            loss_fn(model, step, self.rank).backward()
+            self.step(opt)
+            reference_grads(ref, lambda r, step=step: loss_fn(ref, step, r), self.world)
+            ropt.step()
+            for s in scheds:
+                s.step()
+            if after_step is not None:
+                after_step(step)
+
+    def result(self, model, ref, opt, **extra) -> dict:
+        """The worst difference from the reference, read through model.state_dict() (whose hooks must apply
+        what is pending) and again from the parameters after closing; a checksum for the ranks to agree on."""
+        out = {"diff": state_diff(model.state_dict(), ref.state_dict()), "backend": opt._dc_backend.name,
+               "deferred": getattr(self, "deferred", 0), "eager": [opt._dc_names[i] for i in opt._dc_eager]}
+        opt._dc_close()
+        out["closed_diff"] = param_diff(model, ref)
+        out["checksum"] = checksum(model)
+        out.update(extra)
+        return out
+
+    def step(self, opt, *args, **kwargs):
+        """``opt.step()``, noting how many updates it deferred (the lazy step was on if any)."""
+        out = opt.step(*args, **kwargs)
+        self.note(opt)
+        return out
+
+    def note(self, opt) -> None:
+        self.deferred = max(getattr(self, "deferred", 0), int(opt._dc_npending))
+
+    def close(self) -> None:
+        for opt in self.opts:
+            with contextlib.suppress(Exception):  # the pattern's own failure is what is reported
+                opt._dc_close()
+
+
+# ---- patterns that must train like the reference ------------------------------------------------
+
+
+def _sgd(ps):
+    return torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-4)
+
+
+def _adam(ps):
+    return torch.optim.Adam(ps, lr=1e-2)
+
+
+def _module_pattern(model_fn, opt_fn=_sgd, loss_fn=mse):
+    def run(job: Job) -> dict:
+        model, ref, opt, ropt = job.make(model_fn, opt_fn)
+        job.train(model, ref, opt, ropt, loss_fn)
+        return job.result(model, ref, opt)
+    return run
+
+
+def p4_functional_call_other_weights(job: Job) -> dict:
+    model, ref, opt, ropt = job.make(Net, _sgd)
+    other = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+    x = batch(999, 0)[0]
+    y_other = torch.func.functional_call(model, other, (x,))
+    y_ref = torch.func.functional_call(ref, other, (x,))
+    job.train(model, ref, opt, ropt)
+    return job.result(model, ref, opt, functional_call_diff=float((y_other - y_ref).abs().max()))
+
+
+def functional_call_own(job: Job) -> dict:
+    model, ref, opt, ropt = job.make(Net, _sgd)
+
+    def loss(m, step, rank):
+        x, y = batch(step, rank)
+        return F.mse_loss(torch.func.functional_call(m, dict(m.named_parameters()), (x,)), y)
+
+    job.train(model, ref, opt, ropt, loss)
+    return job.result(model, ref, opt)
+
+
+def branch_skipped_everywhere(job: Job) -> dict:
+    model, ref, opt, ropt = job.make(lambda: Net(branch=True), _adam)
+    before = model.branch.weight.detach().clone()
+    job.train(model, ref, opt, ropt)  # Net's forward skips the branch unless asked
+    out = job.result(model, ref, opt)
+    out["branch_unchanged"] = bool(torch.equal(before, model.branch.weight))
+    return out
+
+
+def eval_after_step(job: Job) -> dict:
+    model, ref, opt, ropt = job.make(Net, _sgd)
+    worst = [0.0]
+
+    def evaluate(step):
+        probe = batch(10_000 + step, 0)[0]
+        with torch.no_grad():
+            worst[0] = max(worst[0], float((model(probe) - ref(probe)).abs().max()))
+
+    # The reference has stepped when after_step runs; the model's last update may still be pending.
+    job.train(model, ref, opt, ropt, after_step=evaluate)
+    return job.result(model, ref, opt, eval_diff=worst[0])
+
+
+def _scheduled(make_sched):
+    def run(job: Job) -> dict:
+        model, ref, opt, ropt = job.make(Net, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9))
+        s, rs = make_sched(opt), make_sched(ropt)
+        lrs = []
+        job.train(model, ref, opt, ropt, scheds=(s, rs), after_step=lambda step: lrs.append(
+            (float(opt.param_groups[0]["lr"]), float(ropt.param_groups[0]["lr"]))))
+        return job.result(model, ref, opt, lr_diff=max(abs(a - b) for a, b in lrs),
+                          lr_changed=len({a for a, _ in lrs}) > 1)
+    return run
+
+
+def p5_tensor_lr_steplr(job: Job) -> dict:
+    def adam(ps):
+        return torch.optim.Adam(ps, lr=torch.tensor(0.01))
+
+    model, ref, opt, ropt = job.make(Net, adam)
+    s = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    rs = torch.optim.lr_scheduler.StepLR(ropt, step_size=2, gamma=0.5)
+    lrs = []
+    job.train(model, ref, opt, ropt, scheds=(s, rs),
+              after_step=lambda step: lrs.append(float(opt.param_groups[0]["lr"])))
+    return job.result(model, ref, opt, lr_is_tensor=isinstance(opt.param_groups[0]["lr"], torch.Tensor),
+                      lr_changed=len(set(lrs)) > 1)
+
+
+def backward_passes_2(job: Job) -> dict:
+    model, ref, opt, ropt = job.make(Net, _sgd, backward_passes_per_step=2)
+    for step in range(STEPS):
+        opt.zero_grad()
+        for k in range(2):
+            mse(model, 2 * step + k, job.rank).backward()
+        job.step(opt)
+        for p in ref.parameters():
+            p.grad = None
+        for r in range(job.world):
+            for k in range(2):
+                mse(ref, 2 * step + k, r).backward()
+        finish_reference_grads(ref, job.world)
+        ropt.step()
+    return job.result(model, ref, opt)
+
+
+def zero_grad_variants(job: Job) -> dict:
+    """optimizer.zero_grad() (None), optimizer.zero_grad(set_to_none=False) and model.zero_grad(), in turn,
+    each just before the forward."""
+    model, ref, opt, ropt = job.make(Net, _sgd)
+    for step in range(STEPS):
+        kind = step % 3
+        if kind == 0:
+            opt.zero_grad()
+        elif kind == 1:
+            opt.zero_grad(set_to_none=False)
+        else:
+            model.zero_grad()
+        mse(model, step, job.rank).backward()
+        job.step(opt)
+        reference_grads(ref, lambda r, step=step: mse(ref, step, r), job.world)
+        ropt.step()
+    return job.result(model, ref, opt)
+
+
+def bf16_autocast(job: Job) -> dict:
+    def loss(m, step, rank):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return mse(m, step, rank)
+
+    model, ref, opt, ropt = job.make(Net, _sgd)
+    job.train(model, ref, opt, ropt, loss)
+    return job.result(model, ref, opt, tol=5e-3)
+
+
+def save_after_step(job: Job) -> dict:
+    model, ref, opt, ropt = job.make(Net, _adam)
+    worst = [0.0]
+
+    def save(step):
+        buf = io.BytesIO()
+        torch.save(model.state_dict(), buf)
+        buf.seek(0)
+        worst[0] = max(worst[0], state_diff(torch.load(buf), ref.state_dict()))
+
+    job.train(model, ref, opt, ropt, after_step=save)
+    return job.result(model, ref, opt, save_diff=worst[0])
+
+
+def horovod_amp_recipe(job: Job) -> dict:
+    if not hasattr(torch.amp, "GradScaler"):
+        return {"skip": "torch.amp.GradScaler does not exist in this torch"}
+    try:
+        torch.amp.GradScaler("cpu")
+    except Exception as e:  # noqa: BLE001
+        return {"skip": f"torch.amp.GradScaler('cpu') cannot be made: {e}"}
+    model, ref, opt, ropt = job.make(Net, _sgd)
+    scaler, rscaler = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
+    for step in range(STEPS):
+        opt.zero_grad()
+        scaler.scale(mse(model, step, job.rank)).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+            job.note(opt)
+        scaler.update()
+        for p in ref.parameters():
+            p.grad = None
+        for r in range(job.world):
+            rscaler.scale(mse(ref, step, r)).backward()
+        finish_reference_grads(ref, job.world)
+        rscaler.unscale_(ropt)
+        nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        rscaler.step(ropt)
+        rscaler.update()
+    return job.result(model, ref, opt, scale_diff=abs(scaler.get_scale() - rscaler.get_scale()))
+
+
+def plain_grad_scaler_with_inf(job: Job) -> dict:
+    """P13': scaler.scale(loss).backward(); scaler.step(opt); scaler.update(), no synchronize; at step 3
+    rank 0's loss is multiplied by inf, so only rank 0's local gradient is Inf: every rank must skip it."""
+    model, ref, opt, ropt = job.make(Net, _sgd)
+    scaler, rscaler = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
+
+    def loss(m, step, rank):
+        value = mse(m, step, rank)
+        return value * float("inf") if (step == 3 and rank == 0) else value
+
+    scales, rscales = [], []
+    for step in range(STEPS):
+        opt.zero_grad()
+        scaler.scale(loss(model, step, job.rank)).backward()
+        scaler.step(opt)
+        job.note(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        for p in ref.parameters():
+            p.grad = None
+        for r in range(job.world):
+            rscaler.scale(loss(ref, step, r)).backward()
+        finish_reference_grads(ref, job.world)
+        rscaler.step(ropt)
+        rscaler.update()
+        rscales.append(rscaler.get_scale())
+    return job.result(model, ref, opt, scales=scales, ref_scales=rscales,
+                      scale_diff=max(abs(a - b) for a, b in zip(scales, rscales)),
+                      inf_step_skipped=rscales[3] < rscales[2])
+
+
+def ema_after_step(job: Job) -> dict:
+    model, ref, opt, ropt = job.make(Net, _sgd)
+    ema = {n: p.detach().clone() for n, p in model.named_parameters()}
+    rema = {n: p.detach().clone() for n, p in ref.named_parameters()}
+
+    def update(step):
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                ema[n].mul_(0.9).add_(p, alpha=0.1)
+            for n, p in ref.named_parameters():
+                rema[n].mul_(0.9).add_(p, alpha=0.1)
+
+    job.train(model, ref, opt, ropt, after_step=update)
+    return job.result(model, ref, opt, ema_diff=state_diff(ema, rema))
+
+
+def p6_custom_global_clip(job: Job) -> dict:
+    records = []
+
+    class Capture(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler = Capture()
+    logger = logging.getLogger("dcredit_opt")
+    logger.addHandler(handler)
+    try:
+        model, ref, opt, ropt = job.make(Net, ClipSGD)
+        job.train(model, ref, opt, ropt)
+    finally:
+        logger.removeHandler(handler)
+    lazy_notices = [m for m in records if "lazy_step" in m]
+    return job.result(model, ref, opt, lazy_step_notices=lazy_notices, log_records=records)
+
+
+def p7_step_post_hook(job: Job) -> dict:
+    model, ref, opt, ropt = job.make(Net, _sgd)
+    calls = []
+
+    def hook(optimizer, args, kwargs):
+        ps = [p for g in optimizer.param_groups for p in g["params"]]
+        calls.append((len(ps), sum(p.grad is not None for p in ps)))
+
+    opt.register_step_post_hook(hook)
+    job.train(model, ref, opt, ropt)
+    return job.result(model, ref, opt, hook_calls=calls, num_params=len(list(model.parameters())))
+
+
+def p10_paramlist_profiled(job: Job) -> dict:
+    model, ref, opt, ropt = job.make(ParamListNet, _adam,
+                                     config=job.config(policy="dcredit", profile_iters=3))
+    after = []
+    job.train(model, ref, opt, ropt, steps=8,
+              after_step=lambda step: after.append((opt.plan.policy, opt._dc_recorder is None)))
+    return job.result(model, ref, opt, after_step=after)
+
+
+def p2_branch_on_rank1_while_profiling(job: Job) -> dict:
+    """Rank 1 alone takes the branch during the 3 profiled iterations (and never after)."""
+    model, ref, opt, ropt = job.make(lambda: Net(branch=True), _adam,
+                                     config=job.config(policy="dcredit", profile_iters=3))
+
+    def uses(rank, step):
+        return rank == 1 and step < 3
+
+    plans, policies = [], []
+    for step in range(8):
+        opt.zero_grad()
+        x, y = batch(step, job.rank)
+        F.mse_loss(model(x, use_branch=uses(job.rank, step)), y).backward()
+        plans.append(opt._dc_plan.to_json())
+        job.step(opt)
+        policies.append(opt.plan.policy)
+
+        def loss(r, step=step):
+            xr, yr = batch(step, r)
+            return F.mse_loss(ref(xr, use_branch=uses(r, step)), yr)
+
+        reference_grads(ref, loss, job.world)
+        ropt.step()
+    return job.result(model, ref, opt, plans=plans, policies=policies)
+
+
+def p3d_early_read(mode: str):
+    """The guard applies ``a.weight``'s update at the parent's early read: trains like the reference."""
+    def stale_loss(model, step, rank):
+        model.step = step
+        return mse(model, step, rank)
+
+    return _module_pattern(lambda: StaleNet(mode), _sgd, stale_loss)
+
+
+WORK = {
+    "P3a_parameterlist_in_parent": _module_pattern(ParamListNet),
+    "P3b_child_weight_via_F_linear": _module_pattern(FunctionalChildNet),
+    "P3c_bare_weight_via_F_linear": _module_pattern(FunctionalBareNet),
+    "P4_functional_call_other_weights_first": p4_functional_call_other_weights,
+    "P5_tensor_lr_adam_steplr": p5_tensor_lr_steplr,
+    "P6_custom_optimizer_global_clip": p6_custom_global_clip,
+    "P7_step_post_hook": p7_step_post_hook,
+    "P13p_plain_grad_scaler_with_inf": plain_grad_scaler_with_inf,
+    "tied_weights": _module_pattern(TiedNet, _adam, tied_loss),
+    "module_called_twice": _module_pattern(TwiceNet),
+    "branch_skipped_on_all_ranks": branch_skipped_everywhere,
+    "bare_parameter_of_parent": _module_pattern(BareParamNet),
+    "functional_call_own_weights": functional_call_own,
+    "no_grad_eval_after_step": eval_after_step,
+    "steplr_float": _scheduled(lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5)),
+    "onecyclelr": _scheduled(lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.1, total_steps=STEPS)),
+    "backward_passes_per_step_2": backward_passes_2,
+    "zero_grad_variants": zero_grad_variants,
+    "bf16_autocast": bf16_autocast,
+    "adam_weight_decay": _module_pattern(Net, lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.01)),
+    "adamw_weight_decay": _module_pattern(Net, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)),
+    "torch_save_after_step": save_after_step,
+    "checkpoint_reentrant": _module_pattern(lambda: CkptNet(True)),
+    "checkpoint_non_reentrant": _module_pattern(lambda: CkptNet(False)),
+    "horovod_amp_recipe": horovod_amp_recipe,
+    "ema_after_step": ema_after_step,
+    "P3d_early_read": p3d_early_read("sum"),
+    "P3d_early_read_saved_for_backward": p3d_early_read("saved"),
+    "P3d_early_read_module_not_called": p3d_early_read("functional"),
+    "P3d_early_read_untracked": p3d_early_read("untracked"),
+}
+
+PROFILED = {
+    "P2_branch_on_rank1_while_profiling": p2_branch_on_rank1_while_profiling,
+    "P10_parameterlist_profiled": p10_paramlist_profiled,
+}
+
+
+# ---- patterns that must raise DCreditError ------------------------------------------------------
+
+
+def _expect_error(job: Job, model, ref, opt, ropt, body) -> dict:
+    """Run ``body(step)`` for each step; the DCreditError it raises (type, message, where), or that none came.
+    The reference difference is reported too, to tell a silent wrong result from a harmless miss."""
+    where = ["?"]
+    try:
+        for step in range(STEPS + 2):
+            body(step, where)
+            reference_grads(ref, lambda r, step=step: mse(ref, step, r), job.world)
+            ropt.step()
+    except Exception as e:  # noqa: BLE001 - the type is the test's to judge
+        return {"raised": type(e).__name__, "is_dcredit_error": isinstance(e, dc.DCreditError),
+                "message": str(e), "where": where[0], "step": step}
+    out = job.result(model, ref, opt)
+    out["raised"] = None
+    return out
+
+
+def _standard_body(job, model, opt, before_forward=None, before_step=None, after_step=None, loss_fn=mse):
+    def body(step, where):
+        opt.zero_grad()
+        if before_forward is not None:
+            before_forward(step)
+        where[0] = f"forward of step {step}"
+        loss = loss_fn(model, step, job.rank)
+        where[0] = f"backward of step {step}"
+        loss.backward()
+        if before_step is not None:
+            before_step(step)
+        where[0] = f"step() of step {step}"
+        job.step(opt)
+        where[0] = f"after step() of step {step}"
+        if after_step is not None:
+            after_step(step)
+    return body
+
+
+def p11_model_zero_grad_keep(job: Job) -> dict:
+    model, ref, opt, ropt = job.make(Net, _sgd)
+
+    def between(step):
+        if step == 3:
+            model.zero_grad(set_to_none=False)
+
+    # After step() of step 3 (lazy), before the forward of step 4; opt.zero_grad() of step 4 comes after it.
+    return _expect_error(job, model, ref, opt, ropt, _standard_body(job, model, opt, after_step=between))
+
+
+def p12_clip_without_synchronize(job: Job) -> dict:
+    model, ref, opt, ropt = job.make(Net, _sgd)
+
+    def clip(step):
+        if step == 3:
+            nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+
+    return _expect_error(job, model, ref, opt, ropt, _standard_body(job, model, opt, before_step=clip))
+
+
+def p13_unscale_without_synchronize(job: Job) -> dict:
+    model, ref, opt, ropt = job.make(Net, _sgd)
+    scaler = torch.amp.GradScaler("cpu")
+
+    def body(step, where):
+        opt.zero_grad()
+        where[0] = f"forward/backward of step {step}"
+        scaler.scale(mse(model, step, job.rank)).backward()
+        if step == 3:
+            where[0] = f"scaler.unscale_(opt) of step {step}"
+            scaler.unscale_(opt)
+        where[0] = f"scaler.step(opt) of step {step}"
+        scaler.step(opt)
+        scaler.update()
+
+    return _expect_error(job, model, ref, opt, ropt, body)
+
+
+def p14_unfrozen_later(job: Job) -> dict:
+    def frozen_net():
+        net = Net()
+        net.mid.weight.requires_grad_(False)
+        return net
+
+    model, ref, opt, ropt = job.make(frozen_net, _sgd)
+
+    def unfreeze(step):
+        if step == 3:
+            model.mid.weight.requires_grad_(True)
+            ref.mid.weight.requires_grad_(True)
+
+    return _expect_error(job, model, ref, opt, ropt, _standard_body(job, model, opt, before_forward=unfreeze))
+
+
+def p3e_stale_read_on_thread(mode: str):
+    def run(job: Job) -> dict:
+        model, ref, opt, ropt = job.make(lambda: StaleNet(mode), _sgd)
+
+        def set_step(step):
+            model.step = ref.step = step
+
+        return _expect_error(job, model, ref, opt, ropt, _standard_body(job, model, opt, before_forward=set_step))
+    return run
+
+
+def p8_shutdown_after_lazy_step(job: Job) -> dict:
+    """dc.shutdown() right after a lazy step(); ends the job's process group, so it runs last."""
+    model, ref, opt, ropt = job.make(Net, _sgd)
+    job.train(model, ref, opt, ropt)
+    lazy_pending = int(opt._dc_npending)  # the last step() deferred these (0: it was not lazy)
+    dc.shutdown()
+    out = {"pending_before_shutdown": lazy_pending, "diff": state_diff(model.state_dict(), ref.state_dict()),
+           "checksum": checksum(model), "backend": opt._dc_backend.name}
+    try:
+        sd = opt.state_dict()
+        rsd = ropt.state_dict()
+        out["momentum_diff"] = max(float((sd["state"][k]["momentum_buffer"] - rsd["state"][k]["momentum_buffer"])
+                                         .abs().max()) for k in rsd["state"])
+        out["state_dict_error"] = None
+    except Exception as e:  # noqa: BLE001
+        out["state_dict_error"] = f"{type(e).__name__}: {e}"
+    for call in ("step", "synchronize"):
+        try:
+            if call == "step":
+                mse(model, 100, job.rank).backward()
+                opt.step()
+            else:
+                opt.synchronize()
+            out[call] = None
+        except Exception as e:  # noqa: BLE001
+            out[call] = {"raised": type(e).__name__, "is_dcredit_error": isinstance(e, dc.DCreditError),
+                         "message": str(e)}
+    return out
+
+
+RAISE = {
+    "P11_model_zero_grad_set_to_none_false": p11_model_zero_grad_keep,
+    "P12_clip_grad_norm_without_synchronize": p12_clip_without_synchronize,
+    "P13_unscale_without_synchronize": p13_unscale_without_synchronize,
+    "P14_frozen_at_wrap_unfrozen_later": p14_unfrozen_later,
+    "P3e_stale_read_on_thread": p3e_stale_read_on_thread("thread"),
+    "P3e_stale_read_untracked_on_thread": p3e_stale_read_on_thread("thread_untracked"),
+}
+
+LAST = {"P8_shutdown_after_lazy_step": p8_shutdown_after_lazy_step}
+
+PATTERNS = {**WORK, **PROFILED, **RAISE, **LAST}
+
+
+def drop_closed_optimizers(cycles: int = 8, limit_s: float = 60.0) -> int:
+    """Build an optimizer, train 3 steps, close it and drop it, ``cycles`` times (a fresh optimizer per
+    phase of a job). A rank still inside after ``limit_s`` prints every thread's stack and exits 1."""
+    import faulthandler
+    import gc
+
+    faulthandler.dump_traceback_later(limit_s, exit=True)
+    dc.init()
+    for _ in range(cycles):
+        torch.manual_seed(0)
+        model = Net()
+        opt = dc.DistributedOptimizer(_sgd(model.parameters()), named_parameters=model.named_parameters(),
+                                      config=fixed_config())
+        for step in range(3):
+            opt.zero_grad()
+            mse(model, step, dc.rank()).backward()
+            opt.step()
+        opt._dc_close()
+        del opt, model  # the Engine and its process groups go here
+        gc.collect()
+    faulthandler.cancel_dump_traceback_later()
+    return cycles
+
+
+# ---- P9: torch.compile ---------------------------------------------------------------------------
+
+
+def _inductor_problem() -> str | None:
+    """None if inductor compiles a plain function here, else why not (then its variants are skipped)."""
+    try:
+        fn = torch.compile(lambda t: torch.sin(t) * 2 + 1)
+        t = torch.randn(5)
+        if not torch.allclose(fn(t), torch.sin(t) * 2 + 1):
+            return "inductor compiled a plain function to a wrong result"
+    except Exception as e:  # noqa: BLE001
+        return f"inductor cannot compile a plain function on this machine: {type(e).__name__}: {str(e)[:300]}"
+    finally:
+        torch._dynamo.reset()
+    return None
+
+
+def compiled(how: str, backend: str):
+    def run(job: Job) -> dict:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Net()
+        ref = copy.deepcopy(model)
+        opt = job.wrap(_sgd(model.parameters()), model)
+        ropt = _sgd(ref.parameters())
+        kw = {} if backend == "inductor" else {"backend": backend}
+        if how == "torch.compile":
+            runner = torch.compile(model, **kw)
+        else:
+            model.compile(**kw)
+            runner = model
+        job.train(runner, ref, opt, ropt)  # the loss calls runner(x); the reference runs eagerly
+        return job.result(model, ref, opt)
+    return run
+
+
+COMPILE = {f"P9_{how}_{backend}": (how, backend) for how in ("torch.compile", "model.compile")
+           for backend in ("aot_eager", "inductor")}
+
+
+# ---- entry points ------------------------------------------------------------------------------
+
+
+def _join(horovod_first: bool) -> None:
+    if horovod_first:
+        import horovod.torch as hvd
+
+        hvd.init()
+    dc.init()
+
+
+def _run_one(name: str, fn, backend: str) -> dict:
+    job = Job(backend)
+    start = time.monotonic()
+    try:
+        out = fn(job)
+    except Exception as e:  # noqa: BLE001 - reported under the pattern's name
+        out = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+    finally:
+        job.close()
+    out["seconds"] = time.monotonic() - start
+    return out
+
+
+def patterns(names: list, backend: str = "auto", horovod_first: bool = False) -> dict:
+    """Each named pattern in turn on this rank; ``{name: result}``."""
+    _join(horovod_first)
+    # torch's first optimizer imports dynamo (seconds): not any pattern's time.
+    torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    return {name: _run_one(name, PATTERNS[name], backend) for name in names}
+
+
+def compile_patterns(names: list, backend: str = "auto") -> dict:
+    """P9: each compile variant in turn; inductor variants skip (with the reason) where inductor cannot
+    compile a plain function."""
+    _join(False)
+    out = {}
+    inductor = None
+    for name in names:
+        how, compiler = COMPILE[name]
+        if compiler == "inductor":
+            if inductor is None:
+                inductor = _inductor_problem() or ""
+            if inductor:
+                out[name] = {"skip": inductor}
+                continue
+        out[name] = _run_one(name, compiled(how, compiler), backend)
+    return out
