@@ -381,7 +381,13 @@ def _write_sim_timeline(result, profile: Profile, path: str) -> None:
 
 
 def _profile(args) -> int:
-    from .model_profile import FactoryError, assume_link, call_factory, load_factory, profile_model
+    from .model_profile import (
+        FactoryError,
+        assume_link,
+        call_factory,
+        load_factory,
+        profile_model,
+    )
 
     _writable(args.out, "--out")
     import torch

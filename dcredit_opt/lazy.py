@@ -28,7 +28,8 @@ class LazyStep:
         """The eager step, inside ``step()``: the wrapped ``step()`` once, over the real groups, so that its
         hooks run once and see every parameter, and the hyperparameters are the ones in force."""
         self._dc_wait(range(len(self._dc_params)))
-        sparse = [i for i, was in enumerate(self._dc_sparse) if was]
+        unused = set(self._dc_drop_unused_grads(range(len(self._dc_params))))
+        sparse = [i for i, was in enumerate(self._dc_sparse) if was and i not in unused]
         saved = [self._dc_params[i].grad for i in sparse]
         try:
             for i in sparse:
@@ -87,6 +88,7 @@ class LazyStep:
     def _dc_run_wrapped_step(self, todo) -> None:
         params, slots = self._dc_params, self._dc_slots
         groups = self.param_groups
+        unused = set(self._dc_drop_unused_grads(todo))  # and they stay None, as under DDP
         saved_params = [g["params"] for g in groups]
         saved_hyper = [{k: g[k] for k in snap} for g, snap in zip(groups, self._dc_snapshot)]
         saved_grads = [params[i].grad for i in todo]
@@ -98,7 +100,8 @@ class LazyStep:
                 g["params"] = m
                 g.update(snap)
             for i in todo:
-                params[i].grad = slots[i].to_sparse() if self._dc_sparse[i] else slots[i]
+                if i not in unused:
+                    params[i].grad = slots[i].to_sparse() if self._dc_sparse[i] else slots[i]
             self._dc_base.step(self)
         finally:
             for g, ps, hyper in zip(groups, saved_params, saved_hyper):

@@ -54,6 +54,23 @@ same path: the hooks are hidden from Dynamo and run eagerly at a graph break
 Gradients live in flat buffers owned here (one per dtype, laid out by the
 plan); after its hook, ``p.grad`` is its slot, so a finished reduction is
 visible in ``p.grad`` with no copy.
+
+Note [Global usage]
+-------------------
+A parameter unused on this rank (its gradient is ``None`` when phase 1
+ends) contributes zeros to the all-reduce, as Horovod does: every rank must
+launch the same blocks. If no rank used it, synchronous training (one
+process, or DDP) leaves its gradient ``None`` and the optimizer skips it:
+no momentum, no weight decay, no Adam step. Giving it the reduced zeros
+instead would move it (Horovod's behaviour, a silent difference). The
+reduced values cannot tell the two apart (a used parameter may have an
+exactly zero gradient, and ranks deciding on local evidence would differ),
+so each rank also sums, over ranks, a flag per tensor: "had a gradient
+here". The tally starts when phase 1 ends, on a channel of its own beside
+the blocks, and is waited for only when an update is applied to a tensor
+this rank did not use (a tensor used here is used, whatever the others
+did). A tensor that no rank used gets ``p.grad = None`` before the wrapped
+step, on every rank alike, and keeps it, as under DDP.
 """
 
 from __future__ import annotations
@@ -67,7 +84,16 @@ import weakref
 
 import torch
 
-from . import backends, checks, devices, grouping, profiler, runtime, separable, timeline
+from . import (
+    backends,
+    checks,
+    devices,
+    grouping,
+    profiler,
+    runtime,
+    separable,
+    timeline,
+)
 from .compression import block_wire_dtype, wire_dtype_of
 from .config import Config
 from .errors import DCreditError, at_rank
@@ -259,6 +285,8 @@ class _DistributedOptimizer:
         self._dc_skip = False
         self._dc_snapshot = None
         self._dc_versions = [0] * T  # each slot's version when its gradient was handed over
+        self._dc_used = [False] * T  # this iteration: had a gradient on this rank (Note [Global usage])
+        self._dc_usage = None  # the last flushed iteration's _Usage
         self._dc_versions_checked = True  # the first apply after a lazy step() checks every pending slot
         self._dc_reduced = False  # pending updates whose blocks a new iteration has already waited for
         self._dc_deferred = False  # pending updates are lazy: a graph read of them before their apply is stale
@@ -411,6 +439,7 @@ class _DistributedOptimizer:
         """Put this rank's gradient of tensor ``i`` into its slot (pre-scaled) and alias ``p.grad``."""
         slot = self._dc_slots[i]
         g = p.grad
+        self._dc_used[i] = g is not None
         if g is None:
             slot.zero_()  # unused on this rank: contribute zeros, as Horovod does
             p.grad = slot
@@ -444,6 +473,47 @@ class _DistributedOptimizer:
             raise at_rank(e, "end of phase 1 (the flush in step() or synchronize())") from e
         self._dc_flushed = True
         self._dc_life.flushed = True
+        self._dc_start_tally()
+
+    def _dc_start_tally(self) -> None:
+        """Note [Global usage]: start summing over ranks which tensors had a gradient on each."""
+        counts = torch.tensor(self._dc_used, dtype=torch.int32)
+        usage = _Usage(self._dc_used, counts)
+        if runtime.size() == 1:
+            usage.everywhere = self._dc_used
+        else:
+            try:
+                self._dc_backend.wait_tally(float(self._dc_config.timeout_s))  # the last one, if nothing needed it
+                self._dc_backend.start_tally(counts)
+            except (RuntimeError, TimeoutError) as e:
+                raise at_rank(e, "end of phase 1, summing which gradients each rank computed") from e
+        self._dc_usage = usage
+        self._dc_used = [False] * len(self._dc_params)
+
+    def _dc_unused_everywhere(self, indices) -> list:
+        """Of tensors ``indices``, those no rank computed a gradient for in the iteration being applied."""
+        usage = self._dc_usage
+        if usage is None:
+            return []
+        maybe = [i for i in indices if not usage.here[i]]
+        if not maybe:
+            return []
+        if usage.everywhere is None:
+            try:
+                with timeline.profiled("dcredit_opt::wait"):
+                    self._dc_backend.wait_tally(float(self._dc_config.timeout_s))
+            except (RuntimeError, TimeoutError) as e:
+                raise at_rank(e, f"phase 2, waiting to learn whether any rank computed a gradient of "
+                                 f"'{self._dc_names[maybe[0]]}' (tensor {maybe[0]})") from e
+            usage.everywhere = [bool(c) for c in usage.counts.tolist()]
+        return [i for i in maybe if not usage.everywhere[i]]
+
+    def _dc_drop_unused_grads(self, indices) -> list:
+        """``p.grad = None`` for the tensors of ``indices`` no rank used (Note [Global usage]); returns them."""
+        unused = self._dc_unused_everywhere(indices)
+        for i in unused:
+            self._dc_params[i].grad = None
+        return unused
 
     def _dc_wait_all(self, where: str) -> None:
         try:
@@ -466,6 +536,7 @@ class _DistributedOptimizer:
                 self._dc_flush()
             self._dc_check_writes(range(len(self._dc_params)), "synchronize()")
             self._dc_wait_all("synchronize(), waiting for every block")
+            self._dc_drop_unused_grads(range(len(self._dc_params)))
             self._dc_synchronized = True
 
     def set_backward_passes_per_step(self, passes: int) -> None:
@@ -687,6 +758,18 @@ class _Life:
     """What a dropped optimizer's finalizer needs to know: whether this iteration's blocks were all released."""
 
     flushed = False
+
+
+class _Usage:
+    """One iteration's Note [Global usage]: per tensor, whether it had a gradient here, the counts being
+    summed over ranks, and, once that sum is known, whether it had one anywhere."""
+
+    __slots__ = ("counts", "everywhere", "here")
+
+    def __init__(self, here: list, counts: torch.Tensor):
+        self.here = here
+        self.counts = counts
+        self.everywhere = None
 
 
 def _close_dropped(engine, backend, life: _Life, timeout_s: float) -> None:

@@ -255,7 +255,7 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str) -> None:
     dist.broadcast(tensor, src=root_rank)
 
 
-def channel_groups(count: int) -> list:
+def channel_groups(count: int, backend: str | None = None) -> list:
     """``count`` new process groups over all ranks: one backend's channels, its own.
 
     Collective: every rank calls it in the same order (backends are built
@@ -266,7 +266,8 @@ def channel_groups(count: int) -> list:
     whichever dispatch thread gets there first (Note [NCCL channels]); under
     Gloo the group is already connected and this costs one round trip.
 
-    The groups inherit the default group's backend. The caller owns them and
+    The groups inherit the default group's backend unless ``backend`` names
+    one ("gloo": a CPU group beside NCCL ones). The caller owns them and
     gives them back with ``destroy_channel_groups``; ``shutdown()`` destroys
     any still left.
     """
@@ -277,9 +278,9 @@ def channel_groups(count: int) -> list:
         raise LaunchError(f"backend 'torch' needs torch.distributed, which this {world.kind} job does not use: "
                           f"pass Config(backend='{world.kind}') or 'auto', or launch with torchrun")
     timeout = datetime.timedelta(seconds=world.timeout_s)
-    groups = [dist.new_group(ranks=list(range(world.size)), timeout=timeout) for _ in range(count)]
+    groups = [dist.new_group(ranks=list(range(world.size)), timeout=timeout, backend=backend) for _ in range(count)]
     world.channel_groups.extend(groups)
-    device = control_device()
+    device = torch.device("cpu") if backend == "gloo" else control_device()
     for group in groups:
         dist.all_reduce(torch.zeros(1, device=device), group=group)
     return groups

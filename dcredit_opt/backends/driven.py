@@ -58,8 +58,10 @@ class DrivenBackend:
     A transport has ``set_blocks(views, postscale)``, ``start(block, channel)``
     (returns a handle), ``wait(block, handle)``, ``finish(block)``,
     ``describe(block)``, ``allreduce(tensor)`` and ``barrier()`` (blocking, for
-    the profiler's sweep), ``close()``, and ``abandon(at_exit)`` (a collective
-    will never finish: make the process able to exit anyway).
+    the profiler's sweep), ``start_tally(counts)`` and ``tally_done()`` (a
+    small sum beside the blocks, polled; ``tally_done()`` is true when none is
+    in flight), ``close()``, and ``abandon(at_exit)`` (a collective will never
+    finish: make the process able to exit anyway).
     """
 
     name = "?"
@@ -107,6 +109,22 @@ class DrivenBackend:
         """Mean CPU time per block of the driver (launch taken -> collective started) and of the
         completer (collective done -> scheduler told), in microseconds, and the number of blocks."""
         return self._pump.cost_per_block_us()
+
+    def start_tally(self, counts) -> None:
+        """Start summing the CPU int32 tensor ``counts`` over ranks, in place (Note [Global usage] in
+        optimizer.py), beside the blocks. One at a time: ``wait_tally`` before the next."""
+        self._transport.start_tally(counts)
+
+    def wait_tally(self, timeout_s: float) -> None:
+        """Wait for the tally in flight, if any; polled, so that the wait has a deadline."""
+        deadline = time.monotonic() + timeout_s
+        pause = 20e-6
+        while not self._transport.tally_done():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name}: the sum of which gradients each rank computed did not "
+                                   f"finish within {timeout_s:g} s (a peer may be gone or stalled)")
+            time.sleep(pause)
+            pause = min(2 * pause, 2e-3)
 
     def close(self) -> None:
         self._finalizer()

@@ -51,6 +51,7 @@ class _HorovodTransport:
         self._views: list = []
         self._names: list[str] = []
         self._postscale = 1.0
+        self._tally = None  # the handle of the tally in flight
 
     def set_blocks(self, views, postscale: float) -> None:
         for v in views:
@@ -80,6 +81,16 @@ class _HorovodTransport:
 
     def barrier(self) -> None:
         self._hvd.barrier()
+
+    def start_tally(self, counts) -> None:
+        assert self._tally is None, "a tally is already in flight"
+        self._tally = self._hvd.allreduce_async_(counts, name=f"{self._prefix}.tally", op=self._hvd.Sum)
+
+    def tally_done(self) -> bool:
+        if self._tally is not None and self._hvd.poll(self._tally):
+            handle, self._tally = self._tally, None
+            self._hvd.synchronize(handle)  # releases the handle; raises the operation's error, if any
+        return self._tally is None
 
     def close(self) -> None:
         self._views = []

@@ -48,13 +48,16 @@ class MPIBackend(DrivenBackend):
                 "backend 'mpi' starts and waits for collectives from two threads and needs MPI_THREAD_MULTIPLE, "
                 f"but this MPI granted level {MPI.Query_thread()}: use an MPI built with thread support, leave "
                 "mpi4py.rc.thread_level at 'multiple', or use backend 'torch'")
-        super().__init__(_MPITransport(MPI, [world.Dup() for _ in range(channels)]), timeout_s)
+        comms = [world.Dup() for _ in range(channels + 1)]  # the last one carries the tallies
+        super().__init__(_MPITransport(MPI, comms[:-1], comms[-1]), timeout_s)
 
 
 class _MPITransport:
-    def __init__(self, MPI, comms):
+    def __init__(self, MPI, comms, tally_comm):
         self._MPI = MPI
         self._comms = comms
+        self._tally_comm = tally_comm
+        self._tally = None  # the request of the tally in flight
         self._views: list = []
         self._arrays: list = []
         self._postscale = 1.0
@@ -90,10 +93,20 @@ class _MPITransport:
     def barrier(self) -> None:
         self._comms[0].Barrier()
 
+    def start_tally(self, counts) -> None:
+        assert self._tally is None, "a tally is already in flight"
+        self._tally = self._tally_comm.Iallreduce(self._MPI.IN_PLACE, counts.numpy(), op=self._MPI.SUM)
+
+    def tally_done(self) -> bool:
+        if self._tally is not None and self._tally.Test():
+            self._tally = None
+        return self._tally is None
+
     def close(self) -> None:
         self._views, self._arrays = [], []
         if not self._MPI.Is_finalized():
-            for comm in self._comms:
+            comms = self._comms + ([self._tally_comm] if self.tally_done() else [])  # never free one in use
+            for comm in comms:
                 comm.Free()
         self._comms = []
 

@@ -79,6 +79,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime
+
+import torch.distributed as dist
 
 from .. import _ext, profiler, runtime
 
@@ -88,6 +91,8 @@ class TorchDistBackend:
 
     def __init__(self, channels: int, timeout_s: float):
         self._groups = runtime.channel_groups(channels)  # this backend's own (see the module docstring)
+        self._tally_group = runtime.channel_groups(1, backend="gloo")[0]  # Note [Global usage] in optimizer.py
+        self._tally = None
         self.engine = _ext.load().Engine.torch(self._groups, float(timeout_s))
         if runtime.kind() == "horovod":  # registered after hvd.init(), so it runs before Horovod's own exit
             atexit.register(_abort_failed_horovod_mpi_job, self.engine, runtime.horovod())
@@ -106,11 +111,26 @@ class TorchDistBackend:
         another optimizer's blocks may be, on its own groups)."""
         return profiler.measure_alpha_beta(self._groups[0], device)
 
+    def start_tally(self, counts) -> None:
+        """Start summing the CPU tensor ``counts`` over ranks, in place, on a Gloo group of its own (Note
+        [Global usage] in optimizer.py). One at a time: ``wait_tally`` before the next."""
+        assert self._tally is None, "a tally is already in flight"
+        self._tally = dist.all_reduce(counts, group=self._tally_group, async_op=True)
+
+    def wait_tally(self, timeout_s: float) -> None:
+        """Wait for the tally in flight, if any."""
+        work, self._tally = self._tally, None
+        if work is not None:
+            work.wait(datetime.timedelta(seconds=timeout_s))
+
     def close(self) -> None:
         """Stop the engine, then destroy the groups: the engine's dispatch thread is gone, and the
         optimizer has drained what was in flight."""
         self.engine.shutdown()
-        groups, self._groups = self._groups, []
+        if self._tally is not None:
+            with contextlib.suppress(RuntimeError):  # a peer is gone: the channels' failure says so
+                self.wait_tally(1.0)
+        groups, self._groups = self._groups + [self._tally_group], []
         runtime.destroy_channel_groups(groups)
 
 

@@ -41,7 +41,12 @@ import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 
-from .dcredit import dcredit_windows, optimal_phase2_windows, packing_merges, partition_by_bytes
+from .dcredit import (
+    dcredit_windows,
+    optimal_phase2_windows,
+    packing_merges,
+    partition_by_bytes,
+)
 from .oasr import overlap_aware_merges
 from .plan import ALL, Plan, validate
 from .profile import Profile

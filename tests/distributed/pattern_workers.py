@@ -229,7 +229,7 @@ def tied_loss(model, step, rank):
 
 def reference_grads(ref: nn.Module, loss_of_rank, world: int) -> None:
     """Synchronous data parallelism by hand: each rank's gradient summed, divided by ``world``;
-    a parameter no rank used gets zeros (what dcredit_opt and Horovod reduce for it)."""
+    a parameter no rank used keeps ``None``, and the optimizer skips it (as in one process, or DDP)."""
     for p in ref.parameters():
         p.grad = None
     for r in range(world):
@@ -239,8 +239,8 @@ def reference_grads(ref: nn.Module, loss_of_rank, world: int) -> None:
 
 def finish_reference_grads(ref: nn.Module, world: int) -> None:
     for p in ref.parameters():
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p) if p.grad is None else p.grad / world
+        if p.grad is not None:
+            p.grad /= world
 
 
 def state_diff(a: dict, b: dict) -> float:
@@ -572,6 +572,24 @@ def p7_step_post_hook(job: Job) -> dict:
     return job.result(model, ref, opt, hook_calls=calls, num_params=len(list(model.parameters())))
 
 
+def unused_on_every_rank(job: Job) -> dict:
+    """Note [Global usage]: the branch is used on both ranks (steps 0-1), on none (2-3), on rank 1 only (4),
+    on none (5). With momentum and weight decay a zero gradient would still move it; synchronous training
+    leaves its gradient None, and the optimizer skips it."""
+    model, ref, opt, ropt = job.make(lambda: Net(branch=True), _sgd)
+
+    def uses(rank, step):
+        return step < 2 or (step == 4 and rank == 1)
+
+    def loss(m, step, rank):
+        x, y = batch(step, rank)
+        return F.mse_loss(m(x, use_branch=uses(rank, step)), y)
+
+    job.train(model, ref, opt, ropt, loss)
+    opt.synchronize()  # the last update applied: the branch's gradient is what synchronous training leaves
+    return job.result(model, ref, opt, branch_grad_none_when_unused=model.branch.weight.grad is None)
+
+
 def p10_paramlist_profiled(job: Job) -> dict:
     model, ref, opt, ropt = job.make(ParamListNet, _adam,
                                      config=job.config(policy="dcredit", profile_iters=3))
@@ -628,6 +646,7 @@ WORK = {
     "tied_weights": _module_pattern(TiedNet, _adam, tied_loss),
     "module_called_twice": _module_pattern(TwiceNet),
     "branch_skipped_on_all_ranks": branch_skipped_everywhere,
+    "unused_on_every_rank_with_momentum": unused_on_every_rank,
     "bare_parameter_of_parent": _module_pattern(BareParamNet),
     "functional_call_own_weights": functional_call_own,
     "no_grad_eval_after_step": eval_after_step,

@@ -394,8 +394,8 @@ def _reference_step(ref: RandNet, ropt, case: dict, step: int, world: int) -> No
         for k in range(case["bpps"]):
             loss_of(ref, case, step, k, r, sleepy=False).backward()
     for p in ref.parameters():
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p) if p.grad is None else p.grad / world
+        if p.grad is not None:  # one no rank used keeps None: the optimizer skips it
+            p.grad /= world
     ropt.step()
 
 

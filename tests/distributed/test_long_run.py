@@ -50,7 +50,9 @@ RSS_GROWTH = 0.05
 
 
 def _conv_net():
-    from examples.train import ConvNet  # the repository root is on sys.path in the ranks
+    from examples.train import (
+        ConvNet,  # the repository root is on sys.path in the ranks
+    )
 
     torch.manual_seed(0)
     return ConvNet().double()

@@ -58,7 +58,8 @@ def loss_of(model, data, **kw):
 
 
 def reference_grads(ref, step: int, world: int, passes: int = 1, uses_branch=lambda r: False) -> None:
-    """Synchronous data parallelism by hand: sum each rank's local gradient, divide by world."""
+    """Synchronous data parallelism by hand: sum each rank's local gradient, divide by world; a parameter
+    no rank used keeps ``None``, and the optimizer skips it."""
     for p in ref.parameters():
         p.grad = None
     for r in range(world):
@@ -67,8 +68,6 @@ def reference_grads(ref, step: int, world: int, passes: int = 1, uses_branch=lam
     for p in ref.parameters():
         if p.grad is not None:
             p.grad /= world
-        elif p.requires_grad and ref.branch is not None and any(p is q for q in ref.branch.parameters()):
-            p.grad = torch.zeros_like(p)
 
 
 def step_both(model, ref, opt, ropt, step: int, rank: int, world: int) -> None:

@@ -516,9 +516,6 @@ def test_a_read_of_a_buffer_that_holds_several_parameters_applies_each_of_them()
     assert torch.allclose(ema, expected, atol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="a parameter no rank used gets a zero gradient (Horovod's way), not None (DDP's "
-                                       "and a single process's): with momentum it still moves (README, known "
-                                       "difference)")
 def test_parameter_unused_on_every_rank_is_left_alone_by_a_stateful_optimizer():
     torch.manual_seed(0)
     model = SkipNet()

@@ -12,7 +12,12 @@ from hypothesis import strategies as st
 
 from dcredit_opt.planner.plan import ALL, Plan, PlanError
 from dcredit_opt.planner.profile import Profile, TensorProfile
-from dcredit_opt.planner.simulate import FlushSnapshot, lower_bound, simulate, synchronous_floor
+from dcredit_opt.planner.simulate import (
+    FlushSnapshot,
+    lower_bound,
+    simulate,
+    synchronous_floor,
+)
 
 from .strategies import plans_for, profile_and_plan, profiles
 
