@@ -69,6 +69,11 @@ class Config:
     timeline_path: str | None = None
     """Write a Chrome/Perfetto trace of blocks and windows here (one file per rank)."""
 
+    embedding_rows: bool = True
+    """Reduce the gradient of a weight that ``nn.Embedding`` modules look rows up in as the rows each batch
+    touched (all-gathered), plus a dense all-reduce of any other part (a tied output layer), instead of one
+    dense all-reduce at the end of the backward (Note [Embedding rows]). Torch backend, 2+ ranks."""
+
     check_finite: bool = False
     """Raise DCreditError from ``step()`` if a reduced gradient holds NaN or Inf, before any
     update (the step is skipped). Costs one pass over the gradients, and that ``step()``
@@ -87,7 +92,7 @@ class Config:
             if isinstance(getattr(self, name), bool):  # bool is an int subclass; never a count
                 raise ValueError(  # noqa: TRY004
                     f"Config.{name} must be an integer, got {getattr(self, name)!r}")
-        for name in ("overlap_forward", "check_finite"):
+        for name in ("overlap_forward", "check_finite", "embedding_rows"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(  # noqa: TRY004
                     f"Config.{name} must be True or False, got {getattr(self, name)!r}")

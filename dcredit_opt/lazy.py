@@ -11,7 +11,7 @@ import weakref
 
 import torch
 
-from . import _ext
+from . import _ext, rows, runtime
 from .errors import DCreditError, at_rank
 from .reads import FirstReadTracer
 from .timeline import profiled
@@ -28,6 +28,7 @@ class LazyStep:
         """The eager step, inside ``step()``: the wrapped ``step()`` once, over the real groups, so that its
         hooks run once and see every parameter, and the hyperparameters are the ones in force."""
         self._dc_wait(range(len(self._dc_params)))
+        self._dc_add_rows(range(len(self._dc_params)))
         unused = set(self._dc_drop_unused_grads(range(len(self._dc_params))))
         sparse = [i for i, was in enumerate(self._dc_sparse) if was and i not in unused]
         saved = [self._dc_params[i].grad for i in sparse]
@@ -88,6 +89,7 @@ class LazyStep:
     def _dc_run_wrapped_step(self, todo) -> None:
         params, slots = self._dc_params, self._dc_slots
         groups = self.param_groups
+        self._dc_add_rows(todo)
         unused = set(self._dc_drop_unused_grads(todo))  # and they stay None, as under DDP
         saved_params = [g["params"] for g in groups]
         saved_hyper = [{k: g[k] for k in snap} for g, snap in zip(groups, self._dc_snapshot)]
@@ -288,6 +290,7 @@ class LazyStep:
                     self._dc_module_hooks.append(module.register_state_dict_pre_hook(_weak_apply_hook(me)))
                     self._dc_module_hooks.append(module.register_load_state_dict_pre_hook(_weak_apply_hook(me)))
         self._dc_eager = tuple(eager)
+        self._dc_propose_rows(tracer)
         if eager:
             unread = [self._dc_names[i] for i in eager if i not in tracer.readers]
             outside = [self._dc_names[i] for i in eager if i in tracer.readers]
@@ -298,6 +301,20 @@ class LazyStep:
                 parts.append(f"{len(unread)} not read by the first forward after step() (e.g. '{unread[0]}')")
             self._dc_tell("eager", f"dcredit_opt: of {len(self._dc_params)} parameters, {' and '.join(parts)}: "
                                    "their updates are applied in step(), without overlap (Note [First read])")
+
+
+    def _dc_propose_rows(self, tracer) -> None:
+        """What this rank proposes for Note [Embedding rows] (in rows.py), from what the tracer saw; every
+        rank's proposal travels in the tally, and only what all propose is taken."""
+        if not (self._dc_config.embedding_rows and runtime.size() > 1 and self._dc_bpps == 1
+                and getattr(self._dc_backend, "exchanges_rows", False)):
+            return
+        grouped = {t for g in self._dc_groups or () for t in g}
+        for i, refs in tracer.embedded_by.items():
+            modules = [m for m in (ref() for ref in refs) if m is not None]
+            if modules and i not in grouped and self._dc_params[i].dim() >= 2:
+                self._dc_rows_proposal[i] = rows.TIED if i in tracer.read_otherwise else rows.ROWS_ONLY
+                self._dc_rows_modules[i] = [weakref.ref(m) for m in modules]
 
 
 def copy_hyper(group: dict) -> dict:

@@ -17,7 +17,10 @@ list of types:
   dtype.
 
 Anything else is a ``TypeError`` naming its type and where it sits in the
-object, on the sending rank, before anything is sent. Every Python
+object, on the sending rank, before any of the object is sent; the
+collectives then send that error's text in its place, so that the other
+ranks raise too instead of waiting (Note [Objects that cannot be sent] in
+``collectives/gather.py``). Every Python
 container is a one-key JSON object (its tag), and plain values are JSON's
 own, so a JSON object is always a tag (bodies are lists) and decoding is
 unambiguous.

@@ -90,6 +90,7 @@ from . import (
     devices,
     grouping,
     profiler,
+    rows,
     runtime,
     separable,
     timeline,
@@ -287,6 +288,11 @@ class _DistributedOptimizer:
         self._dc_versions = [0] * T  # each slot's version when its gradient was handed over
         self._dc_used = [False] * T  # this iteration: had a gradient on this rank (Note [Global usage])
         self._dc_usage = None  # the last flushed iteration's _Usage
+        self._dc_rows: dict[int, rows.EmbeddingRows] = {}  # Note [Embedding rows] in rows.py, once agreed
+        self._dc_rows_proposal = [0] * T  # what this rank learned: 0, rows.TIED or rows.ROWS_ONLY per tensor
+        self._dc_rows_modules: dict[int, list] = {}  # tensor -> weak references to the embeddings that read it
+        self._dc_rows_agreed = False
+        self._dc_replan = False  # this step() stages a plan: it must be eager
         self._dc_versions_checked = True  # the first apply after a lazy step() checks every pending slot
         self._dc_reduced = False  # pending updates whose blocks a new iteration has already waited for
         self._dc_deferred = False  # pending updates are lazy: a graph read of them before their apply is stale
@@ -337,7 +343,8 @@ class _DistributedOptimizer:
         """Switch to ``plan`` (with Horovod's groups merged in); only between iterations (nothing in flight)."""
         params = self._dc_params
         plan = grouping.merge_groups(plan, self._dc_groups, [p.dtype for p in params])
-        validate(plan, numels=[p.numel() for p in params], max_channels=self._dc_config.channels,
+        plan = rows.without_tensors(plan, self._dc_rows_only())
+        validate(plan, numels=self._dc_numels(), max_channels=self._dc_config.channels,
                  dtypes=[p.dtype for p in params])
         wire_of = self._dc_wire_dtypes()
         layout = build_layout(plan, [str(p.dtype) for p in params], [w.itemsize for w in wire_of])
@@ -349,7 +356,9 @@ class _DistributedOptimizer:
         wires = [torch.zeros(n, dtype=dtype_of[k][1], device=device) if dtype_of[k][1] != dtype_of[k][0]
                  else torch.zeros(0, dtype=dtype_of[k][0], device=device)
                  for k, n in zip(layout.segment_keys, layout.segment_numels)]
-        slots = [_slot(buffers[layout.tensor_segment[i]], layout.tensor_offset[i], p) for i, p in enumerate(params)]
+        # A tensor without blocks (Note [Embedding rows]) keeps its gradient in memory of its own.
+        slots = [_slot(buffers[layout.tensor_segment[i]], layout.tensor_offset[i], p) if plan.numels[i] == p.numel()
+                 else torch.zeros_like(p, memory_format=torch.contiguous_format) for i, p in enumerate(params)]
         self._dc_engine.set_plan(
             plan.num_tensors, list(plan.order), list(layout.block_segment), list(layout.block_offset),
             list(layout.block_numel), list(layout.block_bytes), list(layout.block_priority),
@@ -358,6 +367,14 @@ class _DistributedOptimizer:
             **self._dc_backend.buffers_for_engine(buffers, wires), postscale=self._dc_postscale)
         self._dc_backend.set_blocks(buffers, wires, layout, self._dc_postscale)
         self._dc_plan, self._dc_layout, self._dc_buffers, self._dc_slots = plan, layout, buffers, slots
+
+    def _dc_rows_only(self) -> list:
+        return [i for i, r in self._dc_rows.items() if r.kind == rows.ROWS_ONLY]
+
+    def _dc_numels(self) -> list:
+        """Elements per tensor that travel in blocks: a rows-only tensor's none (Note [Embedding rows])."""
+        gone = set(self._dc_rows_only())
+        return [0 if i in gone else p.numel() for i, p in enumerate(self._dc_params)]
 
     def _dc_wire_dtypes(self) -> list:
         """Per tensor, the dtype its blocks travel in (Note [Wire dtype])."""
@@ -473,17 +490,57 @@ class _DistributedOptimizer:
             raise at_rank(e, "end of phase 1 (the flush in step() or synchronize())") from e
         self._dc_flushed = True
         self._dc_life.flushed = True
+        if self._dc_rows:
+            self._dc_exchange_rows()
         self._dc_start_tally()
 
+    def _dc_exchange_rows(self) -> None:
+        """Note [Embedding rows]: every rank's embedding rows to every rank; a rows-only tensor's other
+        gradient (if any rank has one this iteration) all-reduced densely."""
+        timeout = float(self._dc_config.timeout_s)
+        for i, r in self._dc_rows.items():  # built in tensor order on every rank
+            ids, values = r.take()
+            rest = r.kind == rows.ROWS_ONLY and self._dc_used[i]  # W's own gradient, which has no blocks
+            slot = self._dc_slots[i]
+            try:
+                r.gathered, rest_anywhere = self._dc_backend.exchange_rows(ids, values, rest, timeout)
+                if rest_anywhere:
+                    self._dc_tell(f"rows rest {i}", f"dcredit_opt: parameter '{self._dc_names[i]}', reduced as "
+                                  "the rows its embeddings looked up, was also read otherwise in this iteration; "
+                                  "that part of its gradient is all-reduced whole in step(), without overlap "
+                                  "(Note [Embedding rows]). Said once.")
+                    self._dc_backend.allreduce_side(slot, timeout)
+                    if self._dc_postscale != 1.0:
+                        slot.mul_(self._dc_postscale)
+            except (RuntimeError, TimeoutError) as e:
+                raise at_rank(e, f"end of phase 1, exchanging the embedding rows of '{self._dc_names[i]}'") from e
+            self._dc_versions[i] = slot._version
+            if ids.numel():
+                self._dc_used[i] = True
+
+    def _dc_add_rows(self, indices) -> None:
+        """Every rank's embedding rows into the reduced gradients of ``indices`` that have them."""
+        scale = self._dc_prescale * self._dc_postscale
+        for i in indices:
+            r = self._dc_rows.get(i)
+            if r is not None and r.gathered is not None:
+                slot = self._dc_slots[i]
+                r.add_to(slot, scale)
+                self._dc_versions[i] = slot._version
     def _dc_start_tally(self) -> None:
         """Note [Global usage]: start summing over ranks which tensors had a gradient on each."""
-        counts = torch.tensor(self._dc_used, dtype=torch.int32)
+        proposal = self._dc_rows_proposal
+        counts = torch.tensor([*self._dc_used, *(k > 0 for k in proposal), *(k == rows.ROWS_ONLY for k in proposal)],
+                              dtype=torch.int32)
         usage = _Usage(self._dc_used, counts)
         if runtime.size() == 1:
             usage.everywhere = self._dc_used
         else:
+            last = self._dc_usage
             try:
                 self._dc_backend.wait_tally(float(self._dc_config.timeout_s))  # the last one, if nothing needed it
+                if last is not None and not self._dc_rows_agreed:
+                    self._dc_agree_on_rows(last.counts.tolist())
                 self._dc_backend.start_tally(counts)
             except (RuntimeError, TimeoutError) as e:
                 raise at_rank(e, "end of phase 1, summing which gradients each rank computed") from e
@@ -505,8 +562,28 @@ class _DistributedOptimizer:
             except (RuntimeError, TimeoutError) as e:
                 raise at_rank(e, f"phase 2, waiting to learn whether any rank computed a gradient of "
                                  f"'{self._dc_names[maybe[0]]}' (tensor {maybe[0]})") from e
-            usage.everywhere = [bool(c) for c in usage.counts.tolist()]
+            usage.everywhere = [bool(c) for c in usage.counts[:len(usage.here)].tolist()]
         return [i for i in maybe if not usage.everywhere[i]]
+
+    def _dc_agree_on_rows(self, sums: list) -> None:
+        """Note [Embedding rows]: once the last tally shows every rank proposing the same tensors, they
+        take the rows path from the next iteration on, on every rank (all saw the same sums)."""
+        T, world = len(self._dc_params), runtime.size()
+        agreed = [i for i in range(T) if sums[T + i] == world]
+        if not agreed:
+            return
+        self._dc_rows_agreed = True
+        me = weakref.ref(self)
+        for i in agreed:
+            kind = rows.ROWS_ONLY if sums[2 * T + i] == world else rows.TIED
+            modules = [m for m in (ref() for ref in self._dc_rows_modules.get(i, ())) if m is not None]
+            self._dc_rows[i] = rows.EmbeddingRows(i, self._dc_params[i], modules, kind, _weak_rows_hook(me))
+        if self._dc_rows_only():
+            self._dc_staged_plan = self._dc_staged_plan or self._dc_plan  # rebuilt without their blocks
+            self._dc_replan = True
+        names = ", ".join(f"'{self._dc_names[i]}'" for i in agreed)
+        self._dc_tell("rows", f"dcredit_opt: {names} reduced as the embedding rows each batch looks up, not "
+                              "as a dense tensor (Note [Embedding rows]; Config(embedding_rows=False) turns it off)")
 
     def _dc_drop_unused_grads(self, indices) -> list:
         """``p.grad = None`` for the tensors of ``indices`` no rank used (Note [Global usage]); returns them."""
@@ -536,6 +613,7 @@ class _DistributedOptimizer:
                 self._dc_flush()
             self._dc_check_writes(range(len(self._dc_params)), "synchronize()")
             self._dc_wait_all("synchronize(), waiting for every block")
+            self._dc_add_rows(range(len(self._dc_params)))
             self._dc_drop_unused_grads(range(len(self._dc_params)))
             self._dc_synchronized = True
 
@@ -597,6 +675,7 @@ class _DistributedOptimizer:
         self._dc_reduced = False
         self._dc_deferred = False
         lazy = self._dc_may_defer()
+        self._dc_replan = False
         self._dc_synchronized = False
         if lazy:
             self._dc_versions_checked = False
@@ -643,8 +722,9 @@ class _DistributedOptimizer:
         """Whether this step()'s updates may wait for their first read (Note [Lazy step])."""
         if not (self._dc_plan.overlap_forward and self._dc_config.overlap_forward and self._dc_learned):
             return False
-        if self._dc_synchronized or self._dc_recorder is not None:
-            return False  # the user asked for every gradient now; or profiling: a forward must not wait
+        if self._dc_synchronized or self._dc_recorder is not None or self._dc_replan:
+            # the user asked for every gradient now; or profiling, or a plan switch: nothing may wait
+            return False
         reason = separable.why_eager(self._dc_base, self, self._dc_config.lazy_step)
         if reason is not None:
             self._dc_tell(reason, f"dcredit_opt: updates are applied in step() (no overlap with the next "
@@ -694,7 +774,8 @@ class _DistributedOptimizer:
         recorder, self._dc_recorder = self._dc_recorder, None
         alpha, beta, _ = self._dc_backend.measure_alpha_beta(self._dc_params[0].device)
         self._dc_staged_plan, self._dc_profile = profiler.agree_on_plan(recorder, alpha, beta, self._dc_config,
-                                                                        self._dc_params, self._dc_wire_dtypes())
+                                                                        self._dc_params, self._dc_wire_dtypes(),
+                                                                        self._dc_numels())
 
     @property
     def plan(self) -> Plan:
@@ -750,6 +831,8 @@ class _DistributedOptimizer:
         self._dc_guard.remove()
         for h in self._dc_grad_hooks + self._dc_module_hooks:
             h.remove()
+        for r in self._dc_rows.values():
+            r.remove()
         self._dc_grad_hooks, self._dc_module_hooks = [], []
         self._dc_backend.close()
 
@@ -824,6 +907,14 @@ def _weak_grad_hook(ref, i):
         opt = ref()
         if opt is not None:
             opt._dc_on_grad(i, p)
+    return hook
+
+
+def _weak_rows_hook(ref):
+    def hook():
+        opt = ref()
+        if opt is not None and not opt._dc_open:
+            opt._dc_begin()  # an iteration whose only gradients are embedding rows
     return hook
 
 

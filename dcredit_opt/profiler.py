@@ -132,23 +132,26 @@ def measure_alpha_beta_with(allreduce, barrier, device: torch.device):
 
 
 def build_profile(recorder: Recorder, alpha: float, beta: float, world_size: int,
-                  wire_dtypes: list | None = None) -> Profile:
+                  wire_dtypes: list | None = None, numels: list | None = None) -> Profile:
     """The profile of what was recorded. ``wire_dtypes`` (per tensor, Note [Wire dtype]) count the bytes that
     travel when every tensor has one dtype and one wire dtype (the planner merges by dtype, and a merge must
-    stay within one buffer); otherwise each tensor counts in its own dtype."""
+    stay within one buffer); otherwise each tensor counts in its own dtype. ``numels`` (default: the
+    parameters') are the elements that travel in blocks (Note [Embedding rows])."""
     fwd_s, bwd_s, order = recorder.compute_times()
     dtypes = [p.dtype for p in recorder.params]
     if wire_dtypes is not None and len(set(dtypes)) == 1 and len(set(wire_dtypes)) == 1:
         dtypes = list(wire_dtypes)
-    tensors = [TensorProfile(name=n, numel=p.numel(), dtype=canonical_dtype(d), forward_index=i,
+    numels = [p.numel() for p in recorder.params] if numels is None else numels
+    tensors = [TensorProfile(name=n, numel=numels[i], dtype=canonical_dtype(d), forward_index=i,
                              fwd_s=fwd_s[i], bwd_s=bwd_s[i])
-               for i, (n, p, d) in enumerate(zip(recorder.names, recorder.params, dtypes))]
+               for i, (n, d) in enumerate(zip(recorder.names, dtypes))]
     return Profile(tensors=tensors, alpha_s=alpha, beta_s_per_byte=beta, world_size=world_size,
                    ready_order=order)
 
 
 def agree_on_plan(recorder: Recorder, alpha: float, beta: float, config: Config,
-                  params: list, wire_dtypes: list | None = None) -> tuple[Plan, Profile | None]:
+                  params: list, wire_dtypes: list | None = None,
+                  numels: list | None = None) -> tuple[Plan, Profile | None]:
     """The plan every rank switches to after profiling, and the profile (on rank 0; None elsewhere).
 
     Rank 0 builds the profile from its measurements and plans; the plan goes
@@ -158,9 +161,9 @@ def agree_on_plan(recorder: Recorder, alpha: float, beta: float, config: Config,
     text, profile = None, None
     if runtime.rank() == 0:
         try:
-            profile = build_profile(recorder, alpha, beta, runtime.size(), wire_dtypes)
+            profile = build_profile(recorder, alpha, beta, runtime.size(), wire_dtypes, numels)
             plan = make_plan(profile, config.policy, channels=config.channels, overlap_forward=config.overlap_forward)
-            validate(plan, numels=[p.numel() for p in params], max_channels=config.channels,
+            validate(plan, numels=numels or [p.numel() for p in params], max_channels=config.channels,
                      dtypes=[p.dtype for p in params])
             text = plan.to_json()
         except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others would wait

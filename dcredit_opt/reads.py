@@ -67,6 +67,7 @@ import time
 import weakref
 
 import torch
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 # Operations that make an alias or read metadata only, never values.
@@ -95,9 +96,14 @@ class Addresses:
     """
 
     def __init__(self, params):
+        self._params = [weakref.ref(p) for p in params]
         self._ranges = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), i)
                               for i, p in enumerate(params) if p.numel())
         self._starts = [r[0] for r in self._ranges]
+
+    def param(self, i: int):
+        """Tracked parameter ``i`` itself (None once it is gone)."""
+        return self._params[i]()
 
     def read_by(self, args, kwargs):
         """Indices of the parameters whose memory the arguments touch (an index may come more than once); a
@@ -130,6 +136,11 @@ class FirstReadTracer(TorchFunctionMode):
         self.first_read_ns: dict[int, int] = {}
         self.modules: weakref.WeakSet = weakref.WeakSet()
         """Every module whose forward ran while we watched."""
+        self.embedded_by: dict[int, list] = {}
+        """Tensor index -> weak references to the ``nn.Embedding`` modules whose own forward looked rows of it
+        up (``F.embedding`` with the module's own weight; Note [Embedding rows] in ``rows.py``)."""
+        self.read_otherwise: set[int] = set()
+        """Tensors read by any other operation while we watched (a tied output layer, a regulariser)."""
         self.active = False
         self._hooks: list = []
 
@@ -188,15 +199,29 @@ class FirstReadTracer(TorchFunctionMode):
             if self._owner() is None:
                 self.active = False
             else:
-                self._record(args, kwargs)
+                self._record(func, args, kwargs)
         return func(*args, **kwargs)
 
-    def _record(self, args, kwargs) -> None:
+    def _record(self, func, args, kwargs) -> None:
+        module = self._stack[-1] if self._stack else None
+        lookup = None  # the parameter this call looks rows up in, as its module's own embedding
+        if func is F.embedding and isinstance(module, torch.nn.Embedding):
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            if weight is module.weight:
+                lookup = weight
         for i in self._addresses.read_by(args, kwargs):
             if i not in self.readers:
-                module = self._stack[-1] if self._stack else None
                 self.readers[i] = weakref.ref(module) if module is not None else None
                 self.first_read_ns[i] = time.perf_counter_ns()
+            if lookup is not None and self._is_param(i, lookup):
+                refs = self.embedded_by.setdefault(i, [])
+                if not any(r() is module for r in refs):
+                    refs.append(weakref.ref(module))
+            else:
+                self.read_otherwise.add(i)
+
+    def _is_param(self, i: int, t: torch.Tensor) -> bool:
+        return self._addresses.param(i) is t
 
 
 _SET_DATA = torch.Tensor.data.__set__

@@ -30,6 +30,7 @@ import itertools
 import logging
 import os
 import sys
+import time
 import weakref
 
 import torch
@@ -220,6 +221,12 @@ def next_backend_id() -> int:
 # ``name`` identifies the operation to Horovod, which matches operations
 # across ranks by name; it must be the same on every rank, and stable from
 # one call to the next so that Horovod's response cache can serve it.
+#
+# Every wait has a deadline, ``timeout_s`` (``init(timeout_s=)``). On
+# torch.distributed it is the default group's timeout, which Gloo's
+# collectives honour (and NCCL's watchdog enforces). Horovod's synchronous
+# calls and its ``synchronize`` have none, so in a Horovod job the async form
+# is started and its handle polled (``_horovod_wait``) until the deadline.
 
 def control_device() -> torch.device:
     """Where control tensors live: the GPU under NCCL, else the CPU."""
@@ -229,13 +236,40 @@ def control_device() -> torch.device:
     return torch.device("cpu")
 
 
+# Sleeps between polls of a Horovod handle: from 20 us, doubling, to at most 2 ms. The control plane's
+# operations are small and usually done within a negotiation cycle or two, so the first polls are quick;
+# a wait that goes on costs a poll every 2 ms, not a spinning core.
+_POLL_FIRST_S = 20e-6
+_POLL_MAX_S = 2e-3
+
+
+def _horovod_wait(hvd, handle, what: str, timeout_s: float, rank_: int, size_: int):
+    """The result of Horovod operation ``handle`` (``hvd.synchronize``), polled with ``hvd.poll`` so that
+    the wait ends within ``timeout_s``: past it, ``TimeoutError`` naming ``what``."""
+    deadline = time.monotonic() + timeout_s
+    delay = _POLL_FIRST_S
+    while not hvd.poll(handle):
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"rank {rank_} of {size_}: control-plane operation {what} did not complete within {timeout_s:g} s "
+                "(init(timeout_s=...)): a peer is gone or did not reach the same call (every rank must make the "
+                "same dcredit_opt calls in the same order); the operation is still pending in Horovod, so end "
+                "the job")
+        time.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
+        delay = min(2 * delay, _POLL_MAX_S)
+    return hvd.synchronize(handle)
+
+
 def all_gather(tensor: torch.Tensor, name: str) -> list:
-    """Every rank's ``tensor`` (same shape and dtype on every rank), in rank order."""
+    """Every rank's ``tensor`` (same shape and dtype on every rank), in rank order; waits at most
+    ``timeout_s`` (``TimeoutError`` past it)."""
     world = _require()
     if world.size == 1:
         return [tensor.clone()]
     if world.kind == "horovod":
-        rows = world.hvd.allgather(tensor.reshape(1, -1).contiguous(), name=f"dc.ctl.{name}")
+        op = f"dc.ctl.{name}"
+        handle = world.hvd.allgather_async(tensor.reshape(1, -1).contiguous(), name=op)
+        rows = _horovod_wait(world.hvd, handle, f"all_gather {op!r}", world.timeout_s, world.rank, world.size)
         return [row.reshape(tensor.shape) for row in rows.unbind(0)]
     gathered = [torch.empty_like(tensor) for _ in range(world.size)]
     dist.all_gather(gathered, tensor)
@@ -243,14 +277,17 @@ def all_gather(tensor: torch.Tensor, name: str) -> list:
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str) -> None:
-    """Overwrite the contiguous ``tensor`` (on ``control_device()``) with ``root_rank``'s, in place."""
+    """Overwrite the contiguous ``tensor`` (on ``control_device()``) with ``root_rank``'s, in place; waits at
+    most ``timeout_s`` (``TimeoutError`` past it)."""
     world = _require()
     if world.size == 1:
         return
     if world.kind == "horovod":
         if tensor.numel():
             # As bytes: exact, and independent of which dtypes Horovod supports.
-            world.hvd.broadcast_(tensor.view(-1).view(torch.uint8), root_rank, name=f"dc.ctl.{name}")
+            op = f"dc.ctl.{name}"
+            handle = world.hvd.broadcast_async_(tensor.view(-1).view(torch.uint8), root_rank, name=op)
+            _horovod_wait(world.hvd, handle, f"broadcast_ {op!r}", world.timeout_s, world.rank, world.size)
         return
     dist.broadcast(tensor, src=root_rank)
 

@@ -81,6 +81,7 @@ import atexit
 import contextlib
 import datetime
 
+import torch
 import torch.distributed as dist
 
 from .. import _ext, profiler, runtime
@@ -122,6 +123,41 @@ class TorchDistBackend:
         work, self._tally = self._tally, None
         if work is not None:
             work.wait(datetime.timedelta(seconds=timeout_s))
+
+    exchanges_rows = True  # Note [Embedding rows] in rows.py
+
+    def exchange_rows(self, ids, values, flag: bool, timeout_s: float):
+        """Every rank's ``(ids, values)`` (int64 row indices, and those rows), in rank order, and whether any
+        rank raised ``flag``; on the side group, while nothing else of ours is on it."""
+        group = self._tally_group
+        world = dist.get_world_size(group)
+        device = values.device
+        head = torch.tensor([ids.numel(), int(flag)], dtype=torch.int64)
+        heads = [torch.empty_like(head) for _ in range(world)]
+        dist.all_gather(heads, head, group=group)
+        counts = [int(h[0]) for h in heads]
+        any_flag = any(int(h[1]) for h in heads)
+        n = max(counts)
+        if n == 0:
+            return [], any_flag
+        padded_ids = torch.zeros(n, dtype=torch.int64)
+        padded_ids[:ids.numel()] = ids.cpu()
+        padded = torch.zeros((n, *values.shape[1:]), dtype=values.dtype)
+        padded[:ids.numel()] = values.cpu()
+        all_ids = [torch.empty_like(padded_ids) for _ in range(world)]
+        all_values = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(all_ids, padded_ids, group=group)
+        dist.all_gather(all_values, padded, group=group)
+        return [(i[:c].to(device), v[:c].to(device)) for i, v, c in zip(all_ids, all_values, counts)], any_flag
+
+    def allreduce_side(self, tensor, timeout_s: float) -> None:
+        """Sum ``tensor`` over ranks in place, on the side group (a CPU copy for a GPU tensor)."""
+        if tensor.device.type == "cpu":
+            dist.all_reduce(tensor, group=self._tally_group)
+        else:
+            host = tensor.cpu()
+            dist.all_reduce(host, group=self._tally_group)
+            tensor.copy_(host)
 
     def close(self) -> None:
         """Stop the engine, then destroy the groups: the engine's dispatch thread is gone, and the

@@ -207,50 +207,106 @@ class _BroadcastFn(torch.autograd.Function):
 # ---- objects, barrier -----------------------------------------------------------------------
 
 
+# Note [Objects that cannot be sent]: encoding fails on one rank only (its object holds a lambda, a class
+# instance), and the other ranks must not wait for bytes that will never come. So a rank whose object does
+# not encode still takes part in every exchange: in the length field it sends -(n + 1) instead of a length,
+# and as its bytes the n bytes of UTF-8 text "<error type>: <message>". A negative length is a flag no
+# real payload can produce. After the exchange every rank raises: the failing rank its own error, unchanged;
+# the others a TypeError (a RuntimeError if the sender's error was not a TypeError) naming the rank(s)
+# whose object was not sent and why.
+
+
+def _encode_or_error(obj) -> tuple[bytes, Exception | None]:
+    """``obj`` encoded and no error, or the error's text (to send in its place) and the error."""
+    try:
+        return objects.encode(obj), None
+    except Exception as e:  # noqa: BLE001 - any failure is sent to the peers, then raised here
+        return f"{type(e).__name__}: {e}".encode(errors="replace"), e
+
+
+def _sent_length(payload: bytes, error: Exception | None) -> int:
+    return -len(payload) - 1 if error is not None else len(payload)
+
+
+def _payload_size(length: int) -> int:
+    """How many bytes follow a length field (an error text's for a negative one)."""
+    return -length - 1 if length < 0 else length
+
+
+def _not_sent(what: str, failures: list[tuple[int, str]], root_rank: int | None = None) -> Exception:
+    """The error for ranks whose peers' objects (``failures``: rank, error text) could not be sent."""
+    parts = [f"rank {r}{' (the root)' if r == root_rank else ''}'s object could not be sent ({text})"
+             for r, text in failures]
+    cls = TypeError if all(text.startswith("TypeError:") for _, text in failures) else RuntimeError
+    return cls(f"rank {runtime.rank()} of {runtime.size()}: {what}: no object was received: " + "; ".join(parts))
+
+
 def broadcast_object(obj, root_rank=0, name=None, process_set=None):
     """``root_rank``'s ``obj`` on every rank. Differs from Horovod's: the object travels as JSON, never
-    pickled, so it may hold only plain values, containers, tensors and numpy arrays (``objects.py``)."""
+    pickled, so it may hold only plain values, containers, tensors and numpy arrays (``objects.py``).
+
+    On the wire: the root broadcasts the length of its encoded object (int64), then its bytes. If the root's
+    object cannot be encoded, it broadcasts -(n + 1) and n bytes of its error's text instead, and every rank
+    raises: the root its own ``TypeError``, the others a ``TypeError`` naming the root and the reason (Note
+    [Objects that cannot be sent])."""
     fn = "broadcast_object"
     kind = require_world(fn)
     core.check_name(name, fn)
     core.check_process_set(process_set, fn)
     root_rank = core.check_root(root_rank, fn)
     rank = runtime.rank()
-    payload = objects.encode(obj) if rank == root_rank else b""
     if runtime.size() == 1:
-        return objects.decode(payload)
+        return objects.decode(objects.encode(obj))
+    payload, error = _encode_or_error(obj) if rank == root_rank else (b"", None)
     base = name or fn
-    length = torch.tensor([len(payload)], dtype=torch.int64)
+    length = torch.tensor([_sent_length(payload, error)], dtype=torch.int64)
     if kind != "horovod":
         agree(describe(fn, root_rank=root_rank, name=name), label(fn, name), name)
     broadcast_(length, root_rank, name=f"{base}.length")
-    data = torch.zeros(int(length.item()), dtype=torch.uint8)
+    sent = int(length.item())
+    data = torch.zeros(_payload_size(sent), dtype=torch.uint8)
     if rank == root_rank:
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else data
     broadcast_(data, root_rank, name=f"{base}.data")
+    if error is not None:
+        raise error
+    if sent < 0:
+        text = bytes(data.numpy()).decode(errors="replace")
+        raise _not_sent(label(fn, name), [(root_rank, text)], root_rank)
     return objects.decode(bytes(data.numpy()))
 
 
 def allgather_object(obj, name=None, process_set=None) -> list:
-    """Every rank's ``obj``, in rank order. Objects travel as JSON, never pickled (see ``broadcast_object``)."""
+    """Every rank's ``obj``, in rank order. Objects travel as JSON, never pickled (see ``broadcast_object``).
+
+    On the wire: an ``allgather`` of each rank's length (int64), then one of its bytes. A rank whose object
+    cannot be encoded sends -(n + 1) and n bytes of its error's text instead, and every rank raises: that
+    rank its own ``TypeError``, the others a ``TypeError`` naming it and the reason (Note [Objects that
+    cannot be sent])."""
     fn = "allgather_object"
     kind = require_world(fn)
     core.check_name(name, fn)
     core.check_process_set(process_set, fn)
-    payload = objects.encode(obj)
     if runtime.size() == 1:
-        return [objects.decode(payload)]
+        return [objects.decode(objects.encode(obj))]
+    payload, error = _encode_or_error(obj)
     if kind != "horovod":
         agree(describe(fn, name=name), label(fn, name), name)
     base = name or fn
-    lengths = allgather(torch.tensor([len(payload)], dtype=torch.int64), name=f"{base}.length")
+    lengths = allgather(torch.tensor([_sent_length(payload, error)], dtype=torch.int64), name=f"{base}.length")
     data = allgather(torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload
                      else torch.zeros(0, dtype=torch.uint8), name=f"{base}.data")
-    out, start = [], 0
-    for n in lengths.tolist():
-        out.append(objects.decode(bytes(data[start:start + n].numpy())))
+    if error is not None:
+        raise error
+    chunks, start = [], 0
+    for sent in lengths.tolist():
+        n = _payload_size(sent)
+        chunks.append((sent, bytes(data[start:start + n].numpy())))
         start += n
-    return out
+    failures = [(r, chunk.decode(errors="replace")) for r, (sent, chunk) in enumerate(chunks) if sent < 0]
+    if failures:
+        raise _not_sent(label(fn, name), failures)
+    return [objects.decode(chunk) for _, chunk in chunks]
 
 
 def barrier(process_set=None) -> None:

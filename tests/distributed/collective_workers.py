@@ -160,6 +160,32 @@ def stalled_peer(stall_timeout_s: float, pause_s: float, horovod_first: bool = F
     return {"rank": r}
 
 
+class _Unsendable:
+    """An object ``objects.encode`` refuses (it would need pickle)."""
+
+
+def unsendable_objects(horovod_first: bool = False, timeout_s: float = 60.0) -> dict:
+    """Objects that one rank cannot encode: every rank must raise at once (not wait out ``timeout_s``), and the
+    ranks stay in step for the next collective. Returns each error, for the test to read."""
+    _join(horovod_first, timeout_s)
+    r = dc.rank()
+    out = {"rank": r}
+    # The root's object is a lambda; rank 1's is fine, but only the root's is sent.
+    obj = (lambda: r) if r == 0 else {"from": 1}
+    out["bcast_bad_root"] = _error(lambda: dc.broadcast_object(obj, root_rank=0, name="bad.bcast"))
+    # A non-root's object is never encoded: rank 0's lambda does not matter when rank 1 is the root.
+    out["bcast_from_1"] = dc.broadcast_object(obj, root_rank=1, name="good.bcast")
+    # Rank 1's object holds an instance of a class of ours; rank 0's is fine.
+    item = [1, _Unsendable()] if r == 1 else [0, "fine"]
+    out["gather_bad_1"] = _error(lambda: dc.allgather_object(item, name="bad.gather"))
+    # Both ranks' objects fail: each raises its own error.
+    out["gather_bad_both"] = _error(lambda: dc.allgather_object({"f": print}))
+    out["gather_after"] = dc.allgather_object(("ok", r), name="after")
+    out["bcast_after"] = dc.broadcast_object({"from": r}, root_rank=0)
+    dc.barrier()
+    return out
+
+
 def horovod_script(horovod_first: bool = False) -> dict:
     """A Horovod training script written as Horovod's examples are, with ``dcredit_opt`` imported as ``hvd``
     and nothing else changed: returns what the test checks."""

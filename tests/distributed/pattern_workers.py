@@ -125,6 +125,19 @@ class TiedNet(nn.Module):
         return self.head(torch.tanh(self.mid(h)))
 
 
+class EmbedNet(nn.Module):
+    """An input embedding (looked up by its own module) and an untied output head, GPT-style."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(40, 12)
+        self.mid = nn.Linear(12, 12)
+        self.head = nn.Linear(12, 20)
+
+    def forward(self, tok):
+        return self.head(torch.tanh(self.mid(self.emb(tok).mean(1))))
+
+
 class TwiceNet(nn.Module):
     """One module called twice in a forward."""
 
@@ -590,6 +603,34 @@ def unused_on_every_rank(job: Job) -> dict:
     return job.result(model, ref, opt, branch_grad_none_when_unused=model.branch.weight.grad is None)
 
 
+def _rows_kinds(opt) -> dict:
+    """Note [Embedding rows]: the tensors on the rows path, by name: "rows only" or "tied"."""
+    from dcredit_opt import rows
+    return {opt._dc_names[i]: "rows only" if r.kind == rows.ROWS_ONLY else "tied" for i, r in opt._dc_rows.items()}
+
+
+def embedding_rows(kind: str):
+    """Note [Embedding rows]: an untied embedding ("untied"), one tied to the output layer ("tied"), and an
+    untied one that a regulariser also reads from step 4 on ("regularised": its dense rest is reduced in step())."""
+    model_fn = TiedNet if kind == "tied" else EmbedNet
+
+    def run(job: Job) -> dict:
+        model, ref, opt, ropt = job.make(model_fn, _adam)
+
+        def loss(m, step, rank):
+            out = tied_loss(m, step, rank)
+            if kind == "regularised" and step >= 4:
+                out = out + 1e-2 * m.emb.weight.pow(2).sum()
+            return out
+
+        job.train(model, ref, opt, ropt, loss)
+        kinds = _rows_kinds(opt)
+        expected = {"emb.weight": "tied" if kind == "tied" else "rows only"}
+        return job.result(model, ref, opt, rows_path=kinds == expected, kinds=kinds,
+                          plan_numel_of_emb=opt._dc_plan.numels[opt._dc_names.index("emb.weight")])
+    return run
+
+
 def p10_paramlist_profiled(job: Job) -> dict:
     model, ref, opt, ropt = job.make(ParamListNet, _adam,
                                      config=job.config(policy="dcredit", profile_iters=3))
@@ -647,6 +688,9 @@ WORK = {
     "module_called_twice": _module_pattern(TwiceNet),
     "branch_skipped_on_all_ranks": branch_skipped_everywhere,
     "unused_on_every_rank_with_momentum": unused_on_every_rank,
+    "embedding_rows_untied": embedding_rows("untied"),
+    "embedding_rows_tied": embedding_rows("tied"),
+    "embedding_rows_regularised_later": embedding_rows("regularised"),
     "bare_parameter_of_parent": _module_pattern(BareParamNet),
     "functional_call_own_weights": functional_call_own,
     "no_grad_eval_after_step": eval_after_step,

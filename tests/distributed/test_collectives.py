@@ -150,3 +150,32 @@ def test_a_horovod_script_runs_with_dcredit_opt_imported_as_hvd(name):
         assert len(got["losses"]) == 2 and got["losses"] == per_rank[0]["losses"], "metric averages differ"
         assert got["ranks_agree"], f"rank {rank}: parameters differ between ranks"
         assert got["has_join"] is False
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", RUNS)
+def test_an_object_one_rank_cannot_send_is_an_error_on_every_rank_not_a_wait(name):
+    """Note [Objects that cannot be sent]: the failing rank raises its own TypeError, the others one naming
+    it, all at once (the collective timeout is 60 s: a rank that waited it out would report a TimeoutError
+    instead), and the ranks stay in step."""
+    per_rank = _launch(name, collective_workers.unsendable_objects, timeout_s=240)
+    lambda_error = "TypeError: obj has type builtins.function, which cannot be sent: objects travel as JSON"
+    instance_error = ("TypeError: obj[1] has type tests.distributed.collective_workers._Unsendable, which cannot be "
+                      "sent: objects travel as JSON")
+    for rank, got in enumerate(per_rank):
+        assert got["rank"] == rank
+        if rank == 0:
+            assert got["bcast_bad_root"].startswith(lambda_error), got["bcast_bad_root"]
+            assert got["gather_bad_1"].startswith(
+                "TypeError: rank 0 of 2: allgather_object 'bad.gather': no object was received: rank 1's object "
+                f"could not be sent ({instance_error}"), got["gather_bad_1"]
+        else:
+            assert got["bcast_bad_root"].startswith(
+                "TypeError: rank 1 of 2: broadcast_object 'bad.bcast': no object was received: rank 0 (the root)'s "
+                f"object could not be sent ({lambda_error}"), got["bcast_bad_root"]
+            assert got["gather_bad_1"].startswith(instance_error), got["gather_bad_1"]
+        assert got["gather_bad_both"].startswith("TypeError: obj['f'] has type builtins.builtin_function_or_method"), \
+            got["gather_bad_both"]
+        assert got["bcast_from_1"] == {"from": 1}
+        assert got["gather_after"] == [("ok", 0), ("ok", 1)]
+        assert got["bcast_after"] == {"from": 0}

@@ -388,6 +388,79 @@ def test_a_failed_or_late_transport_wait_is_named(monkeypatch):
     assert not isinstance(info.value, TimeoutError)
 
 
+class _FakeHorovod:
+    """Stands in for ``horovod.torch`` in a 2-rank Horovod world: its operations complete after ``polls_needed``
+    polls (never, with None), and it records what was started."""
+
+    def __init__(self, polls_needed):
+        self.polls_needed, self.polls, self.started = polls_needed, 0, []
+
+    def allgather_async(self, tensor, name=None):
+        self.started.append(("allgather_async", name))
+        return ("allgather", tensor)
+
+    def broadcast_async_(self, tensor, root_rank, name=None):
+        self.started.append(("broadcast_async_", name, root_rank))
+        return ("broadcast", tensor)
+
+    def poll(self, handle):
+        self.polls += 1
+        return self.polls_needed is not None and self.polls >= self.polls_needed
+
+    def synchronize(self, handle):
+        assert self.poll(handle), "synchronize before the operation finished would wait forever"
+        kind, tensor = handle
+        if kind == "allgather":  # rank 1's row is rank 0's plus one
+            return torch.cat([tensor, tensor + 1])
+        tensor.fill_(7)  # the root's bytes, written in place
+        return tensor
+
+    def allgather(self, *args, **kwargs):
+        raise AssertionError("the synchronous form has no deadline")
+
+    broadcast_ = allgather
+
+
+def _horovod_world(monkeypatch, hvd, timeout_s):
+    from dcredit_opt import runtime
+
+    world = runtime._World(rank=0, size=2, local_rank=0, owns_default_group=False, timeout_s=timeout_s,
+                           kind="horovod", hvd=hvd)
+    monkeypatch.setattr(runtime, "_world", world)
+    return runtime
+
+
+def test_the_control_plane_under_horovod_polls_async_operations_to_their_result(monkeypatch):
+    hvd = _FakeHorovod(polls_needed=5)
+    runtime = _horovod_world(monkeypatch, hvd, timeout_s=30.0)
+    rows = runtime.all_gather(torch.tensor([[1, 2]], dtype=torch.int32), name="model.summary")
+    assert [r.tolist() for r in rows] == [[[1, 2]], [[2, 3]]]
+    t = torch.zeros(2, dtype=torch.int16)
+    runtime.broadcast_(t, 1, name="text.length")
+    assert t.view(torch.uint8).tolist() == [7, 7, 7, 7]  # moved as bytes
+    assert hvd.started == [("allgather_async", "dc.ctl.model.summary"), ("broadcast_async_", "dc.ctl.text.length", 1)]
+
+
+@pytest.mark.parametrize("call", ["all_gather", "broadcast_"])
+def test_a_control_plane_operation_a_peer_never_joins_times_out_under_horovod(monkeypatch, call):
+    hvd = _FakeHorovod(polls_needed=None)
+    runtime = _horovod_world(monkeypatch, hvd, timeout_s=0.3)
+    t = torch.zeros(3, dtype=torch.int64)
+    start = time.monotonic()
+    op = "all_gather 'dc.ctl.setup.digests'" if call == "all_gather" else "broadcast_ 'dc.ctl.setup.digests'"
+    with pytest.raises(TimeoutError, match=(
+            rf"^rank 0 of 2: control-plane operation {op} did not complete within 0.3 s \(init\(timeout_s=\.\.\.\)\): "
+            "a peer is gone or did not reach the same call")):
+        if call == "all_gather":
+            runtime.all_gather(t, name="setup.digests")
+        else:
+            runtime.broadcast_(t, 0, name="setup.digests")
+    assert 0.3 <= time.monotonic() - start < timing.scaled(5)
+    # Sleeps grow from 20 us to 2 ms: about 160 polls in 0.3 s; a spinning wait would make many thousands.
+    assert 5 < hvd.polls < 400, f"{hvd.polls} polls in 0.3 s"
+    assert t.tolist() == [0, 0, 0], "the tensor changed though the operation did not complete"
+
+
 # ---- the descriptor the ranks agree on (pure) ------------------------------------------------------
 
 
