@@ -185,8 +185,9 @@ class LazyStep:
         would have updated the layers before it). Every rank sees the same
         reduced values, so every rank refuses the same step.
         """
-        self._dc_wait_all("step(), waiting for every block (Config.check_finite)")
-        if all(bool(torch.isfinite(b).all()) for b in self._dc_buffers):
+        self._dc_wait_final("step(), waiting for every block (Config.check_finite)")
+        private = [self._dc_slots[i] for i in self._dc_rows_only()]  # not in the buffers (Note [Embedding rows])
+        if all(bool(torch.isfinite(b).all()) for b in [*self._dc_buffers, *private]):
             return
         bad = next(i for i, slot in enumerate(self._dc_slots) if not bool(torch.isfinite(slot).all()))
         self._dc_counts = [0] * len(self._dc_params)
@@ -211,7 +212,7 @@ class LazyStep:
                 "unscaled and checked local, half-reduced values. Call optimizer.synchronize() before "
                 "scaler.unscale_(optimizer), then `with optimizer.skip_synchronize(): scaler.step(optimizer)`; "
                 "or leave the unscaling to scaler.step(optimizer), which reduces first")
-        self._dc_wait_all("step(), waiting for every block before GradScaler unscales them")
+        self._dc_wait_final("step(), waiting for every block before GradScaler unscales them")
         self._dc_synchronized = True  # final: the scaler's own writes below are expected
         if stage is OptState.READY:
             scaler.unscale_(self)

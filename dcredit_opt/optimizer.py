@@ -592,6 +592,11 @@ class _DistributedOptimizer:
             self._dc_params[i].grad = None
         return unused
 
+    def _dc_wait_final(self, where: str) -> None:
+        """Every reduced gradient final: every block done, every embedding row added."""
+        self._dc_wait_all(where)
+        self._dc_add_rows(range(len(self._dc_params)))
+
     def _dc_wait_all(self, where: str) -> None:
         try:
             with timeline.profiled("dcredit_opt::wait"):
@@ -612,8 +617,7 @@ class _DistributedOptimizer:
             if not self._dc_flushed:
                 self._dc_flush()
             self._dc_check_writes(range(len(self._dc_params)), "synchronize()")
-            self._dc_wait_all("synchronize(), waiting for every block")
-            self._dc_add_rows(range(len(self._dc_params)))
+            self._dc_wait_final("synchronize(), waiting for every block")
             self._dc_drop_unused_grads(range(len(self._dc_params)))
             self._dc_synchronized = True
 

@@ -69,9 +69,11 @@ class EmbeddingRows:
         self.ids: list[torch.Tensor] | None = []  # token ids of this iteration's lookups; None: some unknown
         self.gathered: list | None = None  # after the exchange: every rank's (indices, rows), in rank order
         self.hooks = []
+        # Hidden from Dynamo, like every hook of ours (Note [Compiled models] in lazy.py): run eagerly.
+        swap_in, swap_out = torch.compiler.disable(self._swap_in), torch.compiler.disable(self._swap_out)
         for module in modules:
-            self.hooks.append(module.register_forward_pre_hook(self._swap_in))
-            self.hooks.append(module.register_forward_hook(self._swap_out, always_call=True))
+            self.hooks.append(module.register_forward_pre_hook(swap_in))
+            self.hooks.append(module.register_forward_hook(swap_out, always_call=True))
 
     def _swap_in(self, module, args) -> None:
         if not torch.is_grad_enabled() or module._parameters.get("weight") is not self.param:

@@ -908,11 +908,11 @@ def _inductor_problem() -> str | None:
     return None
 
 
-def compiled(how: str, backend: str):
+def compiled(how: str, backend: str, model_fn=Net, loss_fn=mse):
     def run(job: Job) -> dict:
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model = Net()
+        model = model_fn()
         ref = copy.deepcopy(model)
         opt = job.wrap(_sgd(model.parameters()), model)
         ropt = _sgd(ref.parameters())
@@ -922,13 +922,15 @@ def compiled(how: str, backend: str):
         else:
             model.compile(**kw)
             runner = model
-        job.train(runner, ref, opt, ropt)  # the loss calls runner(x); the reference runs eagerly
+        job.train(runner, ref, opt, ropt, loss_fn)  # the loss calls runner(x); the reference runs eagerly
         return job.result(model, ref, opt)
     return run
 
 
-COMPILE = {f"P9_{how}_{backend}": (how, backend) for how in ("torch.compile", "model.compile")
-           for backend in ("aot_eager", "inductor")}
+# An embedding in a compiled model (Note [Embedding rows]): with or without the rows path, the same weights.
+COMPILE_EMBEDDING = {"P9_torch.compile_aot_eager_embedding": ("torch.compile", "aot_eager")}
+COMPILE = {**{f"P9_{how}_{backend}": (how, backend) for how in ("torch.compile", "model.compile")
+              for backend in ("aot_eager", "inductor")}, **COMPILE_EMBEDDING}
 
 
 # ---- entry points ------------------------------------------------------------------------------
@@ -977,5 +979,6 @@ def compile_patterns(names: list, backend: str = "auto") -> dict:
             if inductor:
                 out[name] = {"skip": inductor}
                 continue
-        out[name] = _run_one(name, compiled(how, compiler), backend)
+        model = (EmbedNet, tied_loss) if name in COMPILE_EMBEDDING else (Net, mse)
+        out[name] = _run_one(name, compiled(how, compiler, *model), backend)
     return out

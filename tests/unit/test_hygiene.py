@@ -120,10 +120,10 @@ def test_no_listening_socket_of_its_own():
     assert r["policy"] == "dcredit", "the probe should have profiled and planned"
     own = set(r["end"]) - set(r["start"]) - set(r["by_torch"])
     assert not own, f"listening sockets opened outside torch.distributed's own calls: {own}"
-    # What torch.distributed opened on our behalf: the default group and one group per channel
-    # (a Gloo device each), nothing more.
-    assert r["calls"] == ["init_process_group", "new_group", "new_group", "new_group"], r["calls"]
-    assert len(r["by_torch"]) == 4, r
+    # What torch.distributed opened on our behalf: the default group, one group per channel and the
+    # side group of the tally (Note [Global usage]), a Gloo device each; nothing more.
+    assert r["calls"] == ["init_process_group", "new_group", "new_group", "new_group", "new_group"], r["calls"]
+    assert len(r["by_torch"]) == 5, r
 
 
 def _undefined_symbols(library: Path) -> list[str]:
