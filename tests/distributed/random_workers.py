@@ -118,9 +118,13 @@ def draw_case(seed: int) -> dict:
     else:
         plan = {"policy": "fixed"}
     plan.update(block_bytes=rng.choice(BLOCK_BYTES), window=rng.choice(WINDOWS), channels=rng.choice(CHANNELS))
-    return {"seed": seed, "hidden": hidden, "d_in": rng.choice((6, 16)), "d_out": rng.choice((3, 7)),
+    case = {"seed": seed, "hidden": hidden, "d_in": rng.choice((6, 16)), "d_out": rng.choice((3, 7)),
             "ops": ops, "opt": opt, "hyper": hyper, "plan": plan, "bpps": bpps, "steps": steps,
             "stale_prone": stale_prone, "step_sleep": rng.random() < 0.8}
+    # Drawn last, so that the fields above stay what they were for every seed: an input embedding (tokens
+    # in, Note [Embedding rows]), untied or tied to the output layer (whose width is then the vocabulary).
+    case["embed"] = rng.choice((None, None, "untied", "tied"))
+    return case
 
 
 class _Names:
@@ -221,7 +225,7 @@ def describe(case: dict) -> str:
     plan_text = ", ".join(f"{k}={v}" for k, v in plan.items())
     return (f"seed={case['seed']} {'STALE-PRONE ' if case['stale_prone'] else ''}hidden={case['hidden']} "
             f"ops=[{', '.join(ops_text(case['ops']))}] opt={case['opt']}{case['hyper']} plan=({plan_text}) "
-            f"bpps={case['bpps']} steps={case['steps']} step_sleep={case['step_sleep']}")
+            f"bpps={case['bpps']} steps={case['steps']} step_sleep={case['step_sleep']} embed={case.get('embed')}")
 
 
 # ---- the model -----------------------------------------------------------------------------------
@@ -365,16 +369,29 @@ class RandNet(nn.Module):
         super().__init__()
         self.ctx = Ctx(case["seed"])
         hidden = case["hidden"]
-        self.inp = nn.Linear(case["d_in"], hidden)
+        self.embed = case.get("embed")
+        if self.embed is None:
+            self.inp = nn.Linear(case["d_in"], hidden)
+        else:
+            self.emb = nn.Embedding(vocab(case), hidden)
         self.body = Body(self.ctx, case["ops"], hidden, {})
         self.out = nn.Linear(hidden, case["d_out"])
+        if self.embed == "tied":
+            self.out.weight = self.emb.weight
 
     def forward(self, x):
-        return self.out(self.body(torch.tanh(self.inp(x))))
+        h = torch.tanh(self.inp(x)) if self.embed is None else self.emb(x).mean(1)
+        return self.out(self.body(h))
+
+
+def vocab(case: dict) -> int:
+    return case["d_out"] if case.get("embed") == "tied" else 11
 
 
 def batch(case: dict, micro: int, rank: int, n: int = 6):
     g = torch.Generator().manual_seed(case["seed"] * 1_000_003 + 7919 * micro + rank)
+    if case.get("embed") is not None:
+        return torch.randint(0, vocab(case), (n, 4), generator=g), torch.randn(n, case["d_out"], generator=g)
     return torch.randn(n, case["d_in"], generator=g), torch.randn(n, case["d_out"], generator=g)
 
 
@@ -441,6 +458,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
         out["lazy_steps"] = lazy_steps
         out["flat"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
         out["plan_policy"] = opt.plan.policy
+        out["rows"] = len(opt._dc_rows)  # tensors on the embedding rows path (Note [Embedding rows])
     except dc.DCreditError as e:
         out.update(status="dcredit_error", message=str(e))
     except (_ext.load().SchedulerError, TimeoutError) as e:
