@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from . import runtime
+from .objects import TENSOR_DTYPES
 
 
 def _broadcast_(tensor: torch.Tensor, root_rank: int, name: str) -> None:
@@ -76,23 +77,19 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     if hasattr(optimizer, "_dc_apply_pending"):
         optimizer._dc_apply_pending()
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    description = None
+    description, failure = None, None
     if runtime.rank() == root_rank:
-        state = []
-        for i, p in enumerate(params):
-            entries = {}
-            for key, value in optimizer.state.get(p, {}).items():
-                if isinstance(value, torch.Tensor):
-                    entries[key] = {"tensor": list(value.shape), "dtype": str(value.dtype).replace("torch.", "")}
-                elif isinstance(value, (int, float, bool)) or value is None:
-                    entries[key] = {"value": value}
-                else:
-                    raise TypeError(f"optimizer state entry '{key}' of parameter {i} has type "
-                                    f"{type(value).__name__}, which cannot be broadcast")
-            state.append(entries)
-        groups = [{k: v for k, v in g.items() if k != "params" and _jsonable(v)} for g in optimizer.param_groups]
-        description = json.dumps({"params": len(params), "state": state, "groups": groups})
+        try:
+            description = _describe_state(optimizer, params)
+        except TypeError as e:  # every rank must hear of it, or the others would wait for the state
+            failure = e
+            description = json.dumps({"error": f"{type(e).__name__}: {e}"})
     desc = json.loads(broadcast_text(description, root_rank))
+    if failure is not None:
+        raise failure
+    if "error" in desc:
+        raise TypeError(f"broadcast_optimizer_state: rank {root_rank} (the root) could not send its optimizer "
+                        f"state: {desc['error']}")
     if desc["params"] != len(params) or len(desc["groups"]) != len(optimizer.param_groups):
         raise ValueError(f"optimizer on rank {runtime.rank()} has {len(params)} parameters in "
                          f"{len(optimizer.param_groups)} groups; rank {root_rank} has {desc['params']} in "
@@ -105,13 +102,38 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
             if "value" in spec:
                 st[key] = spec["value"]
                 continue
-            dtype = getattr(torch, spec["dtype"])
+            dtype = TENSOR_DTYPES.get(spec["dtype"])  # peer data never reaches getattr(torch, ...)
+            if dtype is None:
+                raise ValueError(f"broadcast_optimizer_state: rank {root_rank} described state '{key}' of "
+                                 f"parameter {i} with dtype {spec['dtype']!r}, which is not a tensor dtype")
             current = st.get(key)
             if not (isinstance(current, torch.Tensor) and list(current.shape) == spec["tensor"]
                     and current.dtype == dtype):
                 device = p.device if spec["tensor"] else torch.device("cpu")
                 st[key] = current = torch.zeros(spec["tensor"], dtype=dtype, device=device)
             _broadcast_(current, root_rank, f"state.{i}.{key}")
+
+
+def _describe_state(optimizer: torch.optim.Optimizer, params: list) -> str:
+    """The root's state and hyperparameters as JSON: shapes and dtypes of tensors, plain values as they are."""
+    state = []
+    for i, p in enumerate(params):
+        entries = {}
+        for key, value in optimizer.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor):
+                dtype = str(value.dtype).replace("torch.", "")
+                if dtype not in TENSOR_DTYPES:
+                    raise TypeError(f"optimizer state entry '{key}' of parameter {i} is a {dtype} tensor, "
+                                    "which cannot be broadcast")
+                entries[key] = {"tensor": list(value.shape), "dtype": dtype}
+            elif isinstance(value, (int, float, bool)) or value is None:
+                entries[key] = {"value": value}
+            else:
+                raise TypeError(f"optimizer state entry '{key}' of parameter {i} has type "
+                                f"{type(value).__name__}, which cannot be broadcast")
+        state.append(entries)
+    groups = [{k: v for k, v in g.items() if k != "params" and _jsonable(v)} for g in optimizer.param_groups]
+    return json.dumps({"params": len(params), "state": state, "groups": groups})
 
 
 def _jsonable(value) -> bool:

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 # The only dtypes a tensor may arrive as: peer data never reaches getattr(torch, ...).
-_TENSOR_DTYPES = {str(d).replace("torch.", ""): d for d in (
+TENSOR_DTYPES = {str(d).replace("torch.", ""): d for d in (
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
     torch.float32, torch.float64, torch.complex64, torch.complex128)}
 _NUMPY_KINDS = "biufc"  # bool, signed, unsigned, float, complex: no objects, strings or records
@@ -100,7 +100,7 @@ def _tensor_to_json(t: torch.Tensor, where: str) -> dict:
     if t.layout != torch.strided:
         raise TypeError(f"{where} is a {t.layout} tensor: only dense tensors travel (call .to_dense())")
     name = str(t.dtype).replace("torch.", "")
-    if name not in _TENSOR_DTYPES:
+    if name not in TENSOR_DTYPES:
         raise TypeError(f"{where} is a {t.dtype} tensor, which cannot be sent")
     flat = t.detach().to("cpu").contiguous().reshape(-1)
     raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
@@ -109,7 +109,7 @@ def _tensor_to_json(t: torch.Tensor, where: str) -> dict:
 
 def _tensor_from_json(body: list) -> torch.Tensor:
     name, shape, cuda, data = body
-    dtype = _TENSOR_DTYPES[name]
+    dtype = TENSOR_DTYPES[name]
     shape = [int(n) for n in shape]
     raw = base64.b64decode(data, validate=True)
     numel = math.prod(shape)

@@ -180,6 +180,11 @@ def unsendable_objects(horovod_first: bool = False, timeout_s: float = 60.0) -> 
     out["gather_bad_1"] = _error(lambda: dc.allgather_object(item, name="bad.gather"))
     # Both ranks' objects fail: each raises its own error.
     out["gather_bad_both"] = _error(lambda: dc.allgather_object({"f": print}))
+    # The root's optimizer state holds an entry that cannot travel: every rank raises, none waits.
+    w = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([w], lr=0.1)
+    opt.state[w]["note"] = object() if r == 0 else 1
+    out["state_bad_root"] = _error(lambda: dc.broadcast_optimizer_state(opt, root_rank=0))
     out["gather_after"] = dc.allgather_object(("ok", r), name="after")
     out["bcast_after"] = dc.broadcast_object({"from": r}, root_rank=0)
     dc.barrier()

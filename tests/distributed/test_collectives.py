@@ -176,6 +176,13 @@ def test_an_object_one_rank_cannot_send_is_an_error_on_every_rank_not_a_wait(nam
             assert got["gather_bad_1"].startswith(instance_error), got["gather_bad_1"]
         assert got["gather_bad_both"].startswith("TypeError: obj['f'] has type builtins.builtin_function_or_method"), \
             got["gather_bad_both"]
+        state_error = "TypeError: optimizer state entry 'note' of parameter 0 has type object, which cannot be broadcast"
+        if rank == 0:
+            assert got["state_bad_root"] == state_error, got["state_bad_root"]
+        else:
+            assert got["state_bad_root"] == ("TypeError: broadcast_optimizer_state: rank 0 (the root) could not send "
+                                             f"its optimizer state: {state_error}"), \
+                got["state_bad_root"]
         assert got["bcast_from_1"] == {"from": 1}
         assert got["gather_after"] == [("ok", 0), ("ok", 1)]
         assert got["bcast_after"] == {"from": 0}
