@@ -35,9 +35,10 @@ DC_POLICIES = ("wfbp", "mgwfbp", "bytescheduler", "usbyte", "dear", "dcredit")
 # hvd-dcredit: an unchanged Horovod script with dc.DistributedOptimizer (blocks on our own C++ channels beside
 # Horovod, the default there); hvd-dcredit-ops: the same with Config(backend="horovod"), blocks on Horovod's ops.
 # dc-dcredit-fp16: D-Credit with compression=Compression.fp16 (blocks travel as float16: half the bytes, float16's
-# rounding in the reduced gradient, as with Horovod's fp16 compression).
+# rounding in the reduced gradient, as with Horovod's fp16 compression). dc-dcredit-dense: D-Credit with
+# Config(embedding_rows=False), embeddings all-reduced densely (Note [Embedding rows] in dcredit_opt/rows.py).
 SCHEMES = ("compute", "comm", "ddp", "horovod") + tuple(f"dc-{p}" for p in DC_POLICIES) + (
-    "hvd-dcredit", "hvd-dcredit-ops", "dc-dcredit-fp16")
+    "hvd-dcredit", "hvd-dcredit-ops", "dc-dcredit-fp16", "dc-dcredit-dense")
 LR = 0.01
 MOMENTUM = 0.9
 # Generous: a rank may wait on a peer for a whole slow iteration plus start-up,
@@ -220,12 +221,13 @@ def _join_horovod(rank, world, fusion_off: bool = False):
 def run_dc(args, model, batch, rank, world):
     import dcredit_opt as dc
 
-    policy = args.scheme.removeprefix("dc-").removesuffix("-fp16")
+    policy = args.scheme.removeprefix("dc-").removesuffix("-fp16").removesuffix("-dense")
     compression = dc.Compression.fp16 if args.scheme.endswith("-fp16") else dc.Compression.none
+    overrides = {"embedding_rows": False} if args.scheme.endswith("-dense") else {}
     # DCREDIT_* variables (a timeline path, a timeout) pass through; the
     # scheme decides the policy. The timeout also bounds joining the job and
     # the control plane, as PG_TIMEOUT_S does for the other schemes.
-    config = dc.Config.from_env(policy=policy)
+    config = dc.Config.from_env(policy=policy, **overrides)
     dc.init(timeout_s=config.timeout_s)
     opt = dc.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(), compression=compression,
                                   config=config)

@@ -577,7 +577,8 @@ class _DistributedOptimizer:
         for i in agreed:
             kind = rows.ROWS_ONLY if sums[2 * T + i] == world else rows.TIED
             modules = [m for m in (ref() for ref in self._dc_rows_modules.get(i, ())) if m is not None]
-            self._dc_rows[i] = rows.EmbeddingRows(i, self._dc_params[i], modules, kind, _weak_rows_hook(me))
+            self._dc_rows[i] = rows.EmbeddingRows(i, self._dc_params[i], self._dc_names[i], modules, kind,
+                                                  _weak_rows_hook(me))
         if self._dc_rows_only():
             self._dc_staged_plan = self._dc_staged_plan or self._dc_plan  # rebuilt without their blocks
             self._dc_replan = True
@@ -737,7 +738,8 @@ class _DistributedOptimizer:
         return True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._dc_open and any(self._dc_marked) and not self._dc_synchronized:
+        rows_in = any(r.stand_in is not None and r.stand_in.grad is not None for r in self._dc_rows.values())
+        if self._dc_open and (any(self._dc_marked) or rows_in) and not self._dc_synchronized:
             raise DCreditError("optimizer.zero_grad() was called after loss.backward() but before "
                                "optimizer.step() or optimizer.synchronize(): the gradients are being reduced")
         for i, p in enumerate(self._dc_params):

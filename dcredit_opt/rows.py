@@ -51,6 +51,7 @@ import dataclasses
 
 import torch
 
+from .errors import DCreditError
 from .planner.plan import Plan
 
 ROWS_ONLY = 2  # only embeddings read it: no blocks
@@ -60,9 +61,10 @@ TIED = 1  # read otherwise too: blocks for the rest, rows for the embeddings
 class EmbeddingRows:
     """One weight's embedding contribution, captured through a stand-in in its embeddings' forwards."""
 
-    def __init__(self, index: int, param: torch.Tensor, modules: list, kind: int, on_grad):
+    def __init__(self, index: int, param: torch.Tensor, name: str, modules: list, kind: int, on_grad):
         self.index = index
         self.param = param
+        self.name = name
         self.kind = kind
         self._on_grad = on_grad  # called when the stand-in's gradient is accumulated (opens the iteration)
         self.stand_in: torch.Tensor | None = None
@@ -80,6 +82,7 @@ class EmbeddingRows:
             return  # evaluation, or a module whose weight was replaced: W is read as it is
         if self.stand_in is None:
             self.stand_in = self.param.detach().requires_grad_()
+            self.stand_in.register_hook(self._before_accumulate)
             self.stand_in.register_post_accumulate_grad_hook(lambda _: self._on_grad())
         module._parameters["weight"] = self.stand_in
         if self.ids is not None:
@@ -87,6 +90,15 @@ class EmbeddingRows:
                 self.ids.append(args[0].detach().reshape(-1))
             else:
                 self.ids = None  # the ids came some other way: the rows are found from the gradient
+
+    def _before_accumulate(self, grad):
+        """A second backward into this iteration's lookups: refused, as for any gradient (one pass per step)."""
+        if self.stand_in is not None and self.stand_in.grad is not None:
+            raise DCreditError(
+                f"the embedding rows of parameter '{self.name}' got a gradient from a second backward before "
+                "step() (backward_passes_per_step=1). Call step() after every backward pass, or pass "
+                "backward_passes_per_step=N to DistributedOptimizer")
+        return grad
 
     def _swap_out(self, module, args, output) -> None:
         if self.stand_in is not None and module._parameters.get("weight") is self.stand_in:

@@ -721,14 +721,14 @@ PROFILED = {
 # ---- patterns that must raise DCreditError ------------------------------------------------------
 
 
-def _expect_error(job: Job, model, ref, opt, ropt, body) -> dict:
+def _expect_error(job: Job, model, ref, opt, ropt, body, loss_fn=mse) -> dict:
     """Run ``body(step)`` for each step; the DCreditError it raises (type, message, where), or that none came.
     The reference difference is reported too, to tell a silent wrong result from a harmless miss."""
     where = ["?"]
     try:
         for step in range(STEPS + 2):
             body(step, where)
-            reference_grads(ref, lambda r, step=step: mse(ref, step, r), job.world)
+            reference_grads(ref, lambda r, step=step: loss_fn(ref, step, r), job.world)
             ropt.step()
     except Exception as e:  # noqa: BLE001 - the type is the test's to judge
         return {"raised": type(e).__name__, "is_dcredit_error": isinstance(e, dc.DCreditError),
@@ -766,6 +766,35 @@ def p11_model_zero_grad_keep(job: Job) -> dict:
 
     # After step() of step 3 (lazy), before the forward of step 4; opt.zero_grad() of step 4 comes after it.
     return _expect_error(job, model, ref, opt, ropt, _standard_body(job, model, opt, after_step=between))
+
+
+class LookupNet(nn.Module):
+    """Nothing but an embedding: on the rows path, no other gradient tells a second backward apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 7)
+
+    def forward(self, tok):
+        return self.emb(tok).mean(1)
+
+
+def rows_second_backward(job: Job) -> dict:
+    """From step 5 on (the rows path is on from step 3), two backward passes before one step()."""
+    model, ref, opt, ropt = job.make(LookupNet, _sgd)
+
+    def loss(m, step, rank):
+        return F.mse_loss(m(tokens(step, rank)[0]), batch(step, rank)[1])
+
+    def body(step, where):
+        opt.zero_grad()
+        for k in range(2 if step >= 5 else 1):
+            where[0] = f"backward {k} of step {step}"
+            loss(model, step, job.rank).backward()
+        where[0] = f"step() of step {step}"
+        job.step(opt)
+
+    return _expect_error(job, model, ref, opt, ropt, body, loss)
 
 
 def p12_clip_without_synchronize(job: Job) -> dict:
@@ -860,6 +889,7 @@ RAISE = {
     "P14_frozen_at_wrap_unfrozen_later": p14_unfrozen_later,
     "P3e_stale_read_on_thread": p3e_stale_read_on_thread("thread"),
     "P3e_stale_read_untracked_on_thread": p3e_stale_read_on_thread("thread_untracked"),
+    "rows_second_backward_before_step": rows_second_backward,
 }
 
 LAST = {"P8_shutdown_after_lazy_step": p8_shutdown_after_lazy_step}

@@ -167,6 +167,7 @@ RAISES = {
     "P14_frozen_at_wrap_unfrozen_later": (("mid.weight",), ["after unfreezing"]),
     "P3e_stale_read_on_thread": (("a.weight",), ["synchronize()"]),
     "P3e_stale_read_untracked_on_thread": (("a.weight",), ["synchronize()"]),
+    "rows_second_backward_before_step": (("emb.weight",), ["backward_passes_per_step"]),
 }
 
 
