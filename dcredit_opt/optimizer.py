@@ -484,14 +484,14 @@ class _DistributedOptimizer:
             if not self._dc_marked[i]:
                 self._dc_stage(i, p)
                 self._dc_marked[i] = True
+        if self._dc_rows:
+            self._dc_exchange_rows()  # before the flush releases the last blocks: less queued ahead of it
         try:
             self._dc_engine.flush()
         except (RuntimeError, TimeoutError) as e:
             raise at_rank(e, "end of phase 1 (the flush in step() or synchronize())") from e
         self._dc_flushed = True
         self._dc_life.flushed = True
-        if self._dc_rows:
-            self._dc_exchange_rows()
         self._dc_start_tally()
 
     def _dc_exchange_rows(self) -> None:

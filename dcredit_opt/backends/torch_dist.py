@@ -80,6 +80,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import math
 
 import torch
 import torch.distributed as dist
@@ -128,10 +129,11 @@ class TorchDistBackend:
 
     def exchange_rows(self, ids, values, flag: bool, timeout_s: float):
         """Every rank's ``(ids, values)`` (int64 row indices, and those rows), in rank order, and whether any
-        rank raised ``flag``; on the side group, while nothing else of ours is on it."""
+        rank raised ``flag``; on the side group (whose timeout bounds each wait). Two all-gathers: the counts,
+        then each rank's indices and rows packed as bytes, so that only two messages queue behind blocks."""
         group = self._tally_group
         world = dist.get_world_size(group)
-        device = values.device
+        device, dtype, shape = values.device, values.dtype, values.shape[1:]
         head = torch.tensor([ids.numel(), int(flag)], dtype=torch.int64)
         heads = [torch.empty_like(head) for _ in range(world)]
         dist.all_gather(heads, head, group=group)
@@ -140,15 +142,21 @@ class TorchDistBackend:
         n = max(counts)
         if n == 0:
             return [], any_flag
-        padded_ids = torch.zeros(n, dtype=torch.int64)
-        padded_ids[:ids.numel()] = ids.cpu()
-        padded = torch.zeros((n, *values.shape[1:]), dtype=values.dtype)
-        padded[:ids.numel()] = values.cpu()
-        all_ids = [torch.empty_like(padded_ids) for _ in range(world)]
-        all_values = [torch.empty_like(padded) for _ in range(world)]
-        dist.all_gather(all_ids, padded_ids, group=group)
-        dist.all_gather(all_values, padded, group=group)
-        return [(i[:c].to(device), v[:c].to(device)) for i, v, c in zip(all_ids, all_values, counts)], any_flag
+        row_bytes = math.prod(shape) * values.element_size()
+        id_bytes = n * 8
+        packed = torch.zeros(id_bytes + n * row_bytes, dtype=torch.uint8)
+        if ids.numel():
+            packed[:ids.numel() * 8] = ids.to(torch.int64).cpu().view(torch.uint8)
+            packed[id_bytes:id_bytes + ids.numel() * row_bytes] = values.detach().cpu().contiguous().view(
+                -1).view(torch.uint8)
+        everyone = [torch.empty_like(packed) for _ in range(world)]
+        dist.all_gather(everyone, packed, group=group)
+        out = []
+        for buf, c in zip(everyone, counts):
+            rank_ids = buf[:c * 8].view(torch.int64)
+            rank_rows = buf[id_bytes:id_bytes + c * row_bytes].view(dtype).reshape(c, *shape)
+            out.append((rank_ids.to(device), rank_rows.to(device)))
+        return out, any_flag
 
     def allreduce_side(self, tensor, timeout_s: float) -> None:
         """Sum ``tensor`` over ranks in place, on the side group (a CPU copy for a GPU tensor)."""
