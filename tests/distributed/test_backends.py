@@ -77,15 +77,6 @@ LAUNCHES = {
 }
 
 
-@pytest.fixture(params=list(LAUNCHES))
-def launch(request):
-    spec = LAUNCHES[request.param]
-    reason = spec["missing"]()
-    if reason:
-        pytest.skip(f"{request.param}: {reason}")
-    return {**spec, "launcher": [_tool(spec["launcher"][0]), *spec["launcher"][1:]]}
-
-
 @pytest.mark.timeout(420)
 def test_equivalence_on_backend(launch):
     # Fewer, larger blocks than test_equivalence.py where the window is small:

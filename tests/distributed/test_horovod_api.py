@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from . import spawn, workers
-from .test_backends import LAUNCHES, _tool
 
 # Blocks that travel as float16, by backend: MPI has no 16-bit floats, so there fp16 compression cannot
 # shrink anything and the blocks travel as float32 (the optimizer says so once).
@@ -57,15 +56,6 @@ def check(per_rank: list, backend: str) -> None:
 @pytest.mark.timeout(300)
 def test_horovod_arguments_on_torch_backend():
     check(spawn.run(workers.horovod_arguments, 2, timeout_s=240), "torch")
-
-
-@pytest.fixture(params=list(LAUNCHES))
-def launch(request):
-    spec = LAUNCHES[request.param]
-    reason = spec["missing"]()
-    if reason:
-        pytest.skip(f"{request.param}: {reason}")
-    return {**spec, "launcher": [_tool(spec["launcher"][0]), *spec["launcher"][1:]]}
 
 
 @pytest.mark.timeout(420)
