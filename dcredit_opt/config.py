@@ -72,7 +72,7 @@ class Config:
     embedding_rows: bool = True
     """Reduce the gradient of a weight that ``nn.Embedding`` modules look rows up in as the rows each batch
     touched (all-gathered), plus a dense all-reduce of any other part (a tied output layer), instead of one
-    dense all-reduce at the end of the backward (Note [Embedding rows]). Torch backend, 2+ ranks."""
+    dense all-reduce at the end of the backward (Note [Embedding rows]). Every backend, 2+ ranks."""
 
     check_finite: bool = False
     """Raise DCreditError from ``step()`` if a reduced gradient holds NaN or Inf, before any

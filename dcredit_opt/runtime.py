@@ -260,6 +260,12 @@ def _horovod_wait(hvd, handle, what: str, timeout_s: float, rank_: int, size_: i
     return hvd.synchronize(handle)
 
 
+def horovod_wait(hvd, handle, what: str, timeout_s: float):
+    """The result of Horovod operation ``handle``, waited for at most ``timeout_s`` (``TimeoutError`` naming
+    ``what`` past it); for backends' own operations beside the blocks."""
+    return _horovod_wait(hvd, handle, what, timeout_s, rank(), size())
+
+
 def all_gather(tensor: torch.Tensor, name: str) -> list:
     """Every rank's ``tensor`` (same shape and dtype on every rank), in rank order; waits at most
     ``timeout_s`` (``TimeoutError`` past it)."""

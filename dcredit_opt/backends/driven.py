@@ -126,6 +126,18 @@ class DrivenBackend:
             time.sleep(pause)
             pause = min(2 * pause, 2e-3)
 
+    @property
+    def exchanges_rows(self) -> bool:
+        """Whether the transport can exchange embedding rows (Note [Embedding rows] in rows.py)."""
+        return hasattr(self._transport, "exchange_rows")
+
+    def exchange_rows(self, ids, values, flag: bool, timeout_s: float):
+        """As ``TorchDistBackend.exchange_rows``, on the transport's side channel."""
+        return self._transport.exchange_rows(ids, values, flag, timeout_s)
+
+    def allreduce_side(self, tensor, timeout_s: float) -> None:
+        self._transport.allreduce_side(tensor, timeout_s)
+
     def close(self) -> None:
         self._finalizer()
 

@@ -26,7 +26,7 @@ import atexit
 
 import torch
 
-from .. import runtime
+from .. import rows, runtime
 from .driven import DrivenBackend
 
 
@@ -81,6 +81,39 @@ class _HorovodTransport:
 
     def barrier(self) -> None:
         self._hvd.barrier()
+
+    def exchange_rows(self, ids, values, flag: bool, timeout_s: float):
+        """Note [Embedding rows]: counts, then every rank's packed ids and rows (Horovod's all-gather takes
+        first dimensions that differ by rank; at least one row's room each, never an empty tensor)."""
+        hvd = self._hvd
+        head = torch.tensor([[ids.numel(), int(flag)]], dtype=torch.int64)
+        heads = self._wait(hvd.allgather_async(head, name=f"{self._prefix}.rows.head"), "the embedding rows' counts",
+                           timeout_s)
+        counts = [int(c) for c in heads[:, 0]]
+        any_flag = bool(heads[:, 1].any())
+        if max(counts) == 0:
+            return [], any_flag
+        width = rows.row_bytes(values)
+        room = [max(c, 1) for c in counts]
+        mine = rows.pack(ids, values, room[hvd.rank()])
+        everything = self._wait(hvd.allgather_async(mine, name=f"{self._prefix}.rows.data"), "the embedding rows",
+                                timeout_s)
+        out, start = [], 0
+        for c, r in zip(counts, room):
+            out.append(rows.unpack(everything[start:start + r * (8 + width)], c, r, values))
+            start += r * (8 + width)
+        return out, any_flag
+
+    def allreduce_side(self, tensor, timeout_s: float) -> None:
+        """Sum ``tensor`` over ranks in place (float32 where Horovod's CPU operations lack the type)."""
+        work = tensor if tensor.dtype in HorovodBackend.reducible_dtypes else tensor.float()
+        self._wait(self._hvd.allreduce_async_(work, name=f"{self._prefix}.rows.rest", op=self._hvd.Sum),
+                   "the dense rest of an embedding's gradient", timeout_s)
+        if work is not tensor:
+            tensor.copy_(work)
+
+    def _wait(self, handle, what: str, timeout_s: float):
+        return runtime.horovod_wait(self._hvd, handle, what, timeout_s)
 
     def start_tally(self, counts) -> None:
         assert self._tally is None, "a tally is already in flight"

@@ -19,10 +19,12 @@ CUDA-aware MPI, which we do not assume.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
-from .. import runtime
+from .. import rows, runtime
 from ..errors import LaunchError
 from ..launchers import import_mpi
 from .driven import DrivenBackend
@@ -50,6 +52,17 @@ class MPIBackend(DrivenBackend):
                 "mpi4py.rc.thread_level at 'multiple', or use backend 'torch'")
         comms = [world.Dup() for _ in range(channels + 1)]  # the last one carries the tallies
         super().__init__(_MPITransport(MPI, comms[:-1], comms[-1]), timeout_s)
+
+
+def _wait(request, timeout_s: float, what: str) -> None:
+    """Wait for an MPI request, polled, so that the wait has a deadline."""
+    deadline = time.monotonic() + timeout_s
+    pause = 20e-6
+    while not request.Test():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"mpi: {what} did not arrive within {timeout_s:g} s (a peer may be gone or stalled)")
+        time.sleep(pause)
+        pause = min(2 * pause, 2e-3)
 
 
 class _MPITransport:
@@ -101,6 +114,34 @@ class _MPITransport:
         if self._tally is not None and self._tally.Test():
             self._tally = None
         return self._tally is None
+
+    def exchange_rows(self, ids, values, flag: bool, timeout_s: float):
+        """Note [Embedding rows]: counts, then every rank's packed ids and rows (``Iallgatherv``, no padding),
+        on the tally communicator, each wait bounded by ``timeout_s``."""
+        comm, MPI = self._tally_comm, self._MPI
+        head = np.array([ids.numel(), int(flag)], dtype=np.int64)
+        heads = np.empty((comm.Get_size(), 2), dtype=np.int64)
+        _wait(comm.Iallgather(head, heads), timeout_s, "the embedding rows' counts")
+        counts = [int(c) for c in heads[:, 0]]
+        any_flag = bool(heads[:, 1].any())
+        if max(counts) == 0:
+            return [], any_flag
+        width = rows.row_bytes(values)
+        sizes = [c * (8 + width) for c in counts]
+        displs = [sum(sizes[:r]) for r in range(len(sizes))]
+        recv = np.empty(sum(sizes), dtype=np.uint8)
+        mine = rows.pack(ids, values, ids.numel()).numpy()
+        _wait(comm.Iallgatherv(mine, [recv, sizes, displs, MPI.BYTE]), timeout_s, "the embedding rows")
+        everything = torch.from_numpy(recv)
+        return [rows.unpack(everything[d:d + n], c, c, values) for d, n, c in zip(displs, sizes, counts)], any_flag
+
+    def allreduce_side(self, tensor, timeout_s: float) -> None:
+        """Sum the CPU ``tensor`` over ranks in place on the tally communicator (float32 where MPI has no type)."""
+        work = tensor if tensor.dtype in _SUPPORTED else tensor.float()
+        _wait(self._tally_comm.Iallreduce(self._MPI.IN_PLACE, work.numpy(), op=self._MPI.SUM), timeout_s,
+              "the dense rest of an embedding's gradient")
+        if work is not tensor:
+            tensor.copy_(work)
 
     def close(self) -> None:
         self._views, self._arrays = [], []

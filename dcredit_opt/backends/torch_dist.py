@@ -80,12 +80,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
-import math
 
 import torch
 import torch.distributed as dist
 
-from .. import _ext, profiler, runtime
+from .. import _ext, profiler, rows, runtime
 
 
 class TorchDistBackend:
@@ -133,7 +132,6 @@ class TorchDistBackend:
         then each rank's indices and rows packed as bytes, so that only two messages queue behind blocks."""
         group = self._tally_group
         world = dist.get_world_size(group)
-        device, dtype, shape = values.device, values.dtype, values.shape[1:]
         head = torch.tensor([ids.numel(), int(flag)], dtype=torch.int64)
         heads = [torch.empty_like(head) for _ in range(world)]
         dist.all_gather(heads, head, group=group)
@@ -142,21 +140,10 @@ class TorchDistBackend:
         n = max(counts)
         if n == 0:
             return [], any_flag
-        row_bytes = math.prod(shape) * values.element_size()
-        id_bytes = n * 8
-        packed = torch.zeros(id_bytes + n * row_bytes, dtype=torch.uint8)
-        if ids.numel():
-            packed[:ids.numel() * 8] = ids.to(torch.int64).cpu().view(torch.uint8)
-            packed[id_bytes:id_bytes + ids.numel() * row_bytes] = values.detach().cpu().contiguous().view(
-                -1).view(torch.uint8)
+        packed = rows.pack(ids, values, n)  # every rank's padded to the longest: all_gather wants one size
         everyone = [torch.empty_like(packed) for _ in range(world)]
         dist.all_gather(everyone, packed, group=group)
-        out = []
-        for buf, c in zip(everyone, counts):
-            rank_ids = buf[:c * 8].view(torch.int64)
-            rank_rows = buf[id_bytes:id_bytes + c * row_bytes].view(dtype).reshape(c, *shape)
-            out.append((rank_ids.to(device), rank_rows.to(device)))
-        return out, any_flag
+        return [rows.unpack(buf, c, n, values) for buf, c in zip(everyone, counts)], any_flag
 
     def allreduce_side(self, tensor, timeout_s: float) -> None:
         """Sum ``tensor`` over ranks in place, on the side group (a CPU copy for a GPU tensor)."""

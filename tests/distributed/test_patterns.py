@@ -33,7 +33,7 @@ GROUPS = {
 OTHER_BACKEND_TIMEOUT_S = 180
 OTHER_BACKENDS = ["P2_branch_on_rank1_while_profiling", "P3a_parameterlist_in_parent",
                   "P3b_child_weight_via_F_linear", "P3c_bare_weight_via_F_linear",
-                  "unused_on_every_rank_with_momentum"]
+                  "unused_on_every_rank_with_momentum", "embedding_rows_tied", "embedding_rows_regularised_later"]
 
 _launched: dict = {}
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from dcredit_opt.planner.plan import Plan, blocks_of, validate
-from dcredit_opt.rows import ROWS_ONLY, EmbeddingRows, without_tensors
+from dcredit_opt.rows import ROWS_ONLY, EmbeddingRows, pack, unpack, without_tensors
 
 
 def _plan(**kw) -> Plan:
@@ -69,3 +69,18 @@ def test_the_stand_in_collects_the_looked_up_rows_only():
     rows.remove()
     emb(ids).sum().backward()
     assert emb.weight.grad is not None
+
+
+def test_packed_rows_come_back_from_any_offset_and_padding():
+    values = torch.arange(14, dtype=torch.float32).reshape(2, 7)  # 28-byte rows: offsets not multiples of 8
+    ids = torch.tensor([3, 9])
+    one = pack(ids, values, 2)
+    padded = pack(ids, values, 5)
+    assert one.numel() == 2 * (8 + 28) and padded.numel() == 5 * (8 + 28)
+    joined = torch.cat([torch.zeros(36, dtype=torch.uint8), one])  # as in an all-gather's concatenation
+    for buf, capacity in ((joined[36:], 2), (padded, 5)):
+        got_ids, got_rows = unpack(buf, 2, capacity, values)
+        assert got_ids.tolist() == [3, 9]
+        assert torch.equal(got_rows, values)
+    empty_ids, empty_rows = unpack(pack(ids[:0], values[:0], 1), 0, 1, values)
+    assert empty_ids.numel() == 0 and empty_rows.shape == (0, 7)
