@@ -500,8 +500,9 @@ class _DistributedOptimizer:
         timeout = float(self._dc_config.timeout_s)
         for i, r in self._dc_rows.items():  # built in tensor order on every rank
             ids, values = r.take()
-            rest = r.kind == rows.ROWS_ONLY and self._dc_used[i]  # W's own gradient, which has no blocks
             slot = self._dc_slots[i]
+            # W's own gradient, which has no blocks; all zeros (zero_grad(set_to_none=False)) adds nothing.
+            rest = r.kind == rows.ROWS_ONLY and self._dc_used[i] and bool(slot.any())
             try:
                 r.gathered, rest_anywhere = self._dc_backend.exchange_rows(ids, values, rest, timeout)
                 if rest_anywhere:

@@ -288,9 +288,10 @@ class Job:
         self.opts.append(opt)
         return opt
 
-    def train(self, model, ref, opt, ropt, loss_fn=mse, steps: int = STEPS, after_step=None, scheds=()):
+    def train(self, model, ref, opt, ropt, loss_fn=mse, steps: int = STEPS, after_step=None, scheds=(),
+              set_to_none: bool = True):
         for step in range(steps):
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=set_to_none)
             loss_fn(model, step, self.rank).backward()
             self.step(opt)
             reference_grads(ref, lambda r, step=step: loss_fn(ref, step, r), self.world)
@@ -610,8 +611,9 @@ def _rows_kinds(opt) -> dict:
 
 
 def embedding_rows(kind: str):
-    """Note [Embedding rows]: an untied embedding ("untied"), one tied to the output layer ("tied"), and an
-    untied one that a regulariser also reads from step 4 on ("regularised": its dense rest is reduced in step())."""
+    """Note [Embedding rows]: an untied embedding ("untied"), one tied to the output layer ("tied"), an
+    untied one that a regulariser also reads from step 4 on ("regularised": its dense rest is reduced in step()),
+    and an untied one whose gradients are zeroed, not dropped ("kept": zero_grad(set_to_none=False))."""
     model_fn = TiedNet if kind == "tied" else EmbedNet
 
     def run(job: Job) -> dict:
@@ -623,10 +625,13 @@ def embedding_rows(kind: str):
                 out = out + 1e-2 * m.emb.weight.pow(2).sum()
             return out
 
-        job.train(model, ref, opt, ropt, loss)
+        job.train(model, ref, opt, ropt, loss, set_to_none=kind != "kept")
         kinds = _rows_kinds(opt)
         expected = {"emb.weight": "tied" if kind == "tied" else "rows only"}
+        # The dense all-reduce of a rows-only weight's other gradient runs only when it has one.
+        rest = any(str(key).startswith("rows rest") for key in opt._dc_told)
         return job.result(model, ref, opt, rows_path=kinds == expected, kinds=kinds,
+                          dense_rest_only_when_read_otherwise=rest == (kind == "regularised"),
                           plan_numel_of_emb=opt._dc_plan.numels[opt._dc_names.index("emb.weight")])
     return run
 
@@ -691,6 +696,7 @@ WORK = {
     "embedding_rows_untied": embedding_rows("untied"),
     "embedding_rows_tied": embedding_rows("tied"),
     "embedding_rows_regularised_later": embedding_rows("regularised"),
+    "embedding_rows_gradients_kept": embedding_rows("kept"),
     "bare_parameter_of_parent": _module_pattern(BareParamNet),
     "functional_call_own_weights": functional_call_own,
     "no_grad_eval_after_step": eval_after_step,
