@@ -351,6 +351,7 @@ def _torch_beside_horovod(world: _World) -> None:
     launchers.rendezvous_gloo(world.rank, world.size, world.timeout_s, broadcast, "Horovod",
                               "or pass Config(backend='horovod')")
     world.owns_default_group = True
+    launchers.warn_if_cycle_short(world.hvd)
     if world.rank == 0:
         log.warning("dcredit_opt: gradient blocks go on torch.distributed (Gloo) process groups beside Horovod "
                     "(Config(backend='horovod') keeps them on Horovod's operations)")
