@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(180)
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HOROVOD_RANK", "HOROVOD_SIZE",
                  "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "DCREDIT_BACKEND",
-                 "HOROVOD_FUSION_THRESHOLD", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_LOCALID",
+                 "HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_LOCALID",
                  "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_STEP_RESV_PORTS")
 
 TRAIN = """
@@ -143,6 +143,24 @@ def test_adopting_horovod_with_fusion_on_warns_once():
     assert out.returncode == 0, out.stderr
     assert "backend torch size 1 kind horovod" in out.stdout, out.stdout
     assert "tensor fusion is on" not in out.stderr
+
+
+def test_our_channels_beside_a_busy_horovod_cycle_warn_once():
+    """Note [Horovod cycle time]: Horovod's 1 ms default cycle beside our channels is said once; 20 ms is quiet;
+    when we initialise Horovod without CUDA, we set 20 ms ourselves."""
+    if not importable("import horovod.torch"):
+        pytest.skip("Horovod with PyTorch support is not installed (make horovod)")
+    user_init = "import horovod.torch as hvd\nhvd.init()\nimport dcredit_opt as dc\ndc.init()\n" + TRAIN
+    out = run(user_init)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("--cycle-time-ms 20") == 1, out.stderr
+    out = run(user_init, env={"HOROVOD_CYCLE_TIME": "20"})
+    assert out.returncode == 0, out.stderr
+    assert "--cycle-time-ms" not in out.stderr
+    out = run("import os, torch, dcredit_opt as dc\ndc.init(backend='horovod')\n"
+              "print('cycle', os.environ.get('HOROVOD_CYCLE_TIME'), 'cuda', torch.cuda.is_available())\n")
+    assert out.returncode == 0, out.stderr
+    assert ("cycle 20 cuda False" in out.stdout) or ("cycle None cuda True" in out.stdout), out.stdout
 
 
 def test_mpi_world_of_one_trains_and_sets_up_gloo_for_control():
