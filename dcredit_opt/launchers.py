@@ -26,11 +26,12 @@ is waiting: measured here (2 ranks, Gloo controller, nothing submitted),
 carry the gradients beside Horovod (a CPU job, Note [C++ channels under
 Horovod] in ``runtime.py``), Horovod only serves the script's own calls
 (metrics, broadcasts), and that polling competes with the training thread
-for the cores. So when we initialise Horovod on a machine without CUDA we
-set the cycle to 20 ms (unless the user set it), and when the user
-initialised it with a short cycle we say so once: ``horovodrun
---cycle-time-ms 20`` (or ``HOROVOD_CYCLE_TIME=20``). Each of the script's own
-Horovod calls then waits up to one cycle longer.
+for the cores. So when our channels are set up beside a Horovod whose cycle
+is short, we say so once: ``horovodrun --cycle-time-ms 20`` (or
+``HOROVOD_CYCLE_TIME=20``). Each of the script's own Horovod calls then
+waits up to one cycle longer. We do not set it ourselves: ``hvd.init()``
+reads it before we know whether blocks will go on Horovod's operations
+(``Config(backend="horovod")``), where a long cycle would delay every block.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ import os
 import socket
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from .errors import LaunchError
@@ -196,8 +196,6 @@ def join_horovod():
     owns = False
     if not hvd.is_initialized():
         os.environ.setdefault("HOROVOD_FUSION_THRESHOLD", "0")
-        if not torch.cuda.is_available():  # our channels will carry the blocks: Note [Horovod cycle time]
-            os.environ.setdefault("HOROVOD_CYCLE_TIME", str(QUIET_CYCLE_MS))
         hvd.init()
         owns = True
     if dist.is_initialized() and (dist.get_world_size() != hvd.size() or dist.get_rank() != hvd.rank()):

@@ -147,7 +147,7 @@ def test_adopting_horovod_with_fusion_on_warns_once():
 
 def test_our_channels_beside_a_busy_horovod_cycle_warn_once():
     """Note [Horovod cycle time]: Horovod's 1 ms default cycle beside our channels is said once; 20 ms is quiet;
-    when we initialise Horovod without CUDA, we set 20 ms ourselves."""
+    we never change it (blocks on Horovod's operations would wait for its cycles)."""
     if not importable("import horovod.torch"):
         pytest.skip("Horovod with PyTorch support is not installed (make horovod)")
     user_init = "import horovod.torch as hvd\nhvd.init()\nimport dcredit_opt as dc\ndc.init()\n" + TRAIN
@@ -157,10 +157,10 @@ def test_our_channels_beside_a_busy_horovod_cycle_warn_once():
     out = run(user_init, env={"HOROVOD_CYCLE_TIME": "20"})
     assert out.returncode == 0, out.stderr
     assert "--cycle-time-ms" not in out.stderr
-    out = run("import os, torch, dcredit_opt as dc\ndc.init(backend='horovod')\n"
-              "print('cycle', os.environ.get('HOROVOD_CYCLE_TIME'), 'cuda', torch.cuda.is_available())\n")
+    out = run("import os, dcredit_opt as dc\ndc.init(backend='horovod')\n"
+              "print('cycle', os.environ.get('HOROVOD_CYCLE_TIME'))\n")
     assert out.returncode == 0, out.stderr
-    assert ("cycle 20 cuda False" in out.stdout) or ("cycle None cuda True" in out.stdout), out.stdout
+    assert "cycle None" in out.stdout, out.stdout
 
 
 def test_mpi_world_of_one_trains_and_sets_up_gloo_for_control():
