@@ -463,7 +463,9 @@ class _Run:
             while self.next_event < T and event_s[self.next_event] <= self.now:
                 self._process_event(self.next_event)
                 self.next_event = next_active[self.next_event + 1]
-            if self.next_event == T and not self.flushed and t_release <= self.now:
+            # The flush comes when the backward ends: not at the last event processed above, which may be
+            # earlier when the events after it release nothing (empty tensors are skipped).
+            if self.next_event == T and not self.flushed and self.table.backward_end_s <= self.now:
                 if stop_at_flush:
                     return
                 self._flush()

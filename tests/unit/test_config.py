@@ -32,6 +32,7 @@ FIELDS = (
     ("profile_iters", "int"),
     ("timeout_s", "float"),
     ("timeline_path", "str | None"),
+    ("embedding_rows", "bool"),
     ("check_finite", "bool"),
 )
 
@@ -199,7 +200,8 @@ def test_from_env_reads_os_environ_by_default(monkeypatch):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("field, value", [("block_bytes", True), ("window", False), ("overlap_forward", "no"),
-                                          ("check_finite", 3), ("timeline_path", 5), ("timeout_s", True)])
+                                          ("check_finite", 3), ("embedding_rows", "yes"), ("timeline_path", 5),
+                                          ("timeout_s", True)])
 def test_wrong_types_are_refused(field, value):
     with pytest.raises(ValueError, match=f"Config.{field}"):
         Config(**{field: value})

@@ -270,3 +270,19 @@ def test_no_plan_beats_the_synchronous_floor(pp, fifo):
     r = simulate(plan, profile, channel_fifo=fifo)
     assert r.iteration_s >= synchronous_floor(profile) - 1e-9
     assert synchronous_floor(profile) >= lower_bound(profile)
+
+
+def test_the_flush_waits_for_the_backward_even_when_the_last_events_release_nothing():
+    """Hypothesis found it: empty tensors last in the order are skipped, and the flush came at the time of
+    the last event that released something, not when the backward ends (as step() does in the runtime)."""
+
+    profile = Profile(tensors=(TensorProfile(name="t0", numel=0, dtype="float32", forward_index=0, fwd_s=0.0, bwd_s=1.0),
+                               TensorProfile(name="t1", numel=1, dtype="float32", forward_index=1, fwd_s=0.0, bwd_s=0.0),
+                               TensorProfile(name="t2", numel=0, dtype="float32", forward_index=2, fwd_s=0.0, bwd_s=0.0)),
+                      alpha_s=0.0, beta_s_per_byte=0.0, world_size=2, ready_order=None)
+    plan = Plan(numels=(0, 1, 0), order=(2, 1, 0), partition=((), (1,), ()), phase1_windows=(-1, 0, 0),
+                phase2_windows=(1,), channels=1, overlap_forward=False, policy="custom")
+    for fifo in (False, True):
+        r = simulate(plan, profile, channel_fifo=fifo)
+        check_invariants(plan, profile, r)
+        assert r.blocks[0].release_s == 1.0
