@@ -241,20 +241,26 @@ _POLL_FIRST_S = 20e-6
 _POLL_MAX_S = 2e-3
 
 
+def wait_polled(done, timeout_s: float, timeout_error) -> None:
+    """Call ``done()`` until it is true, sleeping between calls as above; past ``timeout_s``, raise
+    ``timeout_error()``. For operations whose own wait has no deadline (Horovod handles, MPI requests)."""
+    deadline = time.monotonic() + timeout_s
+    delay = _POLL_FIRST_S
+    while not done():
+        if time.monotonic() >= deadline:
+            raise timeout_error()
+        time.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
+        delay = min(2 * delay, _POLL_MAX_S)
+
+
 def _horovod_wait(hvd, handle, what: str, timeout_s: float, rank_: int, size_: int):
     """The result of Horovod operation ``handle`` (``hvd.synchronize``), polled with ``hvd.poll`` so that
     the wait ends within ``timeout_s``: past it, ``TimeoutError`` naming ``what``."""
-    deadline = time.monotonic() + timeout_s
-    delay = _POLL_FIRST_S
-    while not hvd.poll(handle):
-        if time.monotonic() >= deadline:
-            raise TimeoutError(
-                f"rank {rank_} of {size_}: control-plane operation {what} did not complete within {timeout_s:g} s "
-                "(init(timeout_s=...)): a peer is gone or did not reach the same call (every rank must make the "
-                "same dcredit_opt calls in the same order); the operation is still pending in Horovod, so end "
-                "the job")
-        time.sleep(min(delay, max(deadline - time.monotonic(), 0.0)))
-        delay = min(2 * delay, _POLL_MAX_S)
+    wait_polled(lambda: hvd.poll(handle), timeout_s, lambda: TimeoutError(
+        f"rank {rank_} of {size_}: control-plane operation {what} did not complete within {timeout_s:g} s "
+        "(init(timeout_s=...)): a peer is gone or did not reach the same call (every rank must make the "
+        "same dcredit_opt calls in the same order); the operation is still pending in Horovod, so end "
+        "the job"))
     return hvd.synchronize(handle)
 
 

@@ -117,14 +117,9 @@ class DrivenBackend:
 
     def wait_tally(self, timeout_s: float) -> None:
         """Wait for the tally in flight, if any; polled, so that the wait has a deadline."""
-        deadline = time.monotonic() + timeout_s
-        pause = 20e-6
-        while not self._transport.tally_done():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name}: the sum of which gradients each rank computed did not "
-                                   f"finish within {timeout_s:g} s (a peer may be gone or stalled)")
-            time.sleep(pause)
-            pause = min(2 * pause, 2e-3)
+        runtime.wait_polled(self._transport.tally_done, timeout_s, lambda: TimeoutError(
+            f"{self.name}: the sum of which gradients each rank computed did not finish within {timeout_s:g} s "
+            "(a peer may be gone or stalled)"))
 
     @property
     def exchanges_rows(self) -> bool:

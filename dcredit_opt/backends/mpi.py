@@ -19,8 +19,6 @@ CUDA-aware MPI, which we do not assume.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 
@@ -56,13 +54,8 @@ class MPIBackend(DrivenBackend):
 
 def _wait(request, timeout_s: float, what: str) -> None:
     """Wait for an MPI request, polled, so that the wait has a deadline."""
-    deadline = time.monotonic() + timeout_s
-    pause = 20e-6
-    while not request.Test():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"mpi: {what} did not arrive within {timeout_s:g} s (a peer may be gone or stalled)")
-        time.sleep(pause)
-        pause = min(2 * pause, 2e-3)
+    runtime.wait_polled(request.Test, timeout_s, lambda: TimeoutError(
+        f"mpi: {what} did not arrive within {timeout_s:g} s (a peer may be gone or stalled)"))
 
 
 class _MPITransport:
