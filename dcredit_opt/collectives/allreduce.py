@@ -71,12 +71,7 @@ def _allreduce_launch(tensors: list, r: _Reduce) -> Handle:
             flat = _scaled(flat, post)
             for i, piece in zip(members, flat.split([tensors[i].numel() for i in members])):
                 outs[i] = piece.reshape(tensors[i].shape).to(device=tensors[i].device, dtype=tensors[i].dtype)
-        if r.inplace:
-            with torch.no_grad():
-                for t, out in zip(tensors, outs):
-                    t.copy_(out)
-            return list(tensors)
-        return outs
+        return _deliver(tensors, outs, r.inplace)
 
     handle = Handle(what, works=works, finish=finish)
     if size == 1:
@@ -97,15 +92,19 @@ def _allreduce_horovod(tensors: list, r: _Reduce, what: str) -> Handle:
 
     def finish(out):
         outs = [out] if isinstance(out, torch.Tensor) else list(out)
-        outs = [o.to(t.dtype) for o, t in zip(outs, tensors)]
-        if r.inplace:
-            with torch.no_grad():
-                for t, o in zip(tensors, outs):
-                    t.copy_(o)
-            return list(tensors)
-        return outs
+        return _deliver(tensors, [o.to(t.dtype) for o, t in zip(outs, tensors)], r.inplace)
 
     return Handle(what, hvd=hvd, hvd_handle=hvd_handle, finish=finish)
+
+
+def _deliver(tensors: list, outs: list, inplace: bool) -> list:
+    """The results: ``outs``, or, for the in-place forms, ``tensors`` with ``outs`` copied into them."""
+    if not inplace:
+        return outs
+    with torch.no_grad():
+        for t, out in zip(tensors, outs):
+            t.copy_(out)
+    return list(tensors)
 
 
 def _reduce_args(fn, tensors, average, name, op, prescale_factor, postscale_factor, process_set, inplace):
