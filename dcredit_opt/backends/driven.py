@@ -235,6 +235,13 @@ class _Pump:
                 thread.join(grace)
         stuck = [t.name for t in (self._driver, self._completer) if t.is_alive()]
         self._engine.shutdown()
+        # The last tally (Note [Global usage] in optimizer.py) may still wait for a slower peer: its
+        # buffer must outlive it, so the transport is closed only after it (or keeps it, past the grace).
+        try:
+            runtime.wait_polled(self._transport.tally_done, grace, TimeoutError)
+        except TimeoutError:
+            log.warning("dcredit_opt: the last sum of which gradients each rank computed did not finish "
+                        "within %g s (a peer may be gone)", grace)
         if stuck:
             log.warning("dcredit_opt: %s still waits for a collective after %g s (a peer may be gone); "
                         "leaving it behind", ", ".join(stuck), grace)

@@ -52,10 +52,20 @@ class MPIBackend(DrivenBackend):
         super().__init__(_MPITransport(MPI, comms[:-1], comms[-1]), timeout_s)
 
 
+# Requests (each holding the buffer MPI writes into) and their communicators that were still in flight
+# when given up on: a peer is gone or stalled. Kept for the life of the process, never freed.
+_IN_FLIGHT_AT_CLOSE: list = []
+
+
 def _wait(request, timeout_s: float, what: str) -> None:
-    """Wait for an MPI request, polled, so that the wait has a deadline."""
-    runtime.wait_polled(request.Test, timeout_s, lambda: TimeoutError(
-        f"mpi: {what} did not arrive within {timeout_s:g} s (a peer may be gone or stalled)"))
+    """Wait for an MPI request, polled, so that the wait has a deadline. Past it the request, and the
+    buffer it holds, are kept (``_IN_FLIGHT_AT_CLOSE``): MPI may still write into that buffer."""
+    try:
+        runtime.wait_polled(request.Test, timeout_s, lambda: TimeoutError(
+            f"mpi: {what} did not arrive within {timeout_s:g} s (a peer may be gone or stalled)"))
+    except TimeoutError:
+        _IN_FLIGHT_AT_CLOSE.append((request, None))
+        raise
 
 
 class _MPITransport:
@@ -138,9 +148,14 @@ class _MPITransport:
 
     def close(self) -> None:
         self._views, self._arrays = [], []
+        if not self.tally_done():
+            # Never free a request in flight: mpi4py would drop the buffer MPI is about to write into
+            # (heap corruption), and MPI forbids freeing an active collective's request or communicator.
+            _IN_FLIGHT_AT_CLOSE.append((self._tally, self._tally_comm))
+            self._tally = None
+            self._tally_comm = None
         if not self._MPI.Is_finalized():
-            comms = self._comms + ([self._tally_comm] if self.tally_done() else [])  # never free one in use
-            for comm in comms:
+            for comm in self._comms + ([self._tally_comm] if self._tally_comm is not None else []):
                 comm.Free()
         self._comms = []
 

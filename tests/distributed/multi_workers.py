@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import random
 import time
+import weakref
 
 import torch
 
@@ -207,4 +208,55 @@ def multi_optimizer(backend: str = "auto", block_bytes: int = 128, horovod_first
            "two_models_profiled": two_models(profiled, skew, steps)}
     if backend == "torch":
         out["lifecycle"] = channel_lifecycle(fixed)
+    return out
+
+
+def close_before_peer_tally(backend: str, steps: int = 3, delay_s: float = 0.5) -> dict:
+    """An optimizer closed (``_dc_close()``) and another dropped (``del``) while the peer's last tally (Note
+    [Global usage]) has not started: rank 1 starts each of its tallies ``delay_s`` late. The closing rank must
+    not free the tally's buffer while the peer can still complete the sum into it (MPI writes into it then:
+    heap corruption). Then heap churn, and a third optimizer that must still train like the reference."""
+    import gc
+
+    from dcredit_opt.backends import mpi
+
+    dc.init()
+    world, rank = dc.size(), dc.rank()
+    config = dc.Config(policy="fixed", block_bytes=512, window=2, channels=2, backend=backend)
+    model = _net(6)
+    ref = copy.deepcopy(model)
+    out, step = {}, 0
+    for case in ("closed", "dropped", "after"):
+        opt = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                      named_parameters=model.named_parameters(), config=config)
+        ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        chan = opt._dc_backend
+        if rank == 1:
+            start = chan.start_tally
+            chan.start_tally = lambda counts, start=start: (time.sleep(delay_s), start(counts))
+        for _ in range(steps):
+            opt.zero_grad()
+            loss_of(model, batch(step, rank)).backward()
+            opt.step()
+            reference_grads(ref, step, world)
+            ropt.step()
+            step += 1
+        if case == "closed":
+            opt._dc_close()
+        elif case == "dropped":
+            alive = weakref.ref(opt)
+            del opt
+            with torch.no_grad():
+                model(batch(step, rank)[0])  # applies the dropped optimizer's updates; then it is freed
+            gc.collect()
+            out["dropped_freed"] = alive() is None
+        else:
+            opt.synchronize()
+            opt._dc_close()
+        out[case] = {"tally_left": len(mpi._IN_FLIGHT_AT_CLOSE) if backend == "mpi" else int(chan._tally is not None)}
+        del chan
+        junk = [torch.randn(1000 + 37 * i) for i in range(2000)]  # reuse whatever the closes freed
+        del junk
+    out["diff"] = max(float((p - q).abs().max()) for p, q in zip(model.state_dict().values(),
+                                                                  ref.state_dict().values()))
     return out

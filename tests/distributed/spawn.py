@@ -5,6 +5,9 @@ with torchrun's environment variables, and waits for all of them with a
 timeout, so a hang fails the test instead of stalling the suite. Each rank
 calls ``module.function(**kwargs)`` and saves what it returns.
 
+Every rank runs with ``PYTHONFAULTHANDLER=1``: a rank that dies of a signal
+(a segmentation fault, an abort) prints every thread's Python stack.
+
 The ``timeout_s`` a test passes is written for a busy machine and multiplied
 here by ``DC_TEST_TIME_SCALE`` (``tests/timing.py``), as the test's own
 pytest-timeout limit is: it only guards against hangs.
@@ -62,6 +65,7 @@ def run(function, world_size: int, timeout_s: float = 120.0, env: dict | None = 
             e = dict(os.environ)
             e.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+                      "PYTHONFAULTHANDLER": "1",
                       "PYTHONPATH": str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")})
             e.update(env or {})
             log = open(Path(out) / f"log{rank}.txt", "w+")  # noqa: SIM115 - closed after the rank ends
@@ -118,7 +122,8 @@ def run_launched(function, launcher: list, world_size: int, timeout_s: float = 1
     e = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                           "MASTER_PORT")}
     # The venv's launchers and MPI first: horovodrun --mpi runs the first mpirun on PATH.
-    e.update({"OMP_NUM_THREADS": "1", "PATH": str(Path(sys.executable).parent) + os.pathsep + e.get("PATH", ""),
+    e.update({"OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
+              "PATH": str(Path(sys.executable).parent) + os.pathsep + e.get("PATH", ""),
               "PYTHONPATH": str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")})
     e.update(env or {})
     with tempfile.TemporaryDirectory(prefix="dcredit-test-") as out:

@@ -68,3 +68,26 @@ def test_two_optimizers_under_horovodrun_gloo():
     launcher = [_tool("horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo"]
     _check(spawn.run_launched(multi_workers.multi_optimizer, launcher, 2, timeout_s=400, backend="horovod",
                               block_bytes=DRIVEN_BLOCK_BYTES), "horovod")
+
+
+def _check_close_before_peer_tally(per_rank: list) -> None:
+    for rank, r in enumerate(per_rank):
+        for case in ("closed", "dropped", "after"):
+            assert r[case]["tally_left"] == 0, f"rank {rank}, {case}: closed with the peer's tally still in flight"
+        assert r["dropped_freed"], f"rank {rank}: the dropped optimizer was not freed, so not closed"
+        assert r["diff"] < TOL, f"rank {rank} differs from the synchronous reference by {r['diff']}"
+
+
+@pytest.mark.timeout(300)
+def test_close_before_the_peers_tally_on_torch_backend():
+    _check_close_before_peer_tally(spawn.run(multi_workers.close_before_peer_tally, 2, timeout_s=240,
+                                             backend="torch"))
+
+
+@pytest.mark.timeout(300)
+def test_close_before_the_peers_tally_under_mpiexec():
+    reason = mpi_missing()
+    if reason:
+        pytest.skip(f"mpi: {reason}")
+    _check_close_before_peer_tally(spawn.run_launched(multi_workers.close_before_peer_tally,
+                                                      [_tool("mpiexec"), "-n", "2"], 2, timeout_s=240, backend="mpi"))
