@@ -80,11 +80,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import logging
 
 import torch
 import torch.distributed as dist
 
 from .. import _ext, profiler, rows, runtime
+
+log = logging.getLogger("dcredit_opt")
 
 
 class TorchDistBackend:
@@ -94,6 +97,7 @@ class TorchDistBackend:
         self._groups = runtime.channel_groups(channels)  # this backend's own (see the module docstring)
         self._tally_group = runtime.channel_groups(1, backend="gloo")[0]  # Note [Global usage] in optimizer.py
         self._tally = None
+        self._timeout_s = float(timeout_s)
         self.engine = _ext.load().Engine.torch(self._groups, float(timeout_s))
         if runtime.kind() == "horovod":  # registered after hvd.init(), so it runs before Horovod's own exit
             atexit.register(_abort_failed_horovod_mpi_job, self.engine, runtime.horovod())
@@ -159,8 +163,14 @@ class TorchDistBackend:
         optimizer has drained what was in flight."""
         self.engine.shutdown()
         if self._tally is not None:
-            with contextlib.suppress(RuntimeError):  # a peer is gone: the channels' failure says so
-                self.wait_tally(1.0)
+            # A slower peer may start its last tally well after our blocks are done: destroying the group
+            # first would fail that peer's tally. As long, then, as a collective; after a failure, briefly.
+            grace = 1.0 if self.engine.error() is not None else self._timeout_s
+            try:
+                self.wait_tally(grace)
+            except RuntimeError as e:  # a peer is gone: the channels' failure says so
+                log.warning("dcredit_opt: the last sum of which gradients each rank computed did not finish "
+                            "within %g s: %s", grace, e)
         groups, self._groups = self._groups + [self._tally_group], []
         runtime.destroy_channel_groups(groups)
 

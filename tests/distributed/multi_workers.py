@@ -211,11 +211,13 @@ def multi_optimizer(backend: str = "auto", block_bytes: int = 128, horovod_first
     return out
 
 
-def close_before_peer_tally(backend: str, steps: int = 3, delay_s: float = 0.5) -> dict:
+def close_before_peer_tally(backend: str, steps: int = 3, delay_s: float = 2.0) -> dict:
     """An optimizer closed (``_dc_close()``) and another dropped (``del``) while the peer's last tally (Note
     [Global usage]) has not started: rank 1 starts each of its tallies ``delay_s`` late. The closing rank must
     not free the tally's buffer while the peer can still complete the sum into it (MPI writes into it then:
-    heap corruption). Then heap churn, and a third optimizer that must still train like the reference."""
+    heap corruption), nor destroy the channel the peer's tally is about to use: each close waits for it
+    (``close_s`` on rank 0 covers the delay). Then heap churn, and a third optimizer that must still train like
+    the reference."""
     import gc
 
     from dcredit_opt.backends import mpi
@@ -241,6 +243,7 @@ def close_before_peer_tally(backend: str, steps: int = 3, delay_s: float = 0.5) 
             reference_grads(ref, step, world)
             ropt.step()
             step += 1
+        began = time.monotonic()
         if case == "closed":
             opt._dc_close()
         elif case == "dropped":
@@ -253,7 +256,8 @@ def close_before_peer_tally(backend: str, steps: int = 3, delay_s: float = 0.5) 
         else:
             opt.synchronize()
             opt._dc_close()
-        out[case] = {"tally_left": len(mpi._IN_FLIGHT_AT_CLOSE) if backend == "mpi" else int(chan._tally is not None)}
+        out[case] = {"tally_left": len(mpi._IN_FLIGHT_AT_CLOSE) if backend == "mpi" else int(chan._tally is not None),
+                     "close_s": time.monotonic() - began}
         del chan
         junk = [torch.randn(1000 + 37 * i) for i in range(2000)]  # reuse whatever the closes freed
         del junk

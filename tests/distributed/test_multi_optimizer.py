@@ -74,6 +74,10 @@ def _check_close_before_peer_tally(per_rank: list) -> None:
     for rank, r in enumerate(per_rank):
         for case in ("closed", "dropped", "after"):
             assert r[case]["tally_left"] == 0, f"rank {rank}, {case}: closed with the peer's tally still in flight"
+            # Rank 1 starts each tally 2 s after its blocks; rank 0, which finished first, must have waited for
+            # it (the slack allows rank 0 to reach the close up to 0.8 s after rank 1's blocks).
+            assert rank == 1 or r[case]["close_s"] > 1.2, f"{case}: rank 0 closed after {r[case]['close_s']:.2f} s, " \
+                "without waiting for the peer's tally"
         assert r["dropped_freed"], f"rank {rank}: the dropped optimizer was not freed, so not closed"
         assert r["diff"] < TOL, f"rank {rank} differs from the synchronous reference by {r['diff']}"
 
