@@ -779,7 +779,7 @@ class _DistributedOptimizer:
     def _dc_finish_profiling(self) -> None:
         """Every rank: measure the network; rank 0: plan; everyone: stage rank 0's plan."""
         recorder, self._dc_recorder = self._dc_recorder, None
-        alpha, beta, _ = self._dc_backend.measure_alpha_beta(self._dc_params[0].device)
+        alpha, beta, _ = profiler.measure_alpha_beta(*self._dc_backend.sweep_collectives(), self._dc_params[0].device)
         self._dc_staged_plan, self._dc_profile = profiler.agree_on_plan(recorder, alpha, beta, self._dc_config,
                                                                         self._dc_params, self._dc_wire_dtypes(),
                                                                         self._dc_numels())

@@ -23,7 +23,6 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
 
 from . import runtime
 from .config import Config
@@ -106,14 +105,9 @@ class Recorder:
         return fwd_s, bwd_s, ready_order
 
 
-def measure_alpha_beta(group, device: torch.device) -> tuple[float, float, list[tuple[int, float]]]:
-    """All-reduce sweep on ``group``; returns (alpha_s, beta_s_per_byte, samples)."""
-    return measure_alpha_beta_with(lambda buf: dist.all_reduce(buf, group=group),
-                                   lambda: dist.barrier(group=group), device)
-
-
-def measure_alpha_beta_with(allreduce, barrier, device: torch.device):
-    """The same sweep with any blocking ``allreduce(tensor)`` and ``barrier()`` (Horovod, MPI)."""
+def measure_alpha_beta(allreduce, barrier, device: torch.device) -> tuple[float, float, list[tuple[int, float]]]:
+    """All-reduce sweep with a backend's blocking ``allreduce(tensor)`` and ``barrier()`` (its
+    ``sweep_collectives()``); returns (alpha_s, beta_s_per_byte, samples)."""
     samples = []
     for nbytes in SWEEP_BYTES:
         buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)

@@ -17,8 +17,8 @@ Every backend has ``engine``, ``reducible_dtypes`` (None: any; else the
 dtypes its collectives reduce, the others travel as float32: Note [Wire
 dtype] in ``compression.py``), ``buffers_for_engine(buffers, wires)`` (the
 keywords of ``Engine.set_plan`` that carry memory), ``set_blocks(buffers,
-wires, layout, postscale)``, ``measure_alpha_beta(device)`` (the profiler's
-sweep on the backend's own transport) and ``close()``.
+wires, layout, postscale)``, ``sweep_collectives()`` (a blocking all-reduce
+and barrier on the backend's own transport, for the profiler's sweep) and ``close()``.
 
 A backend serves one optimizer and owns its channels (process groups, MPI
 communicators, Horovod names), made when it is built and released when it

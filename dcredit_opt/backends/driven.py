@@ -44,9 +44,7 @@ import threading
 import time
 import weakref
 
-import torch
-
-from .. import _ext, profiler, runtime
+from .. import _ext, runtime
 
 log = logging.getLogger("dcredit_opt")
 
@@ -101,9 +99,10 @@ class DrivenBackend:
         self._transport.set_blocks(views, float(postscale))
         self._pump.casts = casts
 
-    def measure_alpha_beta(self, device: torch.device):
-        """The profiler's all-reduce sweep on this backend's own transport (nothing is in flight then)."""
-        return profiler.measure_alpha_beta_with(self._transport.allreduce, self._transport.barrier, device)
+    def sweep_collectives(self):
+        """Blocking ``allreduce(tensor)`` and ``barrier()`` on this backend's own transport, for the profiler's
+        sweep (nothing is in flight then)."""
+        return self._transport.allreduce, self._transport.barrier
 
     def cost_per_block_us(self) -> tuple[float, float, int]:
         """Mean CPU time per block of the driver (launch taken -> collective started) and of the

@@ -85,7 +85,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from .. import _ext, profiler, rows, runtime
+from .. import _ext, rows, runtime
 
 log = logging.getLogger("dcredit_opt")
 
@@ -111,10 +111,11 @@ class TorchDistBackend:
     def set_blocks(self, buffers, wires, layout, postscale: float) -> None:
         """Nothing to do: the engine already holds the views."""
 
-    def measure_alpha_beta(self, device):
-        """The profiler's all-reduce sweep on this backend's channel 0 (nothing of ours is in flight then;
-        another optimizer's blocks may be, on its own groups)."""
-        return profiler.measure_alpha_beta(self._groups[0], device)
+    def sweep_collectives(self):
+        """Blocking ``allreduce(tensor)`` and ``barrier()`` on this backend's channel 0, for the profiler's sweep
+        (nothing of ours is in flight then; another optimizer's blocks may be, on its own groups)."""
+        group = self._groups[0]
+        return (lambda buf: dist.all_reduce(buf, group=group)), (lambda: dist.barrier(group=group))
 
     def start_tally(self, counts) -> None:
         """Start summing the CPU tensor ``counts`` over ranks, in place, on a Gloo group of its own (Note
