@@ -50,6 +50,18 @@ void ValidatePlan(const PlanSpec& plan) {
     for (int32_t t : s.tensors) {
       if (t < 0 || t >= T) fail("block " + std::to_string(b) + " covers a tensor out of range");
     }
+    const auto op = static_cast<int32_t>(s.op);
+    if (op < 0 || op > static_cast<int32_t>(BlockOp::kAllGather)) fail("block " + std::to_string(b) + " has op " +
+                                                                       std::to_string(op));
+    // Note [Two-stage blocks]: `after` must be released before this block on every path, or the head of
+    // the launch sequence would wait for a block queued behind it.
+    if (s.after == -1) continue;
+    const std::string which = "block " + std::to_string(b) + " waits for block " + std::to_string(s.after);
+    if (s.after < 0 || s.after >= static_cast<int32_t>(b)) fail(which + ": 'after' must be an earlier block");
+    const BlockSpec& a = plan.blocks[s.after];
+    if (a.tensors != s.tensors) fail(which + ", which covers other tensors");
+    if (a.priority > s.priority) fail(which + ", which has a lower priority (a larger number)");
+    if (a.at_flush && !s.at_flush) fail(which + ", which is held until the flush while this one is not");
   }
 }
 
@@ -83,6 +95,7 @@ struct Scheduler::Core {
   std::vector<int32_t> tensor_pending;  // per tensor: covering blocks not yet done
   using Key = std::pair<int32_t, int32_t>;  // (priority, block id)
   std::priority_queue<Key, std::vector<Key>, std::greater<Key>> heap;
+  std::vector<int32_t> held;         // ready, released only at the flush (BlockSpec::at_flush)
   std::deque<int32_t> launch_queue;  // released, not yet launched, in order
   std::deque<int32_t> in_flight;     // launched, in launch order (done ones popped lazily)
   std::vector<char> done;
@@ -131,7 +144,12 @@ struct Scheduler::Core {
     while (next_event < T && arrived[plan.order[next_event]]) {
       const int32_t t = plan.order[next_event];
       for (int32_t b : tensor_blocks[t]) {
-        if (--deps[b] == 0) heap.emplace(plan.blocks[b].priority, b);
+        if (--deps[b] != 0) continue;
+        if (plan.blocks[b].at_flush) {
+          held.push_back(b);
+        } else {
+          heap.emplace(plan.blocks[b].priority, b);
+        }
       }
       Release(plan.phase1_windows[next_event]);
       ++next_event;
@@ -139,6 +157,8 @@ struct Scheduler::Core {
   }
 
   bool CanLaunch(int32_t b) const {
+    const int32_t first = plan.blocks[b].after;
+    if (first >= 0 && !done[first]) return false;  // Note [Two-stage blocks]
     const BlockTrace& tr = trace[b];
     if (in_flight_count >= tr.window) return false;
     if (plan.credit_bytes > 0 && in_flight_count > 0 &&
@@ -191,6 +211,23 @@ struct Scheduler::Core {
   }
 };
 
+// Note [Two-stage blocks]
+// A collective may be cut in two stages that run at different times: a
+// reduce-scatter during backward and an all-gather of its result while the
+// next forward runs (DeAR), each a block of its own. The second stage names
+// the first in `after` and covers the same tensors, so both become ready at
+// the same event; its launch waits until the first has completed. That wait
+// decides only *when* it launches, never *which* block goes next: a block
+// whose `after` has not completed stops the launch sequence at its place,
+// so the sequence stays the same on every rank (Note [Same order on every
+// rank]). No deadlock: ValidatePlan makes `after` an earlier block of no
+// lower priority, held until the flush only if this one is too, so it is
+// always released, and so launched, before the block that waits for it. A
+// block with `at_flush` is kept out of phase 1 even when ready: the flush
+// puts it in the heap with everything left, in priority order, so second
+// stages go in forward order while the next forward runs. `op` is for the
+// backend; the scheduler treats every block alike.
+//
 // Note [Dispatch loop]
 // The constraints that shape this loop:
 //  1. Only this thread launches, so launches happen in exactly the order of
@@ -303,6 +340,7 @@ void Scheduler::StartIteration() {
   c.tensor_pending.resize(T);
   for (int32_t t = 0; t < T; ++t) c.tensor_pending[t] = static_cast<int32_t>(c.tensor_blocks[t].size());
   c.heap = {};
+  c.held.clear();
   c.launch_queue.clear();
   c.in_flight.clear();
   c.in_flight_count = 0;
@@ -342,6 +380,8 @@ void Scheduler::Flush() {
   }
   c.ProcessEvents();
   c.flushed = true;
+  for (int32_t b : c.held) c.heap.emplace(c.plan.blocks[b].priority, b);
+  c.held.clear();
   const auto& w = c.plan.phase2_windows;
   while (!c.heap.empty()) {
     c.Release(w[std::min<size_t>(c.phase2_group, w.size() - 1)]);

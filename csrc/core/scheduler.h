@@ -43,6 +43,10 @@ class SchedulerError : public std::runtime_error {
   Status status;
 };
 
+// What a block's collective is. The scheduler only carries it to the
+// backend; see Note [Two-stage blocks] in scheduler.cc.
+enum class BlockOp : int32_t { kAllReduce = 0, kReduceScatter = 1, kAllGather = 2 };
+
 // One block: a contiguous range of one flat gradient buffer ("segment").
 struct BlockSpec {
   int32_t segment = 0;
@@ -51,6 +55,11 @@ struct BlockSpec {
   int64_t bytes = 0;
   int32_t priority = 0;          // lower goes first
   std::vector<int32_t> tensors;  // tensors this block covers (one, or a merge)
+  // Note [Two-stage blocks]: the block whose completion this one's launch
+  // waits for (-1: none), and whether it is released only at the flush.
+  int32_t after = -1;
+  bool at_flush = false;
+  BlockOp op = BlockOp::kAllReduce;
 };
 
 // Sentinel in `phase1_windows`: release every ready block at that event.

@@ -395,4 +395,133 @@ TEST(MisuseIsRejected) {
   CHECK(s.status().ok());
 }
 
+// Note [Two-stage blocks]: tensor t in forward order has a first stage (block 2t) and a second (2t + 1,
+// after 2t, held until the flush), both of priority t; gradients become ready in reverse (backward).
+PlanSpec TwoStagePlan(int32_t T, int32_t phase2_window) {
+  PlanSpec plan;
+  plan.num_tensors = T;
+  for (int32_t t = T - 1; t >= 0; --t) plan.order.push_back(t);
+  for (int32_t t = 0; t < T; ++t) {
+    BlockSpec first{0, 8 * t, 8, 32, t, {t}};
+    first.op = BlockOp::kReduceScatter;
+    BlockSpec second = first;
+    second.op = BlockOp::kAllGather;
+    second.after = 2 * t;
+    second.at_flush = true;
+    plan.blocks.push_back(first);
+    plan.blocks.push_back(second);
+  }
+  plan.phase1_windows.assign(T, kReleaseAll);
+  plan.phase2_windows = {phase2_window};
+  plan.channels = 2;
+  return plan;
+}
+
+void CompleteWhenLaunched(ManualBackend& m, int32_t b) {
+  const auto deadline = Clock::now() + std::chrono::seconds(10);
+  while (!m.Complete(b)) {
+    CHECK_MSG(Clock::now() < deadline, "block " << b << " never launched; in flight " << Str(Blocks(m.Pending())));
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+TEST(SecondStageWaitsForTheFlushAndForItsFirstStage) {
+  ManualBackend m;
+  Scheduler s(&m, ms(5000));
+  s.SetPlan(TwoStagePlan(2, 2));
+  s.StartIteration();
+  s.MarkReady(1);  // backward: tensor 1 first; only its first stage goes
+  s.MarkReady(0);
+  CompleteWhenLaunched(m, 2);
+  CompleteWhenLaunched(m, 0);
+  std::this_thread::sleep_for(ms(20));
+  CHECK_MSG(m.Pending().empty(), "a second stage launched before the flush: " << Str(Blocks(m.Pending())));
+  s.Flush();  // both second stages released, forward order
+  CompleteWhenLaunched(m, 1);
+  CompleteWhenLaunched(m, 3);
+  s.WaitAll(ms(5000));
+  CHECK_EQ(Str(Blocks(m.History())), std::string("[2,0,1,3]"));
+
+  // Flushed while both first stages are still in flight: the head of the sequence (block 1) waits for block 0,
+  // and block 3 waits behind it even though its own first stage finishes first.
+  s.StartIteration();
+  s.MarkReady(1);
+  s.MarkReady(0);
+  s.Flush();
+  CompleteWhenLaunched(m, 2);
+  std::this_thread::sleep_for(ms(20));
+  CHECK_EQ(Str(Blocks(m.Pending())), std::string("[0]"));
+  CompleteWhenLaunched(m, 0);
+  CompleteWhenLaunched(m, 1);
+  CompleteWhenLaunched(m, 3);
+  s.WaitAll(ms(5000));
+  const auto history = Blocks(m.History());
+  CHECK_EQ(Str(std::vector<int32_t>(history.begin() + 4, history.end())), std::string("[2,0,1,3]"));
+}
+
+TEST(TwoStageSequenceIsTheSameWhateverTheCompletionOrder) {
+  // Random arrival and completion orders (as on ranks with different timing): the launch sequence must not
+  // change, and no second stage may start before its first has finished.
+  const int32_t T = 7;
+  const PlanSpec plan = TwoStagePlan(T, 3);
+  std::vector<int32_t> expected;
+  for (int32_t t = T - 1; t >= 0; --t) expected.push_back(2 * t);  // first stages, in ready order
+  for (int32_t t = 0; t < T; ++t) expected.push_back(2 * t + 1);   // second stages, in forward order
+  Rng rng(check::Opts().seed);
+  for (int round = 0; round < 30; ++round) {
+    ManualBackend m;
+    Scheduler s(&m, ms(5000));
+    s.SetPlan(plan);
+    s.StartIteration();
+    std::vector<int32_t> arrivals = plan.order;
+    std::shuffle(arrivals.begin(), arrivals.end(), rng);
+    arrivals.resize(rng() % (T + 1));  // the flush supplies the rest
+    size_t next = 0;
+    bool flushed = false;
+    const auto deadline = Clock::now() + std::chrono::seconds(20);
+    while (m.History().size() < expected.size() || !m.Pending().empty()) {
+      CHECK_MSG(Clock::now() < deadline, "round " << round << ": stuck with " << Str(Blocks(m.History()))
+                                                  << " launched, " << Str(Blocks(m.Pending())) << " in flight");
+      const auto pending = m.Pending();
+      const int choice = static_cast<int>(rng() % 3);
+      if (choice == 0 && next < arrivals.size()) {
+        s.MarkReady(arrivals[next++]);
+      } else if (choice == 1 && !pending.empty()) {
+        CHECK(m.Complete(pending[rng() % pending.size()].block));
+      } else if (next == arrivals.size() && !flushed) {
+        s.Flush();
+        flushed = true;
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
+    s.WaitAll(ms(5000));
+    CHECK_EQ(Str(Blocks(m.History())), Str(expected));
+    const auto trace = s.Trace();
+    for (int32_t t = 0; t < T; ++t) {
+      CHECK_MSG(trace[2 * t + 1].launch_ns >= trace[2 * t].end_ns,
+                "round " << round << ": block " << 2 * t + 1 << " launched before block " << 2 * t << " finished");
+    }
+  }
+}
+
+TEST(TwoStagePlansAreValidated) {
+  auto with = [](auto change) {
+    PlanSpec plan = TwoStagePlan(2, 1);
+    change(plan);
+    return plan;
+  };
+  ValidatePlan(TwoStagePlan(3, 2));
+  CHECK_THROWS(ValidatePlan(with([](PlanSpec& p) { p.blocks[1].after = 1; })), std::invalid_argument,
+               "'after' must be an earlier block");
+  CHECK_THROWS(ValidatePlan(with([](PlanSpec& p) { p.blocks[3].after = 0; })), std::invalid_argument,
+               "covers other tensors");
+  CHECK_THROWS(ValidatePlan(with([](PlanSpec& p) { p.blocks[0].priority = 5; })), std::invalid_argument,
+               "lower priority");
+  CHECK_THROWS(ValidatePlan(with([](PlanSpec& p) { p.blocks[1].at_flush = false, p.blocks[0].at_flush = true; })),
+               std::invalid_argument, "held until the flush");
+  CHECK_THROWS(ValidatePlan(with([](PlanSpec& p) { p.blocks[0].op = static_cast<BlockOp>(7); })),
+               std::invalid_argument, "has op 7");
+}
+
 }  // namespace
