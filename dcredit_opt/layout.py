@@ -12,6 +12,9 @@ from collections.abc import Sequence
 
 from .planner.plan import Plan, PlanError, blocks_of
 
+ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = 0, 1, 2
+"""A block's collective: the values of ``BlockOp`` in ``csrc/core/scheduler.h``."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -28,6 +31,11 @@ class Layout:
     block_bytes: tuple[int, ...]
     block_priority: tuple[int, ...]
     block_tensors: tuple[tuple[int, ...], ...]
+    # Note [Two-stage blocks] (``Plan.decoupled``): per block, its collective (ALL_REDUCE, REDUCE_SCATTER or
+    # ALL_GATHER), the block whose completion its launch waits for (-1: none), and whether it waits for the flush.
+    block_op: tuple[int, ...] = ()
+    block_after: tuple[int, ...] = ()
+    block_at_flush: tuple[bool, ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -52,18 +60,28 @@ def build_layout(plan: Plan, dtype_names: Sequence[str], itemsizes: Sequence[int
         seg[t], off[t] = s, sizes[s]
         sizes[s] += plan.numels[t]
     b_seg, b_off, b_numel, b_bytes, b_prio, b_tensors = [], [], [], [], [], []
+    b_op, b_after, b_at_flush = [], [], []
+    split = set(plan.decoupled)
     for tensors, first_offset, numel, priority in blocks_of(plan):
         head = tensors[0]
         if any(seg[t] != seg[head] for t in tensors):
             raise PlanError(f"plan 'merges' entry {list(tensors)} mixes dtypes")
-        b_seg.append(seg[head])
-        b_off.append(off[head] + first_offset)
-        b_numel.append(numel)
-        b_bytes.append(numel * int(itemsizes[head]))
-        b_prio.append(priority)
-        b_tensors.append(tuple(tensors))
+        # A decoupled block is two blocks over the same elements: its reduce-scatter, then its all-gather.
+        stages = ((REDUCE_SCATTER, -1, False), (ALL_GATHER, len(b_seg), True)) if head in split else \
+            ((ALL_REDUCE, -1, False),)
+        for op, after, at_flush in stages:
+            b_seg.append(seg[head])
+            b_off.append(off[head] + first_offset)
+            b_numel.append(numel)
+            b_bytes.append(numel * int(itemsizes[head]))
+            b_prio.append(priority)
+            b_tensors.append(tuple(tensors))
+            b_op.append(op)
+            b_after.append(after)
+            b_at_flush.append(at_flush)
     return Layout(tuple(keys), tuple(sizes), tuple(seg), tuple(off), tuple(b_seg), tuple(b_off),
-                  tuple(b_numel), tuple(b_bytes), tuple(b_prio), tuple(b_tensors))
+                  tuple(b_numel), tuple(b_bytes), tuple(b_prio), tuple(b_tensors), tuple(b_op), tuple(b_after),
+                  tuple(b_at_flush))
 
 
 def fixed_plan(numels: Sequence[int], itemsizes: Sequence[int], block_bytes: int, window: int,

@@ -364,7 +364,9 @@ class _DistributedOptimizer:
             list(layout.block_numel), list(layout.block_bytes), list(layout.block_priority),
             [list(t) for t in layout.block_tensors], list(plan.phase1_windows or [-1] * plan.num_tensors),
             list(plan.phase2_windows), plan.credit_bytes, plan.channels,
-            **self._dc_backend.buffers_for_engine(buffers, wires), postscale=self._dc_postscale)
+            **self._dc_backend.buffers_for_engine(buffers, wires), postscale=self._dc_postscale,
+            block_ops=list(layout.block_op), block_after=list(layout.block_after),
+            block_at_flush=list(layout.block_at_flush))
         self._dc_backend.set_blocks(buffers, wires, layout, self._dc_postscale)
         self._dc_plan, self._dc_layout, self._dc_buffers, self._dc_slots = plan, layout, buffers, slots
 

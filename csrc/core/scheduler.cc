@@ -63,6 +63,22 @@ void ValidatePlan(const PlanSpec& plan) {
     if (a.priority > s.priority) fail(which + ", which has a lower priority (a larger number)");
     if (a.at_flush && !s.at_flush) fail(which + ", which is held until the flush while this one is not");
   }
+  // A reduce-scatter leaves only a shard reduced: the all-gather that follows it is what completes the block.
+  std::vector<int32_t> gathers(plan.blocks.size(), 0);
+  for (size_t b = 0; b < plan.blocks.size(); ++b) {
+    const BlockSpec& s = plan.blocks[b];
+    if (s.op != BlockOp::kAllGather) continue;
+    if (s.after < 0 || plan.blocks[s.after].op != BlockOp::kReduceScatter) {
+      fail("block " + std::to_string(b) + " is an all-gather whose 'after' is not a reduce-scatter block");
+    }
+    ++gathers[s.after];
+  }
+  for (size_t b = 0; b < plan.blocks.size(); ++b) {
+    if (plan.blocks[b].op == BlockOp::kReduceScatter && gathers[b] != 1) {
+      fail("block " + std::to_string(b) + " is a reduce-scatter with " + std::to_string(gathers[b]) +
+           " all-gathers after it; it needs exactly one");
+    }
+  }
 }
 
 // Everything the dispatch thread and the completion callbacks share. Held by

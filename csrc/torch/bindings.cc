@@ -70,11 +70,16 @@ class Engine {
                const std::vector<std::vector<int32_t>>& block_tensors, std::vector<int32_t> phase1_windows,
                std::vector<int32_t> phase2_windows, int64_t credit_bytes, int32_t channels,
                const std::vector<at::Tensor>& buffers, double postscale,
-               const std::vector<at::Tensor>& wire_buffers) {
+               const std::vector<at::Tensor>& wire_buffers, const std::vector<int32_t>& block_ops,
+               const std::vector<int32_t>& block_after, const std::vector<bool>& block_at_flush) {
     const size_t B = segments.size();
     if (offsets.size() != B || numels.size() != B || bytes.size() != B || priorities.size() != B ||
         block_tensors.size() != B) {
       throw std::invalid_argument("set_plan: per-block lists differ in length");
+    }
+    // Note [Two-stage blocks]: empty lists mean every block is one all-reduce.
+    for (const size_t n : {block_ops.size(), block_after.size(), block_at_flush.size()}) {
+      if (n != 0 && n != B) throw std::invalid_argument("set_plan: per-block stage lists differ in length");
     }
     PlanSpec plan;
     plan.num_tensors = num_tensors;
@@ -82,6 +87,9 @@ class Engine {
     plan.blocks.resize(B);
     for (size_t b = 0; b < B; ++b) {
       plan.blocks[b] = BlockSpec{segments[b], offsets[b], numels[b], bytes[b], priorities[b], block_tensors[b]};
+      if (!block_ops.empty()) plan.blocks[b].op = static_cast<BlockOp>(block_ops[b]);
+      if (!block_after.empty()) plan.blocks[b].after = block_after[b];
+      if (!block_at_flush.empty()) plan.blocks[b].at_flush = block_at_flush[b];
     }
     plan.phase1_windows = std::move(phase1_windows);
     plan.phase2_windows = std::move(phase2_windows);
@@ -189,7 +197,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("offsets"), py::arg("numels"), py::arg("bytes"), py::arg("priorities"),
            py::arg("block_tensors"), py::arg("phase1_windows"), py::arg("phase2_windows"),
            py::arg("credit_bytes"), py::arg("channels"), py::arg("buffers"), py::arg("postscale"),
-           py::arg("wire_buffers") = std::vector<at::Tensor>(), release())
+           py::arg("wire_buffers") = std::vector<at::Tensor>(), py::arg("block_ops") = std::vector<int32_t>(),
+           py::arg("block_after") = std::vector<int32_t>(), py::arg("block_at_flush") = std::vector<bool>(),
+           release())
       .def("start_iteration", &Engine::StartIteration, release())
       .def("mark_ready", &Engine::MarkReady, py::arg("tensor"), py::arg("record_event") = true, release(),
            "Gradient of `tensor` is final. With `record_event` (the default) and blocks on a CUDA device, its "

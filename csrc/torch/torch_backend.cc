@@ -1,9 +1,74 @@
 #include "torch_backend.h"
 
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
+#include <utility>
 
 namespace dcredit {
+
+// Note [Works without a future]
+// A block's completion normally comes back through its collective's future,
+// so no thread of ours waits on the network. Some works have no future:
+// Gloo's reduce-scatter (Note [Two-stage blocks]) throws "Work::getFuture not
+// implemented" in torch 2.13. Those go to one thread per backend that waits
+// for them in launch order (Work::wait, bounded by the process group's
+// timeout, which raises) and then completes them as the future would have.
+// It starts at the first such work, drains what is queued when the backend
+// goes, and never runs Python.
+class WorkWaiter {
+ public:
+  using Finish = std::function<void(const std::string* error)>;
+
+  ~WorkWaiter() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+      cv_.notify_one();
+    }
+    if (thread_.joinable()) thread_.join();
+  }
+
+  void Push(c10::intrusive_ptr<c10d::Work> work, Finish finish) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!thread_.joinable()) thread_ = std::thread([this] { Loop(); });
+    queue_.emplace_back(std::move(work), std::move(finish));
+    cv_.notify_one();
+  }
+
+ private:
+  void Loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopped, and nothing left to wait for
+      auto [work, finish] = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      std::string error;
+      bool failed = false;
+      try {
+        work->wait();
+      } catch (const std::exception& e) {
+        error = e.what();
+        failed = true;
+      }
+      finish(failed ? &error : nullptr);
+      work.reset();
+      lock.lock();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<c10::intrusive_ptr<c10d::Work>, Finish>> queue_;
+  bool stop_ = false;
+  std::thread thread_;
+};
 
 TorchBackend::TorchBackend(std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups)
     : groups_(std::move(groups)) {
@@ -12,6 +77,8 @@ TorchBackend::TorchBackend(std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> g
     if (!groups_[i]) throw std::invalid_argument("process group " + std::to_string(i) + " is None");
   }
 }
+
+TorchBackend::~TorchBackend() = default;  // joins the waiter, if one started
 
 namespace {
 
@@ -57,6 +124,9 @@ void TorchBackend::SetBlocks(const std::vector<at::Tensor>& buffers, const std::
   }
   std::vector<at::Tensor> views;
   std::vector<at::Tensor> wires;
+  std::vector<BlockOp> ops;
+  std::vector<at::Tensor> shards(blocks.size()), padded(blocks.size());
+  const int64_t world = groups_.empty() ? 1 : groups_[0]->getSize();
   std::vector<std::vector<int32_t>> block_tensors;
   views.reserve(blocks.size());
   block_tensors.reserve(blocks.size());
@@ -89,6 +159,15 @@ void TorchBackend::SetBlocks(const std::vector<at::Tensor>& buffers, const std::
     views.push_back(FlatRange(buf, s.offset, s.numel));
     wires.push_back(cast ? FlatRange(travels, s.offset, s.numel) : at::Tensor());
     block_tensors.push_back(s.tensors);
+    ops.push_back(s.op);
+    if (s.op == BlockOp::kReduceScatter) {
+      const int64_t shard = (s.numel + world - 1) / world;
+      shards[b] = at::zeros({shard}, travels.options());
+      if (shard * world != s.numel) padded[b] = at::zeros({shard * world}, travels.options());
+    } else if (s.op == BlockOp::kAllGather) {  // ValidatePlan: `after` is its reduce-scatter, an earlier block
+      shards[b] = shards[s.after];
+      padded[b] = padded[s.after];
+    }
   }
   std::shared_ptr<DeviceSync> sync;
   if (device.is_cuda()) {
@@ -98,6 +177,9 @@ void TorchBackend::SetBlocks(const std::vector<at::Tensor>& buffers, const std::
   }
   views_ = std::move(views);
   wires_ = std::move(wires);
+  ops_ = std::move(ops);
+  shards_ = std::move(shards);
+  padded_ = std::move(padded);
   block_tensors_ = std::move(block_tensors);
   postscale_ = postscale;
   device_ = device;
@@ -121,31 +203,55 @@ void TorchBackend::Launch(int32_t block, int32_t channel, Done done) {
     at::Tensor view = views_.at(block);
     at::Tensor wire = wires_.at(block);
     c10d::ProcessGroup& group = *groups_.at(channel);
-    auto issue = [&group, &view, &wire] {
+    const BlockOp op = ops_.at(block);
+    at::Tensor shard = shards_.at(block);
+    at::Tensor padded = padded_.at(block);
+    // Where the block travels: its wire view (Note [Wire dtype]) or itself.
+    at::Tensor travels = wire.defined() ? wire : view;
+    auto issue = [&group, &view, &wire, &travels, &shard, &padded, op]() -> c10::intrusive_ptr<c10d::Work> {
+      // Collectives go on c10d's own stream, which waits for the current one
+      // (Note [CUDA streams], rule 2): asyncOp. Recent c10d runs a synchronous
+      // op on the current stream itself, where every channel would queue
+      // behind the others.
+      if (op == BlockOp::kAllGather) {  // Note [Two-stage blocks]: the reduced shards back into the block
+        c10d::AllgatherOptions opts;
+        opts.asyncOp = true;
+        at::Tensor out = padded.defined() ? padded : travels;
+        return group.all_gather_single(out, shard, opts);
+      }
       if (wire.defined()) wire.copy_(view);  // cast for the wire, on the stream the collective waits for
-      std::vector<at::Tensor> tensors{wire.defined() ? wire : view};
+      if (op == BlockOp::kReduceScatter) {
+        if (padded.defined()) padded.narrow(0, 0, travels.numel()).copy_(travels);  // the tail stays zero
+        c10d::ReduceScatterOptions opts;
+        opts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+        opts.asyncOp = true;
+        at::Tensor in = padded.defined() ? padded : travels;
+        return group.reduce_scatter_single(shard, in, opts);
+      }
+      std::vector<at::Tensor> tensors{travels};
       c10d::AllreduceOptions opts;
       opts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
-      // On c10d's own stream, which waits for the current one (Note [CUDA
-      // streams], rule 2). Recent c10d runs a synchronous op on the current
-      // stream itself, where every channel would queue behind the others.
       opts.asyncOp = true;
       return group.allreduce(tensors, opts);
     };
     c10::intrusive_ptr<c10d::Work> work = sync_ ? sync_->Launch(block_tensors_[block], issue) : issue();
     const double post = postscale_;
     std::shared_ptr<DeviceSync> sync = sync_;
-    // Runs when the future completes: on the process group's thread for
-    // Gloo on the CPU; for a CUDA future, inline here or on that thread, with
-    // a current stream that waits for the collective (Note [CUDA streams]).
-    work->getFuture()->addCallback([done, view, wire, post, sync](c10::ivalue::Future& fut) mutable {
-      if (fut.hasError()) {
-        done(Status::Error(fut.tryRetrieveErrorMessage()));
+    // A reduce-scatter's shard stays as it is: the all-gather after it
+    // finishes the block, as an all-reduce does (cast back, post-scale).
+    // Runs when the collective completes: on the process group's thread for
+    // Gloo on the CPU (or the waiter's, Note [Works without a future]); for a
+    // CUDA future, inline here or on that thread, with a current stream that
+    // waits for the collective (Note [CUDA streams]).
+    WorkWaiter::Finish finish = [done, view, wire, travels, padded, post, sync, op](const std::string* error) mutable {
+      if (error != nullptr) {
+        done(Status::Error(*error));
         return;
       }
       try {
-        if (wire.defined()) view.copy_(wire);
-        if (post != 1.0) view.mul_(post);
+        if (op == BlockOp::kAllGather && padded.defined()) travels.copy_(padded.narrow(0, 0, travels.numel()));
+        if (op != BlockOp::kReduceScatter && wire.defined()) view.copy_(wire);
+        if (op != BlockOp::kReduceScatter && post != 1.0) view.mul_(post);
       } catch (const std::exception& e) {
         done(Status::Error(e.what()));
         return;
@@ -155,7 +261,29 @@ void TorchBackend::Launch(int32_t block, int32_t channel, Done done) {
       } else {
         done(Status::Ok());
       }
-    });
+    };
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+    bool& futureless = futureless_[static_cast<size_t>(op)];
+    if (!futureless) {
+      try {
+        future = work->getFuture();
+      } catch (const c10::Error&) {  // Note [Works without a future]
+        futureless = true;
+      }
+    }
+    if (future) {
+      future->addCallback([finish = std::move(finish)](c10::ivalue::Future& fut) mutable {
+        if (fut.hasError()) {
+          const std::string error = fut.tryRetrieveErrorMessage();
+          finish(&error);
+        } else {
+          finish(nullptr);
+        }
+      });
+    } else {
+      if (!waiter_) waiter_ = std::make_unique<WorkWaiter>();
+      waiter_->Push(std::move(work), std::move(finish));
+    }
   } catch (const std::exception& e) {
     done(Status::Error(std::string("launch failed: ") + e.what()));
   }

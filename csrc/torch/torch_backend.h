@@ -4,6 +4,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/torch.h>
 
+#include <array>
 #include <memory>
 #include <vector>
 
@@ -11,6 +12,8 @@
 #include "cuda_sync.h"
 
 namespace dcredit {
+
+class WorkWaiter;  // Note [Works without a future], in torch_backend.cc
 
 // Launches a block as an all-reduce (sum) on the process group of its
 // channel; completion comes back through the collective's future, so no
@@ -21,6 +24,7 @@ namespace dcredit {
 class TorchBackend : public Backend {
  public:
   explicit TorchBackend(std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups);
+  ~TorchBackend() override;
 
   // One flat view per block, cut from `buffers` by the plan; `postscale`
   // multiplies each reduced block (1/size for an average). Every buffer must
@@ -47,12 +51,22 @@ class TorchBackend : public Backend {
   std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups_;
   std::vector<at::Tensor> views_;
   std::vector<at::Tensor> wires_;  // per block: undefined, or where it travels (Note [Wire dtype])
+  // Note [Two-stage blocks]: per block its collective; for a reduce-scatter and the all-gather after it, this
+  // rank's reduced shard, and (when the block's length is not a multiple of the world size) a zero-padded copy
+  // of the block that the two stages use in its place.
+  std::vector<BlockOp> ops_;
+  std::vector<at::Tensor> shards_;
+  std::vector<at::Tensor> padded_;
   std::vector<std::vector<int32_t>> block_tensors_;
   double postscale_ = 1.0;
   at::Device device_{at::kCPU};  // where the buffers live
   // Null for CPU blocks. Shared with completion callbacks, which may run
   // after this backend is gone (a collective that outlives shutdown).
   std::shared_ptr<DeviceSync> sync_;
+  // Per collective: whether its works lack a future (learned at the first launch), and the thread that
+  // waits for such works; both used by the dispatch thread only (Launch).
+  std::array<bool, 3> futureless_{};
+  std::unique_ptr<WorkWaiter> waiter_;
 };
 
 }  // namespace dcredit

@@ -53,7 +53,8 @@ class DrivenBackend:
     """A backend made of a *transport* (how to start, wait for and finish one
     block's all-reduce) and the two threads of Note [Python-driven backend].
 
-    A transport has ``set_blocks(views, postscale)``, ``start(block, channel)``
+    A transport has ``set_blocks(views, postscale, stages)`` (per block its
+    collective and the block it follows, Note [Two-stage blocks]), ``start(block, channel)``
     (returns a handle), ``wait(block, handle)``, ``finish(block)``,
     ``describe(block)``, ``allreduce(tensor)`` and ``barrier()`` (blocking, for
     the profiler's sweep), ``start_tally(counts)`` and ``tally_done()`` (a
@@ -96,7 +97,7 @@ class DrivenBackend:
             else:
                 views.append(view)
                 casts.append(None)
-        self._transport.set_blocks(views, float(postscale))
+        self._transport.set_blocks(views, float(postscale), list(zip(layout.block_op, layout.block_after)))
         self._pump.casts = casts
 
     def sweep_collectives(self):

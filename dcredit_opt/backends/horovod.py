@@ -18,6 +18,9 @@ channels do not add concurrency here: a window of k blocks means k
 operations queued in Horovod, which starts the next as soon as one ends.
 The average is a sum followed by Horovod's own ``postscale_factor`` (the
 optimizer has already applied the prescale), so no Python touches the data.
+A decoupled block (Note [Two-stage blocks]) is a ``reducescatter_async``
+(Horovod splits the first dimension, so no padding) and later an
+``allgather_async`` of this rank's shard, copied back into the block.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import atexit
 import torch
 
 from .. import rows, runtime
+from ..layout import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from .driven import DrivenBackend
 
 
@@ -50,10 +54,12 @@ class _HorovodTransport:
         self._plans = 0
         self._views: list = []
         self._names: list[str] = []
+        self._stages: list = []  # per block: (collective, the block it follows)
+        self._results: dict = {}  # block -> what its reduce-scatter or all-gather returned, until used
         self._postscale = 1.0
         self._tally = None  # the handle of the tally in flight
 
-    def set_blocks(self, views, postscale: float) -> None:
+    def set_blocks(self, views, postscale: float, stages) -> None:
         for v in views:
             if not v.is_contiguous():  # a 1-D narrow of a flat buffer always is; Horovod insists
                 raise ValueError("Horovod all-reduces contiguous tensors only")
@@ -61,17 +67,33 @@ class _HorovodTransport:
         self._plans += 1
         self._names = [f"{prefix}.{b}" for b in range(len(views))]
         self._views = views
+        self._stages = list(stages)
+        self._results = {}
         self._postscale = postscale
 
     def start(self, block: int, channel: int):
-        return self._hvd.allreduce_async_(self._views[block], name=self._names[block], op=self._hvd.Sum,
-                                          postscale_factor=self._postscale)
+        hvd, (op, after) = self._hvd, self._stages[block]
+        if op == ALL_REDUCE:
+            return hvd.allreduce_async_(self._views[block], name=self._names[block], op=hvd.Sum,
+                                        postscale_factor=self._postscale)
+        if op == REDUCE_SCATTER:
+            return hvd.reducescatter_async(self._views[block], name=self._names[block], op=hvd.Sum)
+        return hvd.allgather_async(self._results.pop(after), name=self._names[block])
 
     def wait(self, block: int, handle) -> None:
-        self._hvd.synchronize(handle)
+        out = self._hvd.synchronize(handle)
+        if self._stages[block][0] != ALL_REDUCE:
+            self._results[block] = out
 
     def finish(self, block: int) -> None:
-        """Nothing left: Horovod applied the postscale."""
+        """An all-gather's result into the block, post-scaled; an all-reduce has nothing left (Horovod applied
+        the postscale), a reduce-scatter's shard waits for its all-gather."""
+        if self._stages[block][0] != ALL_GATHER:
+            return
+        view = self._views[block]
+        view.copy_(self._results.pop(block))
+        if self._postscale != 1.0:
+            view.mul_(self._postscale)
 
     def describe(self, block: int) -> str:
         return f"Horovod tensor '{self._names[block]}'" if block < len(self._names) else "unknown block"

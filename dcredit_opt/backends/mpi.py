@@ -25,6 +25,7 @@ import torch
 from .. import rows, runtime
 from ..errors import LaunchError
 from ..launchers import import_mpi
+from ..layout import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from .driven import DrivenBackend
 
 # dtypes every MPI has a type for; float16/bfloat16 have none in the standard.
@@ -76,9 +77,14 @@ class _MPITransport:
         self._tally = None  # the request of the tally in flight
         self._views: list = []
         self._arrays: list = []
+        self._ops: list = []
+        # Note [Two-stage blocks]: per decoupled block, this rank's reduced shard, and a zero-padded copy of
+        # the block where its length is not a multiple of the world size (None: the block itself).
+        self._shards: list = []
+        self._padded: list = []
         self._postscale = 1.0
 
-    def set_blocks(self, views, postscale: float) -> None:
+    def set_blocks(self, views, postscale: float, stages) -> None:
         for v in views:
             if v.device.type != "cpu":
                 raise ValueError(f"backend 'mpi' reduces CPU tensors only, got a gradient on {v.device}: use "
@@ -87,17 +93,42 @@ class _MPITransport:
                 raise ValueError(f"backend 'mpi' reduces float32 and float64 blocks, got {v.dtype}")
         self._views = views
         self._arrays = [v.numpy() for v in views]  # share memory with the buffers
+        self._ops = [op for op, _ in stages]
+        self._shards, self._padded = [None] * len(views), [None] * len(views)
+        size = self._comms[0].Get_size()
+        for b, (op, after) in enumerate(stages):
+            if op == REDUCE_SCATTER:
+                n = self._arrays[b].size
+                shard = -(-n // size)
+                self._shards[b] = np.zeros(shard, dtype=self._arrays[b].dtype)
+                self._padded[b] = np.zeros(shard * size, dtype=self._arrays[b].dtype) if shard * size != n else None
+            elif op == ALL_GATHER:  # the layout puts its reduce-scatter, `after`, first
+                self._shards[b], self._padded[b] = self._shards[after], self._padded[after]
         self._postscale = postscale
 
     def start(self, block: int, channel: int):
-        return self._comms[channel].Iallreduce(self._MPI.IN_PLACE, self._arrays[block], op=self._MPI.SUM)
+        comm, a, op = self._comms[channel], self._arrays[block], self._ops[block]
+        if op == ALL_REDUCE:
+            return comm.Iallreduce(self._MPI.IN_PLACE, a, op=self._MPI.SUM)
+        padded = self._padded[block]
+        if op == REDUCE_SCATTER:
+            if padded is not None:
+                padded[:a.size] = a  # the tail stays zero
+            return comm.Ireduce_scatter_block(a if padded is None else padded, self._shards[block], op=self._MPI.SUM)
+        return comm.Iallgather(self._shards[block], a if padded is None else padded)
 
     def wait(self, block: int, request) -> None:
         request.Wait()
 
     def finish(self, block: int) -> None:
+        """An all-reduce or an all-gather has the reduced block: post-scale it. A reduce-scatter's shard waits
+        for its all-gather as it is."""
+        op, a = self._ops[block], self._arrays[block]
+        if op == REDUCE_SCATTER:
+            return
+        if op == ALL_GATHER and self._padded[block] is not None:
+            a[:] = self._padded[block][:a.size]
         if self._postscale != 1.0:
-            a = self._arrays[block]
             np.multiply(a, a.dtype.type(self._postscale), out=a)
 
     def describe(self, block: int) -> str:
@@ -147,7 +178,7 @@ class _MPITransport:
             tensor.copy_(work)
 
     def close(self) -> None:
-        self._views, self._arrays = [], []
+        self._views, self._arrays, self._shards, self._padded = [], [], [], []
         if not self.tally_done():
             # Never free a request in flight: mpi4py would drop the buffer MPI is about to write into
             # (heap corruption), and MPI forbids freeing an active collective's request or communicator.

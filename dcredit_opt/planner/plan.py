@@ -122,6 +122,12 @@ class Plan:
     overlap_forward: bool = True
     """Phase 2 on: ``step()`` returns early and each layer's forward waits for its own update."""
 
+    decoupled: tuple[int, ...] = ()
+    """Tensors whose blocks go in two collectives (DeAR): a reduce-scatter when the block is released, and
+    an all-gather of the reduced shards released only at the flush, in priority order, so that it overlaps
+    the next forward (Note [Two-stage blocks] in ``csrc/core/scheduler.cc``). A merge is decoupled whole
+    or not at all."""
+
     policy: str = "custom"
     """The policy that produced this plan (for logs and timelines)."""
 
@@ -140,7 +146,7 @@ class Plan:
             if required not in data:
                 raise PlanError(f"plan field '{required}' is missing")
         kwargs = dict(data)
-        for name in ("numels", "order", "priority", "phase1_windows", "phase2_windows"):
+        for name in ("numels", "order", "priority", "phase1_windows", "phase2_windows", "decoupled"):
             if kwargs.get(name) is not None:
                 kwargs[name] = tuple(int(x) for x in kwargs[name])
         kwargs["partition"] = tuple(tuple(int(x) for x in p) for p in kwargs["partition"])
@@ -238,6 +244,12 @@ def validate(plan: Plan, numels: Sequence[int] | None = None, max_channels: int 
             raise PlanError(f"plan 'merges' entry {list(run)} is not a run of neighbours in 'order'")
         if dtypes is not None and len({str(dtypes[t]) for t in run}) != 1:
             raise PlanError(f"plan 'merges' entry {list(run)} mixes dtypes")
+    if len(set(plan.decoupled)) != len(plan.decoupled) or any(not 0 <= t < T for t in plan.decoupled):
+        raise PlanError(f"plan 'decoupled' must name distinct tensors of 0..{T - 1}, got {list(plan.decoupled)}")
+    split = set(plan.decoupled)
+    for run in plan.merges:
+        if 0 < len(split & set(run)) < len(run):
+            raise PlanError(f"plan 'decoupled' splits merge {list(run)}: decouple all of it or none")
     if plan.priority is not None and len(plan.priority) != T:
         raise PlanError(f"plan 'priority' has {len(plan.priority)} entries for {T} tensors")
     if plan.phase1_windows is not None:

@@ -522,6 +522,10 @@ TEST(TwoStagePlansAreValidated) {
                std::invalid_argument, "held until the flush");
   CHECK_THROWS(ValidatePlan(with([](PlanSpec& p) { p.blocks[0].op = static_cast<BlockOp>(7); })),
                std::invalid_argument, "has op 7");
+  CHECK_THROWS(ValidatePlan(with([](PlanSpec& p) { p.blocks[1].op = BlockOp::kAllReduce; })), std::invalid_argument,
+               "reduce-scatter with 0 all-gathers after it");
+  CHECK_THROWS(ValidatePlan(with([](PlanSpec& p) { p.blocks[0].op = BlockOp::kAllReduce; })), std::invalid_argument,
+               "whose 'after' is not a reduce-scatter");
 }
 
 }  // namespace

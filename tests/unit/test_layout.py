@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -279,3 +280,32 @@ def test_validate_names_the_bad_field(field, change, context):
     with pytest.raises(PlanError, match=f"'{field}'"):
         validate(dataclasses.replace(GOOD, **change), **context)
     assert issubclass(PlanError, ValueError)
+
+
+def test_decoupled_tensors_get_a_reduce_scatter_then_an_all_gather():
+    """Note [Two-stage blocks]: each block of a decoupled tensor (or merge) becomes two blocks over the same
+    elements, the all-gather right after its reduce-scatter, waiting for it and for the flush."""
+    from dcredit_opt.layout import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
+
+    plan = Plan(numels=(6, 4, 5), order=(2, 1, 0), partition=((3, 3), (4,), (5,)), merges=((2, 1),),
+                decoupled=(0,))
+    layout = layout_of(plan, ["torch.float32"] * 3)
+    assert layout.block_tensors == ((2, 1), (0,), (0,), (0,), (0,))
+    assert layout.block_op == (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER, REDUCE_SCATTER, ALL_GATHER)
+    assert layout.block_after == (-1, -1, 1, -1, 3)
+    assert layout.block_at_flush == (False, False, True, False, True)
+    assert layout.block_offset[1:3] == (layout.tensor_offset[0],) * 2 and layout.block_numel[1:3] == (3, 3)
+    whole = dataclasses.replace(plan, decoupled=(0, 1, 2))
+    assert layout_of(whole, ["torch.float32"] * 3).block_op == (REDUCE_SCATTER, ALL_GATHER) * 3
+    assert Plan.from_json(whole.to_json()) == whole
+
+
+@pytest.mark.parametrize("decoupled, message", [
+    ((3,), "must name distinct tensors"), ((0, 0), "must name distinct tensors"),
+    ((1,), "splits merge [2, 1]"),
+])
+def test_bad_decoupled_is_named(decoupled, message):
+    plan = Plan(numels=(6, 4, 5), order=(2, 1, 0), partition=((3, 3), (4,), (5,)), merges=((2, 1),),
+                decoupled=decoupled)
+    with pytest.raises(PlanError, match=re.escape(message)):
+        validate(plan)

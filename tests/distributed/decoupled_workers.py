@@ -1,0 +1,70 @@
+"""What each rank runs in test_decoupled.py: plans whose blocks go as a reduce-scatter in backward and an
+all-gather at the flush (``Plan.decoupled``, Note [Two-stage blocks] in ``csrc/core/scheduler.cc``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+
+import dcredit_opt as dc
+from dcredit_opt.layout import ALL_GATHER, REDUCE_SCATTER, fixed_plan
+
+from .workers import OPTIMIZERS, _make, batch, loss_of, max_diff, reference_grads
+
+STEPS_PER_PLAN = 5
+
+
+def _plans(numels: list, itemsizes: list) -> list:
+    """Every tensor decoupled (small blocks, phase 2 on); every other tensor decoupled with one window and
+    phase 2 off (``step()`` waits for the all-gathers); all decoupled in one block per tensor, merged in pairs."""
+    T = len(numels)
+    small = fixed_plan(numels, itemsizes, 256, 2, 2)
+    one_window = fixed_plan(numels, itemsizes, 1024, 1, 2, overlap_forward=False)
+    whole = fixed_plan(numels, itemsizes, 1 << 20, -1, 2)
+    order = whole.order
+    merges = tuple(tuple(order[i:i + 2]) for i in range(0, T - 1, 2))
+    return [dataclasses.replace(small, decoupled=tuple(range(T))),
+            dataclasses.replace(one_window, decoupled=tuple(range(0, T, 2))),
+            dataclasses.replace(whole, decoupled=tuple(range(T)), merges=merges, phase1_windows=(1,) * T)]
+
+
+def decoupled(backend: str = "auto", horovod_first: bool = False, opt_name: str = "adam",
+              max_sleep_ms: float = 15.0) -> dict:
+    """Train under each plan in turn (staged at a step boundary, as a profiled plan is), with random per-rank
+    sleeps so that the ranks' first stages complete in different orders; compare with the synchronous
+    reference after each plan."""
+    if horovod_first:
+        import horovod.torch as hvd
+
+        hvd.init()
+    dc.init()
+    world, rank = dc.size(), dc.rank()
+    rng = random.Random(11 + 101 * rank)
+    config = dc.Config(policy="fixed", block_bytes=512, window=2, channels=2, backend=backend)
+    model, ref, opt, ropt = _make(opt_name, config)
+    model.mid.register_forward_pre_hook(lambda module, args: time.sleep(rng.uniform(0, max_sleep_ms / 1000)))
+    params = list(model.parameters())
+    plans = _plans([p.numel() for p in params], [p.element_size() for p in params])
+    out = {"diffs": [], "ops": [], "backend": opt._dc_backend.name}
+    step = 0
+    for plan in plans:
+        opt._dc_staged_plan = plan  # switched at the next backward, on every rank
+        for _ in range(STEPS_PER_PLAN):
+            opt.zero_grad()
+            loss_of(model, batch(step, rank)).backward()
+            time.sleep(rng.uniform(0, max_sleep_ms / 1000))
+            opt.step()
+            reference_grads(ref, step, world)
+            ropt.step()
+            step += 1
+        ops = opt._dc_layout.block_op
+        out["ops"].append([ops.count(REDUCE_SCATTER), ops.count(ALL_GATHER), len(ops)])
+        opt.synchronize()
+        out["diffs"].append(max_diff(model, ref))
+    out["checksum"] = float(sum(p.double().sum() for p in model.state_dict().values()))
+    opt._dc_close()
+    return out
+
+
+__all__ = ["OPTIMIZERS", "decoupled"]
