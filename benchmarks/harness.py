@@ -167,6 +167,7 @@ def run_launch(net: Network, launch: Launch, args: argparse.Namespace, workdir: 
     for ep in net.endpoints[:world]:
         env = dict(os.environ, **rank_env(ep, world, net.master_addr, port))
         env["OMP_NUM_THREADS"] = str(args.threads)
+        env["PYTHONFAULTHANDLER"] = "1"  # a rank that dies of a signal prints every thread's stack
         env["PYTHONPATH"] = os.pathsep.join(
             x for x in (str(report.REPO_ROOT), os.environ.get("PYTHONPATH")) if x)
         argv = [sys.executable, "-m", "benchmarks.worker", "--scheme", launch.scheme,

@@ -32,8 +32,8 @@ import torch.distributed as dist
 from benchmarks.models import get_model, loss_fn, param_count
 
 DC_POLICIES = ("wfbp", "mgwfbp", "bytescheduler", "usbyte", "dear", "dcredit")
-# hvd-dcredit: an unchanged Horovod script with dc.DistributedOptimizer (blocks on our own C++ channels beside
-# Horovod, the default there); hvd-dcredit-ops: the same with Config(backend="horovod"), blocks on Horovod's ops.
+# hvd-dcredit: a Horovod script with dc.DistributedOptimizer and Config(backend="torch") (blocks on our own C++
+# channels beside Horovod); hvd-dcredit-ops: blocks on Horovod's operations (the default there, "auto").
 # dc-dcredit-fp16: D-Credit with compression=Compression.fp16 (blocks travel as float16: half the bytes, float16's
 # rounding in the reduced gradient, as with Horovod's fp16 compression). dc-dcredit-dense: D-Credit with
 # Config(embedding_rows=False), embeddings all-reduced densely (Note [Embedding rows] in dcredit_opt/rows.py).
@@ -152,10 +152,10 @@ def run_horovod(args, model, batch, rank, world):
 def run_dc_under_horovod(args, model, batch, rank, world):
     import dcredit_opt as dc
 
-    backend = "horovod" if args.scheme.endswith("-ops") else "auto"
+    backend = "horovod" if args.scheme.endswith("-ops") else "torch"  # "auto" under Horovod is its operations
     # The README's Horovod recipe: fusion off; with our channels carrying the blocks, a 20 ms cycle
     # (Note [Horovod cycle time] in dcredit_opt/launchers.py). Blocks on Horovod's operations keep its default.
-    hvd, close_horovod = _join_horovod(rank, world, fusion_off=True, quiet_cycle=backend == "auto")
+    hvd, close_horovod = _join_horovod(rank, world, fusion_off=True, quiet_cycle=backend == "torch")
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     config = dc.Config.from_env(policy="dcredit", backend=backend)
     opt = dc.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(), config=config)

@@ -63,8 +63,6 @@ class _World:
     owns_horovod: bool = False
     backends_created: int = 0
     """Backends made so far; the same count on every rank (Note [Same order on every rank])."""
-    on_cpu: bool | None = None
-    """In a Horovod job: whether it runs on CPUs, decided by every rank together (``horovod_on_cpu()``)."""
 
 
 _world: _World | None = None
@@ -340,22 +338,25 @@ def _torch_beside_horovod(world: _World) -> None:
 
     Blocks on Horovod's Python API pay two Python calls and a negotiation
     cycle each, on two busy cores; blocks on c10d process groups are launched
-    and completed in C++, as under torchrun. So under Horovod the "auto"
-    backend carries gradient blocks on process groups of our own, and the
+    and completed in C++, as under torchrun. ``Config(backend="torch")`` in a
+    Horovod job carries gradient blocks on process groups of our own, and the
     script keeps Horovod for everything else (its own allreduce, broadcasts,
     metrics). The rendezvous goes through one Horovod broadcast
     (``launchers.rendezvous_gloo``); the default group is ours, destroyed at
     ``shutdown()``. Collective: every rank builds its first "torch" backend at
-    the same point. ``Config(backend="horovod")`` keeps blocks on Horovod's
-    operations instead.
+    the same point.
 
-    On another machine (AMD EPYC, 2 cores) Horovod's own
+    Not the default ("auto" is Horovod's operations): in Horovod's own
     ``test_force_allreduce`` (26 optimizers built one after another in one
-    job, 3 process groups each) once failed in 2 of 3 runs with this path:
-    Horovod's background loop timed out on a Gloo receive. On this project's
-    CI machine (Intel Xeon, 2 cores) it passed 10 of 10 runs alone and the
-    whole peer suite 3 of 3, under load; the cause there was not found. The
-    peer suite runs this path in every ``make test``.
+    job, 3 process groups each) Horovod's background loop failed with a Gloo
+    "Timed out waiting 30000ms for recv" in 2 of 3 runs on an AMD EPYC (2
+    cores), and Horovod shut down; with blocks on Horovod's operations the
+    same test passes in 8 s. On an Intel Xeon (2 cores) it passed 10 of 10
+    runs alone and the peer suite 4 of 4, but in 1 of 3 full ``make test``
+    runs under heavy load Horovod shut down in the swapped peer suite again.
+    The cause is not found: not symbol interposition (Horovod's library
+    neither exports nor imports gloo symbols); the group churn, or a stall
+    of one rank's background thread, remain.
     """
     from . import launchers
 
@@ -368,7 +369,7 @@ def _torch_beside_horovod(world: _World) -> None:
     launchers.warn_if_cycle_short(world.hvd)
     if world.rank == 0:
         log.warning("dcredit_opt: gradient blocks go on torch.distributed (Gloo) process groups beside Horovod "
-                    "(Config(backend='horovod') keeps them on Horovod's operations)")
+                    "(Config(backend='torch')); 'auto' keeps them on Horovod's operations")
 
 
 def destroy_channel_groups(groups: list) -> None:
@@ -384,17 +385,6 @@ def destroy_channel_groups(groups: list) -> None:
             continue
         world.channel_groups = [g for g in world.channel_groups if g is not group]
         _destroy_group(group)
-
-
-def horovod_on_cpu() -> bool:
-    """A Horovod job on CPUs: where our own C++ channels replace Horovod's operations for the blocks (Note [C++
-    channels under Horovod]). Decided once per job, by every rank together: a rank without CUDA makes it a CPU
-    job for all (ranks that chose differently would wait for each other's collectives forever)."""
-    world = _require()
-    if world.on_cpu is None:
-        mine = torch.tensor([0 if torch.cuda.is_available() else 1], dtype=torch.int32)
-        world.on_cpu = any(int(t) for t in all_gather(mine, name="cpu"))
-    return world.on_cpu
 
 
 def _destroy_group(group) -> None:

@@ -28,6 +28,7 @@ It uses the repository's ``benchmarks`` package, so it runs from a checkout.
 from __future__ import annotations
 
 import argparse
+import atexit
 import hashlib
 import json
 import os
@@ -131,6 +132,7 @@ def run_launch(net: netem.Network, scheme: str, args: argparse.Namespace, workdi
     for ep in net.endpoints:
         env = dict(os.environ, **netem.rank_env(ep, net.ranks, net.master_addr, port))
         env["OMP_NUM_THREADS"] = str(args.threads)
+        env["PYTHONFAULTHANDLER"] = "1"  # a rank that dies of a signal prints every thread's stack
         env["PYTHONPATH"] = os.pathsep.join(x for x in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if x)
         env.setdefault("DCREDIT_TIMEOUT_S", str(DC_TIMEOUT_S))
         argv = [sys.executable, str(Path(__file__).resolve()), "--rank-of", scheme, "--out", str(workdir),
@@ -190,7 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.rank_of:
         rank_main(args)
-        return 0
+        # As benchmarks/worker.py: the record is written and every exit handler runs; the interpreter's own
+        # teardown is skipped, where a finished rank has aborted a few times under heavy load ("terminate
+        # called without an active exception"; tests/distributed/spawn.py, exit_after_exit_handlers).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        atexit._run_exitfuncs()
+        os._exit(0)
 
     n = param_count(get_model(args.model).build())
     batch = args.batch_size or get_model(args.model).default_batch

@@ -39,6 +39,7 @@ opt._dc_close()
 dc.shutdown()
 """
 TRAIN_ON_HOROVOD_OPS = TRAIN.replace('policy="fixed"', 'policy="fixed", backend="horovod"')
+TORCH_BESIDE = TRAIN.replace('policy="fixed"', 'policy="fixed", backend="torch"')  # our channels beside Horovod
 
 
 def run(code: str, env: dict | None = None, pythonpath: str | None = None, timeout: float = 150):
@@ -111,8 +112,7 @@ def test_backend_torch_in_a_horovod_job_trains_on_channels_beside_horovod():
     # Note [C++ channels under Horovod]: torch.distributed is set up beside Horovod, through its broadcast.
     if not importable("import horovod.torch"):
         pytest.skip("Horovod with PyTorch support is not installed (make horovod)")
-    out = run("import dcredit_opt as dc\ndc.init(backend='horovod')\n" + TRAIN.replace('policy="fixed"',
-                                                                                     'policy="fixed", backend="torch"'))
+    out = run("import dcredit_opt as dc\ndc.init(backend='horovod')\n" + TORCH_BESIDE)
     assert out.returncode == 0, out.stderr
     assert "backend torch size 1 kind horovod" in out.stdout, out.stdout
     assert "process groups beside Horovod" in out.stderr
@@ -138,8 +138,8 @@ def test_adopting_horovod_with_fusion_on_warns_once():
     assert out.returncode == 0, out.stderr
     assert "backend horovod size 1 kind horovod" in out.stdout, out.stdout
     assert out.stderr.count("tensor fusion is on") == 1 and "--fusion-threshold-mb 0" in out.stderr
-    # By default the blocks go on our own channels beside Horovod: fusion does not touch them.
-    out = run("import horovod.torch as hvd\nhvd.init()\nimport dcredit_opt as dc\ndc.init()\n" + TRAIN)
+    # Blocks on our own channels beside Horovod (backend="torch"): fusion does not touch them.
+    out = run("import horovod.torch as hvd\nhvd.init()\nimport dcredit_opt as dc\ndc.init()\n" + TORCH_BESIDE)
     assert out.returncode == 0, out.stderr
     assert "backend torch size 1 kind horovod" in out.stdout, out.stdout
     assert "tensor fusion is on" not in out.stderr
@@ -150,7 +150,7 @@ def test_our_channels_beside_a_busy_horovod_cycle_warn_once():
     we never change it (blocks on Horovod's operations would wait for its cycles)."""
     if not importable("import horovod.torch"):
         pytest.skip("Horovod with PyTorch support is not installed (make horovod)")
-    user_init = "import horovod.torch as hvd\nhvd.init()\nimport dcredit_opt as dc\ndc.init()\n" + TRAIN
+    user_init = "import horovod.torch as hvd\nhvd.init()\nimport dcredit_opt as dc\ndc.init()\n" + TORCH_BESIDE
     out = run(user_init)
     assert out.returncode == 0, out.stderr
     assert out.stderr.count("--cycle-time-ms 20") == 1, out.stderr
