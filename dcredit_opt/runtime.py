@@ -352,7 +352,7 @@ def _torch_beside_horovod(world: _World) -> None:
     "Timed out waiting 30000ms for recv" in 2 of 3 runs on an AMD EPYC (2
     cores), and Horovod shut down; with blocks on Horovod's operations the
     same test passes in 8 s. On an Intel Xeon (2 cores) it passed 10 of 10
-    runs alone and the peer suite 4 of 4, but in 1 of 3 full ``make test``
+    runs alone and the peer suite 4 of 4, but in 1 of 2 full ``make test``
     runs under heavy load Horovod shut down in the swapped peer suite again.
     The cause is not found: not symbol interposition (Horovod's library
     neither exports nor imports gloo symbols); the group churn, or a stall
