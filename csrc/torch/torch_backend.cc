@@ -126,7 +126,7 @@ void TorchBackend::SetBlocks(const std::vector<at::Tensor>& buffers, const std::
   std::vector<at::Tensor> wires;
   std::vector<BlockOp> ops;
   std::vector<at::Tensor> shards(blocks.size()), padded(blocks.size());
-  const int64_t world = groups_.empty() ? 1 : groups_[0]->getSize();
+  const int64_t world = groups_[0]->getSize();  // the constructor refuses an empty list
   std::vector<std::vector<int32_t>> block_tensors;
   views.reserve(blocks.size());
   block_tensors.reserve(blocks.size());
