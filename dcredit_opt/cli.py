@@ -81,7 +81,7 @@ POLICY_PHRASES = {
     "bytescheduler": "equal blocks under a fixed credit, tuned",
     "usbyte": "US-Byte: unequal gap-filling messages, tuned",
     "oasr": "OASR-WFBP: overlap-aware optimal merges",
-    "dear": "DeAR's fusion, reduced with all-reduces (an approximation)",
+    "dear": "DeAR: reduce-scatter in backward, all-gather in forward, tuned fusion",
     "dcredit": "D-Credit: greedy then optimal windows, searched",
 }
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from .planner.plan import Plan, PlanError, blocks_of
+from .planner.plan import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Plan, PlanError, stages_of
 
-ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = 0, 1, 2
-"""A block's collective: the values of ``BlockOp`` in ``csrc/core/scheduler.h``."""
+__all__ = ["ALL_GATHER", "ALL_REDUCE", "REDUCE_SCATTER", "Layout", "build_layout", "fixed_plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,24 +60,19 @@ def build_layout(plan: Plan, dtype_names: Sequence[str], itemsizes: Sequence[int
         sizes[s] += plan.numels[t]
     b_seg, b_off, b_numel, b_bytes, b_prio, b_tensors = [], [], [], [], [], []
     b_op, b_after, b_at_flush = [], [], []
-    split = set(plan.decoupled)
-    for tensors, first_offset, numel, priority in blocks_of(plan):
-        head = tensors[0]
-        if any(seg[t] != seg[head] for t in tensors):
-            raise PlanError(f"plan 'merges' entry {list(tensors)} mixes dtypes")
-        # A decoupled block is two blocks over the same elements: its reduce-scatter, then its all-gather.
-        stages = ((REDUCE_SCATTER, -1, False), (ALL_GATHER, len(b_seg), True)) if head in split else \
-            ((ALL_REDUCE, -1, False),)
-        for op, after, at_flush in stages:
-            b_seg.append(seg[head])
-            b_off.append(off[head] + first_offset)
-            b_numel.append(numel)
-            b_bytes.append(numel * int(itemsizes[head]))
-            b_prio.append(priority)
-            b_tensors.append(tuple(tensors))
-            b_op.append(op)
-            b_after.append(after)
-            b_at_flush.append(at_flush)
+    for stage in stages_of(plan):
+        head = stage.tensors[0]
+        if any(seg[t] != seg[head] for t in stage.tensors):
+            raise PlanError(f"plan 'merges' entry {list(stage.tensors)} mixes dtypes")
+        b_seg.append(seg[head])
+        b_off.append(off[head] + stage.offset)
+        b_numel.append(stage.numel)
+        b_bytes.append(stage.numel * int(itemsizes[head]))
+        b_prio.append(stage.priority)
+        b_tensors.append(tuple(stage.tensors))
+        b_op.append(stage.op)
+        b_after.append(stage.after)
+        b_at_flush.append(stage.at_flush)
     return Layout(tuple(keys), tuple(sizes), tuple(seg), tuple(off), tuple(b_seg), tuple(b_off),
                   tuple(b_numel), tuple(b_bytes), tuple(b_prio), tuple(b_tensors), tuple(b_op), tuple(b_after),
                   tuple(b_at_flush))

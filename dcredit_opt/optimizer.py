@@ -101,6 +101,8 @@ from .errors import DCreditError, at_rank
 from .layout import build_layout, fixed_plan
 from .lazy import Keeper, LazyStep, copy_hyper, watch_module_hooks_when_compiled
 from .planner.plan import Plan, validate
+from .planner.profile import RING_STAGE_RATIOS
+from .planning import DECOUPLING_POLICIES
 from .reads import PendingReadGuard
 
 log = logging.getLogger("dcredit_opt")
@@ -781,10 +783,16 @@ class _DistributedOptimizer:
     def _dc_finish_profiling(self) -> None:
         """Every rank: measure the network; rank 0: plan; everyone: stage rank 0's plan."""
         recorder, self._dc_recorder = self._dc_recorder, None
-        alpha, beta, _ = profiler.measure_alpha_beta(*self._dc_backend.sweep_collectives(), self._dc_params[0].device)
+        device = self._dc_params[0].device
+        allreduce, barrier = self._dc_backend.sweep_collectives()
+        alpha, beta, _ = profiler.measure_alpha_beta(allreduce, barrier, device)
+        ratios = RING_STAGE_RATIOS
+        if self._dc_config.policy in DECOUPLING_POLICIES:  # what a reduce-scatter and an all-gather cost here
+            ratios = profiler.measure_stage_ratios(self._dc_backend.stage_collectives(), barrier, device,
+                                                   runtime.size(), alpha, beta)
         self._dc_staged_plan, self._dc_profile = profiler.agree_on_plan(recorder, alpha, beta, self._dc_config,
                                                                         self._dc_params, self._dc_wire_dtypes(),
-                                                                        self._dc_numels())
+                                                                        self._dc_numels(), ratios)
 
     @property
     def plan(self) -> Plan:

@@ -19,13 +19,19 @@ the one scheme with several collectives in flight, ByteScheduler on VGG, predict
 processor sharing is 8 % short)."""
 
 
+DECOUPLING_POLICIES = ("dear", "dcredit")
+"""Policies whose plans may decouple blocks (``Plan.decoupled``): the profiler measures what a reduce-scatter
+and an all-gather cost for them (``profiler.measure_stage_ratios``); the others never pay for that sweep."""
+
+
 def make_plan(profile: Profile, policy: str, *, channels: int, overlap_forward: bool = True,
               channel_fifo: bool | None = None) -> Plan:
     """The plan the runtime runs for ``policy`` on ``profile``.
 
     ``bytescheduler`` means the best fixed block size and credit for this
     profile (searched over the simulator), never an arbitrary default,
-    ``usbyte`` its best unit size with the same number of tries, and
+    ``usbyte`` its best unit size with the same number of tries, ``dear`` its best fusion threshold
+    with as many, and
     ``dcredit`` the fastest plan of the planner's search
     (:mod:`.planner.search`: D-Credit's own plans over the same block sizes,
     and every baseline's plan as the runtime makes it, so that D-Credit is
@@ -38,6 +44,8 @@ def make_plan(profile: Profile, policy: str, *, channels: int, overlap_forward: 
         build = policies.tune_bytescheduler
     elif policy == "usbyte":
         build = policies.tune_usbyte
+    elif policy == "dear":
+        build = policies.tune_dear
     elif policy == "dcredit":
         build = functools.partial(search.search, overlap_forward=overlap_forward)
     elif policy in policies.POLICIES:

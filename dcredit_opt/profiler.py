@@ -10,7 +10,9 @@ timestamps). Profiling ends after exactly ``profile_iters`` calls of
 every rank leaves profiling, measures the network and takes the plan at the
 same ``step()`` (a parameter one rank never saw read just has no forward
 time). Then every rank joins a short all-reduce sweep on the optimizer's
-own channel 0; rank 0 fits alpha/beta, builds a :class:`~dcredit_opt.planner.profile.Profile`,
+own channel 0 (and, where the policy may decouple blocks, a reduce-scatter
+and an all-gather sweep, :func:`measure_stage_ratios`); rank 0 fits
+alpha/beta, builds a :class:`~dcredit_opt.planner.profile.Profile`,
 plans, and broadcasts the plan as JSON; every rank validates it and switches
 at the same iteration. With profiling off the optimizer pays one ``if`` per
 hook.
@@ -30,13 +32,17 @@ from .errors import DCreditError
 from .functions import broadcast_text
 from .planner.cost import fit_alpha_beta
 from .planner.plan import Plan, validate
-from .planner.profile import Profile, TensorProfile, canonical_dtype
+from .planner.profile import RING_STAGE_RATIOS, Profile, TensorProfile, canonical_dtype
 from .planning import make_plan
 
 # A sweep from latency-bound to bandwidth-bound messages; 4 repeats each,
 # median taken, so one slow outlier does not bend the fit.
 SWEEP_BYTES = (1 << 12, 1 << 15, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
 SWEEP_REPEATS = 4
+# Reduce-scatter and all-gather: three sizes are enough for a line, from latency- to bandwidth-bound.
+STAGE_SWEEP_BYTES = (1 << 16, 1 << 20, 1 << 24)
+# A measured ratio outside this range is noise on a sweep of a few milliseconds, not a collective.
+STAGE_RATIO_RANGE = (0.05, 20.0)
 
 
 class Recorder:
@@ -111,26 +117,58 @@ def measure_alpha_beta(allreduce, barrier, device: torch.device) -> tuple[float,
     samples = []
     for nbytes in SWEEP_BYTES:
         buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
-        allreduce(buf)  # warm the connection and the allocator
-        times = []
-        for _ in range(SWEEP_REPEATS):
-            barrier()
-            t0 = time.perf_counter()
-            allreduce(buf)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
-        samples.append((nbytes, statistics.median(times)))
+        samples.append((nbytes, _timed(allreduce, barrier, buf, device)))
     alpha, beta = fit_alpha_beta([s for s, _ in samples], [t for _, t in samples])
     return alpha, beta, samples
 
 
+def _timed(collective, barrier, buf, device: torch.device) -> float:
+    collective(buf)  # warm the connection and the allocator
+    times = []
+    for _ in range(SWEEP_REPEATS):
+        barrier()
+        t0 = time.perf_counter()
+        collective(buf)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_stage_ratios(stage_collectives, barrier, device: torch.device, world_size: int, alpha: float,
+                         beta: float) -> tuple[float, float, float, float]:
+    """``Profile.stage_ratios`` on the live job: a reduce-scatter sweep and an all-gather sweep with a
+    backend's blocking ``(reduce_scatter(buf), all_gather(buf))`` (its ``stage_collectives()``; each over a
+    flat buffer whose length is a multiple of the world size, the all-gather from the buffer's first shard),
+    each fitted to a line and divided by the all-reduce's ``alpha``/``beta``. Backends differ far from the
+    ring formula's halves (Gloo's reduce-scatter costs more than its all-reduce), and the planner decouples
+    blocks only where this says it pays."""
+    fitted = []
+    for collective in stage_collectives:
+        samples = []
+        for nbytes in STAGE_SWEEP_BYTES:
+            numel = max(1, nbytes // 4 // world_size) * world_size
+            buf = torch.zeros(numel, dtype=torch.float32, device=device)
+            samples.append((numel * 4, _timed(collective, barrier, buf, device)))
+        fitted.append(fit_alpha_beta([s for s, _ in samples], [t for _, t in samples]))
+    low, high = STAGE_RATIO_RANGE
+
+    def ratio(stage: float, whole: float, ring: float) -> float:
+        return min(high, max(low, stage / whole)) if whole > 0 else ring
+
+    (rs_alpha, rs_beta), (ag_alpha, ag_beta) = fitted
+    return (ratio(rs_alpha, alpha, RING_STAGE_RATIOS[0]), ratio(rs_beta, beta, RING_STAGE_RATIOS[1]),
+            ratio(ag_alpha, alpha, RING_STAGE_RATIOS[2]), ratio(ag_beta, beta, RING_STAGE_RATIOS[3]))
+
+
 def build_profile(recorder: Recorder, alpha: float, beta: float, world_size: int,
-                  wire_dtypes: list | None = None, numels: list | None = None) -> Profile:
+                  wire_dtypes: list | None = None, numels: list | None = None,
+                  stage_ratios: tuple[float, float, float, float] = RING_STAGE_RATIOS) -> Profile:
     """The profile of what was recorded. ``wire_dtypes`` (per tensor, Note [Wire dtype]) count the bytes that
     travel when every tensor has one dtype and one wire dtype (the planner merges by dtype, and a merge must
     stay within one buffer); otherwise each tensor counts in its own dtype. ``numels`` (default: the
-    parameters') are the elements that travel in blocks (Note [Embedding rows])."""
+    parameters') are the elements that travel in blocks (Note [Embedding rows]). ``stage_ratios``: what
+    :func:`measure_stage_ratios` found, or the ring formula's."""
     fwd_s, bwd_s, order = recorder.compute_times()
     dtypes = [p.dtype for p in recorder.params]
     if wire_dtypes is not None and len(set(dtypes)) == 1 and len(set(wire_dtypes)) == 1:
@@ -140,12 +178,13 @@ def build_profile(recorder: Recorder, alpha: float, beta: float, world_size: int
                              fwd_s=fwd_s[i], bwd_s=bwd_s[i])
                for i, (n, d) in enumerate(zip(recorder.names, dtypes))]
     return Profile(tensors=tensors, alpha_s=alpha, beta_s_per_byte=beta, world_size=world_size,
-                   ready_order=order)
+                   ready_order=order, stage_ratios=tuple(stage_ratios))
 
 
 def agree_on_plan(recorder: Recorder, alpha: float, beta: float, config: Config,
                   params: list, wire_dtypes: list | None = None,
-                  numels: list | None = None) -> tuple[Plan, Profile | None]:
+                  numels: list | None = None,
+                  stage_ratios: tuple[float, float, float, float] = RING_STAGE_RATIOS) -> tuple[Plan, Profile | None]:
     """The plan every rank switches to after profiling, and the profile (on rank 0; None elsewhere).
 
     Rank 0 builds the profile from its measurements and plans; the plan goes
@@ -155,7 +194,7 @@ def agree_on_plan(recorder: Recorder, alpha: float, beta: float, config: Config,
     text, profile = None, None
     if runtime.rank() == 0:
         try:
-            profile = build_profile(recorder, alpha, beta, runtime.size(), wire_dtypes, numels)
+            profile = build_profile(recorder, alpha, beta, runtime.size(), wire_dtypes, numels, stage_ratios)
             plan = make_plan(profile, config.policy, channels=config.channels, overlap_forward=config.overlap_forward)
             validate(plan, numels=numels or [p.numel() for p in params], max_channels=config.channels,
                      dtypes=[p.dtype for p in params])

@@ -105,6 +105,11 @@ class DrivenBackend:
         sweep (nothing is in flight then)."""
         return self._transport.allreduce, self._transport.barrier
 
+    def stage_collectives(self):
+        """Blocking ``(reduce_scatter(buf), all_gather(buf))`` on this backend's own transport, for the
+        profiler's stage sweep (``profiler.measure_stage_ratios``)."""
+        return self._transport.reduce_scatter, self._transport.all_gather
+
     def cost_per_block_us(self) -> tuple[float, float, int]:
         """Mean CPU time per block of the driver (launch taken -> collective started) and of the
         completer (collective done -> scheduler told), in microseconds, and the number of blocks."""

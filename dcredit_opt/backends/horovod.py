@@ -104,6 +104,13 @@ class _HorovodTransport:
     def barrier(self) -> None:
         self._hvd.barrier()
 
+    def reduce_scatter(self, tensor) -> None:
+        self._hvd.reducescatter(tensor, name=f"{self._prefix}.sweep.rs.{tensor.numel()}", op=self._hvd.Sum)
+
+    def all_gather(self, tensor) -> None:
+        shard = tensor[:tensor.numel() // self._hvd.size()].clone()
+        tensor.copy_(self._hvd.allgather(shard, name=f"{self._prefix}.sweep.ag.{tensor.numel()}"))
+
     def exchange_rows(self, ids, values, flag: bool, timeout_s: float):
         """Note [Embedding rows]: counts, then every rank's packed ids and rows (Horovod's all-gather takes
         first dimensions that differ by rank; at least one row's room each, never an empty tensor)."""

@@ -140,6 +140,15 @@ class _MPITransport:
     def barrier(self) -> None:
         self._comms[0].Barrier()
 
+    def reduce_scatter(self, tensor) -> None:
+        a = tensor.numpy()
+        self._comms[0].Reduce_scatter_block(a, np.empty(a.size // self._comms[0].Get_size(), a.dtype),
+                                            op=self._MPI.SUM)
+
+    def all_gather(self, tensor) -> None:
+        a = tensor.numpy()
+        self._comms[0].Allgather(a[:a.size // self._comms[0].Get_size()].copy(), a)
+
     def start_tally(self, counts) -> None:
         assert self._tally is None, "a tally is already in flight"
         self._tally = self._tally_comm.Iallreduce(self._MPI.IN_PLACE, counts.numpy(), op=self._MPI.SUM)

@@ -117,6 +117,21 @@ class TorchDistBackend:
         group = self._groups[0]
         return (lambda buf: dist.all_reduce(buf, group=group)), (lambda: dist.barrier(group=group))
 
+    def stage_collectives(self):
+        """Blocking ``(reduce_scatter(buf), all_gather(buf))`` on channel 0, for the profiler's stage sweep
+        (``profiler.measure_stage_ratios``): the buffer's length is a multiple of the world size; the
+        all-gather spreads its first shard."""
+        group = self._groups[0]
+        world = dist.get_world_size(group)
+
+        def reduce_scatter(buf):
+            dist.reduce_scatter_tensor(buf.new_empty(buf.numel() // world), buf, group=group)
+
+        def all_gather(buf):
+            dist.all_gather_into_tensor(buf, buf[:buf.numel() // world].clone(), group=group)
+
+        return reduce_scatter, all_gather
+
     def start_tally(self, counts) -> None:
         """Start summing the CPU tensor ``counts`` over ranks, in place, on a Gloo group of its own (Note
         [Global usage] in optimizer.py). One at a time: ``wait_tally`` before the next."""

@@ -188,44 +188,54 @@ def replay_phase1(plan: Plan, profile: Profile, *, greedy: bool = False, block_b
 
     Which blocks each event releases depends on the windows only (Note
     [Same order on every rank]), so ``remaining`` is exact; ``link_free_s``
-    is the model's.
+    is the model's. A decoupled block's all-gather is held for the flush
+    (Note [Two-stage blocks in the simulator]) and is in ``remaining``; each
+    block costs the link its own start-up and transfer (``table.latency_s``,
+    ``table.wire``).
     """
     table = table or block_table(plan, profile)
     alpha, beta = profile.alpha_s, profile.beta_s_per_byte
-    events, nbytes, layout = table.event_s, table.nbytes, table.layout
+    events, layout, latency_s, nbytes = table.event_s, table.layout, table.latency_s, table.wire
     T = len(events)
     # best_after[i]: the best priority among blocks that enter after event i.
     best_after = [float("inf")] * T
     for i in range(T - 2, -1, -1):
         best_after[i] = min([best_after[i + 1], *(layout[b][3] for b in table.enters_at[i + 1])])
     heap: list[tuple[int, int]] = []
+    held: list[tuple[int, int]] = []
     free = 0.0
     windows = []
     for i in range(T):
         for b in table.enters_at[i]:
-            heapq.heappush(heap, (layout[b][3], b))
+            heapq.heappush(held if table.at_flush[b] else heap, (layout[b][3], b))
         start = max(events[i], free)
         sent = taken = 0
+        latency = 0.0
         if greedy:
             if i + 1 < T:
                 idle = events[i + 1] - start
                 # Bytes to send: ceil(dt / (beta*S)) blocks of S, at least one;
                 # counted in bytes so that small tensors (one short block each)
                 # share a start-up instead of paying alpha apiece.
-                target = max((idle - alpha) / beta, block_bytes) if beta > 0 else float("inf")
+                head_alpha = latency_s[heap[0][1]] if heap else alpha
+                target = max((idle - head_alpha) / beta, block_bytes) if beta > 0 else float("inf")
                 while heap and ((idle > 0 and sent < target) or heap[0][0] < best_after[i]):
-                    sent += nbytes[heapq.heappop(heap)[1]]
+                    b = heapq.heappop(heap)[1]
+                    sent += nbytes[b]
+                    latency = max(latency, latency_s[b])
                     taken += 1
             windows.append(taken)
         else:
             w = plan.window_at(i)
             taken = len(heap) if w == ALL else min(w, len(heap))
             for _ in range(taken):
-                sent += nbytes[heapq.heappop(heap)[1]]
+                b = heapq.heappop(heap)[1]
+                sent += nbytes[b]
+                latency = max(latency, latency_s[b])
             windows.append(w)
         if taken:
-            free = start + alpha + beta * sent
-    remaining = tuple(b for _, b in sorted(heap))
+            free = start + latency + beta * sent
+    remaining = tuple(b for _, b in sorted(heap + held))
     return FlushState(remaining, table.backward_end_s, free, tuple(windows))
 
 
@@ -318,9 +328,11 @@ def _forward_tails(profile: Profile, update_s: float) -> list[float]:
 def _phase2_batches(table: BlockTable, state: FlushState, profile: Profile, update_s: float) -> list[int]:
     F = _forward_tails(profile, update_s)
     layout = table.layout
-    sizes = [table.nbytes[b] for b in state.remaining]
+    # Costs as the link sees them: a decoupled block's all-gather has its own start-up and transfer.
+    sizes = [table.wire[b] for b in state.remaining]
     heads = [max(F[t] for t in layout[b][0]) for b in state.remaining]
-    return optimal_phase2_batches(profile.alpha_s, profile.beta_s_per_byte, sizes, heads)
+    alpha = max((table.latency_s[b] for b in state.remaining), default=profile.alpha_s)
+    return optimal_phase2_batches(alpha, profile.beta_s_per_byte, sizes, heads)
 
 
 def optimal_phase2_windows(plan: Plan, profile: Profile, *, update_s: float = 0.0) -> tuple[int, ...]:

@@ -200,6 +200,42 @@ def blocks_of(plan: Plan) -> list[tuple[tuple[int, ...], int, int, int]]:
     return blocks
 
 
+ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = 0, 1, 2
+"""A stage's collective: the values of ``BlockOp`` in ``csrc/core/scheduler.h`` (what each costs:
+``Profile.stage_cost``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One collective of the launch layout: a block of :func:`blocks_of`, or one of a decoupled block's two."""
+
+    tensors: tuple[int, ...]
+    offset: int
+    numel: int
+    priority: int
+    op: int = ALL_REDUCE
+    after: int = -1
+    """The stage whose completion this one's launch waits for (-1: none)."""
+    at_flush: bool = False
+    """Held out of phase 1: released at the flush with everything left (Note [Two-stage blocks])."""
+
+
+def stages_of(plan: Plan) -> list[Stage]:
+    """The collectives the scheduler launches, in its block-id order: :func:`blocks_of`, each block of a
+    ``decoupled`` tensor becoming a reduce-scatter and, right after it, an all-gather that waits for it and
+    for the flush (Note [Two-stage blocks] in ``csrc/core/scheduler.cc``). The one definition the runtime's
+    layout and the simulator share."""
+    split = set(plan.decoupled)
+    out: list[Stage] = []
+    for tensors, offset, numel, priority in blocks_of(plan):
+        if tensors[0] in split:
+            out.append(Stage(tensors, offset, numel, priority, REDUCE_SCATTER))
+            out.append(Stage(tensors, offset, numel, priority, ALL_GATHER, after=len(out) - 1, at_flush=True))
+        else:
+            out.append(Stage(tensors, offset, numel, priority))
+    return out
+
+
 def validate(plan: Plan, numels: Sequence[int] | None = None, max_channels: int | None = None,
              dtypes: Sequence[object] | None = None) -> None:
     """Raise :class:`PlanError` naming the field unless the runtime can execute ``plan``.

@@ -6,6 +6,9 @@ how gradients are cut or merged, in priority, in the windows, and in whether
 ``step()`` waits (``overlap_forward``). See ``plan.py`` for what each field
 makes the runtime do, and Note [Group window] in ``simulate.py``.
 
+DeAR is its own collectives: every tensor reduce-scattered in backward and
+all-gathered during the next forward (``Plan.decoupled``).
+
 DeFT is not implemented: its speed comes from delayed updates (a layer's
 update may use a gradient from an earlier iteration), which changes what is
 trained, and Invariant 3 of DESIGN.md requires results equal to synchronous
@@ -255,21 +258,84 @@ def tune_usbyte(profile: Profile, *, block_sizes: Sequence[int] | None = None, p
                      for size in unit_grid(sizes, per_octave)), channel_fifo)
 
 
-def dear(profile: Profile, *, channels: int = 1) -> Plan:
-    """DeAR approximated with all-reduce only, the one collective the runtime has.
+DEAR_THRESHOLD_BYTES = 25 << 20
+"""DeAR's fusion buffer threshold before tuning (25 MB, its published default)."""
 
-    DeAR splits each all-reduce into a reduce-scatter during backward and an
-    all-gather just before the layer's next forward, and fuses small
-    tensors. Kept here: fusion (by the start-up sharing rule of
-    :func:`startup_sharing_merges`), communication in backward as soon as
-    gradients are ready (ALL at every event), and decoupling from
-    ``step()``: each layer's forward waits only for its own gradients
-    (``overlap_forward=True``). Lost: the all-gather half, which DeAR hides
-    under the forward, is paid in backward here. Since everything is
-    released in backward, the phase-2 window is never used.
+
+def dear_groups(profile: Profile, threshold_bytes: int = DEAR_THRESHOLD_BYTES) -> list[list[int]]:
+    """DeAR's tensor fusion: tensors in forward order, a group closed before the tensor that would make it
+    reach ``threshold_bytes`` (a tensor that alone reaches it is a group alone).
+
+    DeAR fills fusion buffers from the input side, so the group left short is
+    the output side's, the first reduced in backward. Groups are runs of
+    neighbours in the ready order walked backwards (forward order when
+    gradients are ready in reverse forward order), returned in ready order
+    so that each is a valid merge; dtypes are not mixed and a tensor without
+    elements ends a group.
     """
-    return _send_as_ready(profile, "dear", merges=startup_sharing_merges(profile), overlap_forward=True,
-                          channels=channels)
+    if threshold_bytes <= 0:
+        raise ValueError(f"threshold_bytes must be positive, got {threshold_bytes}")
+    groups: list[list[int]] = []
+    current: list[int] = []
+    filled = 0
+    for t in reversed(profile.order()):
+        tensor = profile.tensors[t]
+        if tensor.numel == 0 or (current and (tensor.dtype != profile.tensors[current[0]].dtype
+                                               or filled + tensor.nbytes >= threshold_bytes)):
+            if current:
+                groups.append(current[::-1])
+            current, filled = [], 0
+        if tensor.numel:
+            current.append(t)
+            filled += tensor.nbytes
+    if current:
+        groups.append(current[::-1])
+    return groups[::-1]
+
+
+def dear(profile: Profile, *, threshold_bytes: int = DEAR_THRESHOLD_BYTES, channels: int = 1) -> Plan:
+    """DeAR: each fusion group (:func:`dear_groups`) reduce-scattered in backward as soon as its last gradient
+    is ready, and all-gathered group by group in forward order while the next forward runs.
+
+    Every tensor is decoupled (``Plan.decoupled``): a group's reduce-scatter
+    is released at its event (ALL: one at a time on the link, as on DeAR's
+    one communication stream) and its all-gather waits for the flush
+    (``step()``). Phase-2 windows of one launch the all-gathers one after
+    another, the first once every reduce-scatter has finished (DeAR's barrier
+    at the end of backward), each next one as the previous completes, which
+    is when DeAR's forward hook of a group starts the next group's all-gather.
+    Each layer's forward waits for its own group (``overlap_forward=True``),
+    and its update is applied then (the lazy step).
+    """
+    groups = dear_groups(profile, threshold_bytes)
+    T = profile.num_tensors
+    return Plan(
+        numels=profile.numels,
+        order=profile.order(),
+        partition=_whole_tensors(profile),
+        merges=tuple(tuple(g) for g in groups if len(g) > 1),
+        phase1_windows=(ALL,) * T,
+        phase2_windows=(1,),
+        channels=channels,
+        overlap_forward=True,
+        decoupled=tuple(t for t in range(T) if profile.tensors[t].numel),
+        policy="dear",
+    )
+
+
+def tune_dear(profile: Profile, *, block_sizes: Sequence[int] | None = None, per_octave: int = 5,
+              channels: int = 1, update_s: float = 0.0, channel_fifo: bool = False) -> Plan:
+    """The DeAR plan with the shortest simulated iteration over its fusion threshold.
+
+    DeAR tunes the threshold online (Bayesian optimisation); the offline
+    equivalent is a grid over the simulator, with ByteScheduler's budget as
+    US-Byte has it (:func:`tune_usbyte`): ``per_octave`` thresholds per factor
+    of two over ``block_sizes`` (default: ByteScheduler's grid).
+    """
+    sizes = _block_size_grid(profile, step=1) if block_sizes is None else block_sizes
+    return _fastest(profile, update_s, "tune_dear",
+                    (dear(profile, threshold_bytes=size, channels=channels) for size in unit_grid(sizes, per_octave)),
+                    channel_fifo)
 
 
 POLICIES: dict[str, Callable[..., Plan]] = {

@@ -23,6 +23,10 @@ from collections.abc import Sequence
 from typing import Any
 
 PROFILE_VERSION = 1
+
+RING_STAGE_RATIOS = (0.5, 0.5, 0.5, 0.5)
+"""A ring (or halving-doubling) all-reduce *is* a reduce-scatter followed by an all-gather, each ``(p - 1)``
+steps of ``n / p`` bytes (``cost.ring_allreduce``): each costs half of it in start-up and in transfer."""
 """Written into every saved profile; loading refuses other versions."""
 
 
@@ -98,11 +102,18 @@ class Profile:
     """Ranks the cost model was measured (or scaled) for."""
     ready_order: tuple[int, ...] | None = None
     """Forward indices in the order their gradients became ready; ``None`` means reverse forward order."""
+    stage_ratios: tuple[float, float, float, float] = RING_STAGE_RATIOS
+    """A reduce-scatter's and an all-gather's start-up and per-byte time as shares of the all-reduce's
+    ``(alpha, beta)``: ``(rs_alpha, rs_beta, ag_alpha, ag_beta)``. The ring formula's halves unless measured
+    (the profiler fits them on the live job: Gloo's reduce-scatter, for one, costs more than its all-reduce).
+    Ratios rather than times, so that a profile scaled to another world size keeps them."""
 
     def __post_init__(self) -> None:
         # Lists are accepted (they come from JSON or from hand-written code)
         # but stored as tuples so that a profile is hashable and immutable.
         object.__setattr__(self, "tensors", tuple(self.tensors))
+        if isinstance(self.stage_ratios, (list, tuple)):
+            object.__setattr__(self, "stage_ratios", tuple(self.stage_ratios))
         if self.ready_order is not None:
             if isinstance(self.ready_order, (str, bytes)) or not isinstance(self.ready_order, Sequence):
                 raise ProfileError(f"ready_order is {self.ready_order!r}; expected a list of tensor indices or null")
@@ -131,6 +142,14 @@ class Profile:
     def total_bytes(self) -> int:
         return sum(self.nbytes)
 
+    def stage_cost(self, op: int) -> tuple[float, float]:
+        """``(alpha_s, beta_s_per_byte)`` of one collective: ``op`` is ``plan.ALL_REDUCE`` (0),
+        ``REDUCE_SCATTER`` (1) or ``ALL_GATHER`` (2)."""
+        if op == 0:
+            return self.alpha_s, self.beta_s_per_byte
+        ra, rb = self.stage_ratios[2 * (op - 1): 2 * op]
+        return self.alpha_s * ra, self.beta_s_per_byte * rb
+
     def order(self) -> tuple[int, ...]:
         """The ready order: measured if known, else reverse forward order (backward)."""
         if self.ready_order is not None:
@@ -143,6 +162,7 @@ class Profile:
         data = dataclasses.asdict(self)
         data["tensors"] = [dict(t) for t in data["tensors"]]
         data["ready_order"] = None if self.ready_order is None else list(self.ready_order)
+        data["stage_ratios"] = list(self.stage_ratios)
         data["version"] = PROFILE_VERSION
         return data
 
@@ -154,7 +174,7 @@ class Profile:
         if version != PROFILE_VERSION:
             raise ProfileError(f"version is {version!r}; this planner reads version {PROFILE_VERSION}")
         body = {k: v for k, v in data.items() if k != "version"}
-        _check_keys(body, {f.name for f in dataclasses.fields(cls)}, {"ready_order"}, where="")
+        _check_keys(body, {f.name for f in dataclasses.fields(cls)}, {"ready_order", "stage_ratios"}, where="")
         tensors = body["tensors"]
         if not isinstance(tensors, list):
             raise ProfileError(f"tensors is {_show(tensors)}; expected a list of tensor objects")
@@ -245,6 +265,12 @@ def _check(p: Profile) -> None:
     _check_time(p.alpha_s, "alpha_s")
     _check_time(p.beta_s_per_byte, "beta_s_per_byte")
     _check_int(p.world_size, "world_size", 1)
+    ratios = p.stage_ratios
+    if not isinstance(ratios, tuple) or len(ratios) != 4:
+        raise ProfileError(f"stage_ratios is {_show(ratios)}; expected 4 numbers (rs_alpha, rs_beta, ag_alpha, "
+                           "ag_beta)")
+    for j, r in enumerate(ratios):
+        _check_time(r, f"stage_ratios[{j}]", "ratios")
     if p.ready_order is not None:
         for j, t in enumerate(p.ready_order):
             _check_int(t, f"ready_order[{j}]", 0)

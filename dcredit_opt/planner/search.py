@@ -24,7 +24,14 @@ Candidates, in the order they are tried (most promising first):
 3. ByteScheduler's grid: every block size times every credit;
 4. the same blocks with a fixed phase-1 credit and D-Credit's optimal
    phase-2 windows, and D-Credit's windows without packing;
-5. US-Byte's plans over its unit grid.
+5. US-Byte's plans over its unit grid;
+6. DeAR's plans over its threshold grid (reduce-scatter in backward,
+   all-gather in forward), and D-Credit over decoupled collectives: its
+   windows with every block decoupled, and with only the blocks its
+   all-reduce plan leaves for the flush decoupled, so that their
+   reduce-scatters may fill the link's idle time in backward and only the
+   all-gathers are left for the forward (issue S1's question: whether
+   decoupling wins is the simulator's call, per profile).
 
 Invariant 1 (a plan is a deterministic function of the profile): the search
 has no clock. Its effort is bounded by a budget in *work units*, an
@@ -46,11 +53,12 @@ from .dcredit import (
     optimal_phase2_windows,
     packing_merges,
     partition_by_bytes,
+    replay_phase1,
 )
 from .oasr import overlap_aware_merges
 from .plan import ALL, Plan, validate
 from .profile import Profile
-from .simulate import unchecked_iteration_time
+from .simulate import block_table, unchecked_iteration_time
 from .usbyte import _Model, unit_grid
 
 CREDITS = (1, 2, 4, 8, 16)
@@ -139,6 +147,30 @@ def _candidates(profile: Profile, block_sizes: Sequence[int], credits: Sequence[
         # US-Byte's order search runs its model once per tensor it may promote; a run visits
         # each tensor and message (about 3T: its events, its phase-1 and phase-2 messages).
         yield f"usbyte unit={size}", (T + 1) * T // 2, usbyte, None
+    for size in _usbyte_units(block_sizes):
+        yield (f"dear threshold={size}", 2 * T, lambda size=size: dataclasses.replace(
+            policies.dear(profile, threshold_bytes=size, channels=channels), overlap_forward=overlap_forward,
+            policy="dcredit"), None)
+    for size in block_sizes:
+        for which in ("all", "flush"):
+            yield (f"dcredit decoupled ({which}) S={size}", units(packed(size), 6),
+                   lambda size=size, which=which: _decoupled_dcredit(profile, packed(size), size, which, update_s,
+                                                                     channel_fifo), None)
+
+
+def _decoupled_dcredit(profile: Profile, base: Plan, size: int, which: str, update_s: float,
+                       channel_fifo: bool) -> Plan:
+    """D-Credit's windows over ``base`` with decoupled blocks: every tensor's (``which="all"``), or those of the
+    tensors whose blocks D-Credit's all-reduce plan leaves for the flush (``"flush"``; a merge whole)."""
+    nonempty = [t for t in range(profile.num_tensors) if profile.tensors[t].numel]
+    if which == "all":
+        split = set(nonempty)
+    else:
+        table = block_table(base, profile)
+        state = replay_phase1(base, profile, greedy=True, block_bytes=size, table=table)
+        split = {t for b in state.remaining for t in table.layout[b][0]}
+    decoupled = dataclasses.replace(base, decoupled=tuple(sorted(split)))
+    return dcredit_windows(decoupled, profile, block_bytes=size, update_s=update_s, channel_fifo=channel_fifo)
 
 
 def _usbyte_units(block_sizes: Sequence[int]) -> list[int]:

@@ -20,6 +20,19 @@ number of blocks it took. This is the runtime's rule (``Release`` in
 *concurrency*, so a group of one block with window 4 may launch while three
 blocks of earlier groups are still in flight.
 
+Note [Two-stage blocks in the simulator]
+----------------------------------------
+A decoupled block (``Plan.decoupled``) is two collectives, as the runtime
+lays it out (``plan.stages_of``): a reduce-scatter that takes part in
+phase 1 like any block, and an all-gather that enters the heap only at the
+flush and launches only once its reduce-scatter has completed (a waiting
+head stops the launch sequence at its place, as in ``scheduler.cc``). Each
+stage has its own start-up and per-byte time (``Profile.stage_cost``: by
+default half an all-reduce's, the ring formula; measured on the live job);
+its transfer is served by the one link as ``beta_stage / beta`` times its
+bytes. The credit counts a stage's full bytes, as the runtime's does. Block ids, ``BlockTiming`` and the launch sequence are the
+runtime's, stage by stage.
+
 Network model
 -------------
 Only the network is a shared resource; backward, forward and the optimizer
@@ -62,7 +75,7 @@ import dataclasses
 import heapq
 import math
 
-from .plan import ALL, Plan, PlanError, blocks_of, validate
+from .plan import ALL, Plan, PlanError, stages_of, validate
 from .profile import Profile, bytes_of
 
 
@@ -88,6 +101,8 @@ class BlockTiming:
     launch_index: int
     """Position in the launch sequence (the runtime's ``seq``)."""
     channel: int
+    op: int = 0
+    """The collective (``plan.ALL_REDUCE``, ``REDUCE_SCATTER`` or ``ALL_GATHER``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,14 +129,31 @@ def lower_bound(profile: Profile) -> float:
     """``max(compute, communication)``: no plan's ``iteration_s`` is below it under this model.
 
     Compute is all forward and backward, which run one after another on the
-    compute resource. Communication is one all-reduce of every byte: the
-    link serves at most ``1/beta`` bytes per second and the first collective
-    cannot transfer before its ``alpha`` has elapsed (no plan pays less).
+    compute resource. Communication is :func:`link_floor` of every byte.
     """
     compute = sum(t.fwd_s + t.bwd_s for t in profile.tensors)
-    total = profile.total_bytes
-    comm = profile.alpha_s + profile.beta_s_per_byte * total if total > 0 else 0.0
-    return max(compute, comm)
+    return max(compute, link_floor(profile, profile.total_bytes))
+
+
+def link_floor(profile: Profile, nbytes: int) -> float:
+    """The least link time to reduce ``nbytes`` (0 for none): every byte goes through an all-reduce or through
+    a reduce-scatter and then an all-gather, whichever costs the link less per byte, and the first transfer
+    waits for the start-up of the first collective (an all-reduce or a reduce-scatter). No plan pays less."""
+    if nbytes <= 0:
+        return 0.0
+    rs_alpha, rs_beta = profile.stage_cost(1)
+    ag_beta = profile.stage_cost(2)[1]
+    return min(profile.alpha_s, rs_alpha) + min(profile.beta_s_per_byte, rs_beta + ag_beta) * nbytes
+
+
+def reduce_time(profile: Profile, nbytes: int) -> float:
+    """The least time one block of ``nbytes`` takes to be reduced alone: an all-reduce, or a reduce-scatter
+    followed by its all-gather (0 for no bytes)."""
+    if nbytes <= 0:
+        return 0.0
+    (rs_alpha, rs_beta), (ag_alpha, ag_beta) = profile.stage_cost(1), profile.stage_cost(2)
+    return min(profile.alpha_s + profile.beta_s_per_byte * nbytes,
+               rs_alpha + ag_alpha + (rs_beta + ag_beta) * nbytes)
 
 
 def synchronous_floor(profile: Profile) -> float:
@@ -131,24 +163,24 @@ def synchronous_floor(profile: Profile) -> float:
 
     - The gradient ready last (usually the input side's, at the end of
       backward) must be reduced before the next forward reaches it, and that
-      forward then runs to the end: ``backward + alpha + beta * bytes(last
-      ready) + forward from it on`` (``compute + alpha + beta * bytes`` when it
-      is the first layer's). A tied input embedding, ready last and large,
-      makes this one long.
+      forward then runs to the end: ``backward + reduce_time(bytes(last
+      ready)) + forward from it on`` (``compute + alpha + beta * bytes`` when it
+      is the first layer's and all-reduced). A tied input embedding, ready
+      last and large, makes this one long.
     - Whatever block arrives last, the forward of its layer and of every
       later one, then the backward until the first gradient, leave the link
       with nothing to send; at best that block is the last layer's:
-      ``comm + fwd(last layer) + bwd(first gradient)``.
+      ``comm + fwd(last layer) + bwd(first gradient)``, ``comm`` being
+      :func:`link_floor` of every byte.
     """
     if not profile.num_tensors:
         return lower_bound(profile)
     compute = sum(t.fwd_s + t.bwd_s for t in profile.tensors)
     total = profile.total_bytes
-    comm = profile.alpha_s + profile.beta_s_per_byte * total if total > 0 else 0.0
+    comm = link_floor(profile, total)
     order = profile.order()
     last = order[-1]
-    nbytes = profile.tensors[last].nbytes
-    transfer = profile.alpha_s + profile.beta_s_per_byte * nbytes if nbytes else 0.0
+    transfer = reduce_time(profile, profile.tensors[last].nbytes)
     input_side = (sum(t.bwd_s for t in profile.tensors) + transfer
                   + sum(t.fwd_s for t in profile.tensors[last:]))
     output_side = comm + profile.tensors[-1].fwd_s + profile.tensors[order[0]].bwd_s if total > 0 else 0.0
@@ -181,8 +213,18 @@ class BlockTable:
     """A plan's blocks laid against a profile: what the simulator and the planners both need."""
 
     layout: tuple[tuple[tuple[int, ...], int, int, int], ...]
-    """``blocks_of(plan)``: (tensors, offset, numel, priority) by block id."""
+    """``plan.stages_of(plan)`` (``blocks_of`` when nothing is decoupled): (tensors, offset, numel, priority)
+    by block id."""
     nbytes: tuple[int, ...]
+    """Each block's bytes, what the credit counts."""
+    latency_s: tuple[float, ...]
+    """Each block's start-up time (Note [Two-stage blocks in the simulator])."""
+    wire: tuple[float, ...]
+    """What each block costs the link, in bytes at the all-reduce's rate ``1 / beta``."""
+    after: tuple[int, ...]
+    """The block whose completion each block's launch waits for (-1: none)."""
+    at_flush: tuple[bool, ...]
+    op: tuple[int, ...]
     enters_at: tuple[tuple[int, ...], ...]
     """Per event: the blocks that enter the heap there (their last tensor's event)."""
     ready_s: tuple[float, ...]
@@ -198,14 +240,23 @@ def block_table(plan: Plan, profile: Profile) -> BlockTable:
         latest = max(latest, ready[t])
         events.append(latest)
     itemsize = [bytes_of(t.dtype) for t in profile.tensors]
-    layout = tuple(blocks_of(plan))
+    stages = stages_of(plan)
+    layout = tuple((s.tensors, s.offset, s.numel, s.priority) for s in stages)
     position = {t: i for i, t in enumerate(plan.order)}
     enters_at: list[list[int]] = [[] for _ in plan.order]
     for b, (tensors, _, _, _) in enumerate(layout):
         enters_at[max(position[t] for t in tensors)].append(b)
+    nbytes = tuple(numel * itemsize[tensors[0]] for tensors, _, numel, _ in layout)
+    costs = {op: profile.stage_cost(op) for op in {s.op for s in stages}}
+    beta = profile.beta_s_per_byte
     return BlockTable(
         layout=layout,
-        nbytes=tuple(numel * itemsize[tensors[0]] for tensors, _, numel, _ in layout),
+        nbytes=nbytes,
+        latency_s=tuple(costs[s.op][0] for s in stages),
+        wire=tuple(n * (costs[s.op][1] / beta if beta > 0 else 1.0) for n, s in zip(nbytes, stages)),
+        after=tuple(s.after for s in stages),
+        at_flush=tuple(s.at_flush for s in stages),
+        op=tuple(s.op for s in stages),
         enters_at=tuple(tuple(e) for e in enters_at),
         ready_s=ready,
         event_s=tuple(events),
@@ -292,8 +343,8 @@ def _check_args(plan: Plan, profile: Profile, update_s: float) -> None:
 class _Run:
     """The event loop; one instance per simulation (or per branch, see :meth:`clone`)."""
 
-    _MUTABLE_LISTS = ("heap", "window", "group", "event", "release_s", "launch_s", "end_s", "launch_index", "channel",
-                      "sequence", "latency", "transfer", "channel_busy")
+    _MUTABLE_LISTS = ("heap", "held", "window", "group", "event", "release_s", "launch_s", "end_s", "launch_index",
+                      "channel", "sequence", "latency", "transfer", "channel_busy")
 
     def __init__(self, plan: Plan, profile: Profile, channel_fifo: bool, table: BlockTable | None = None) -> None:
         self.plan = plan
@@ -304,8 +355,13 @@ class _Run:
         self.fwd = [tp.fwd_s for tp in profile.tensors]
         self.tensor_bytes = profile.nbytes
         self.nbytes = self.table.nbytes
+        self.latency_s = self.table.latency_s
+        self.wire = self.table.wire
+        self.after = self.table.after
+        self.at_flush = self.table.at_flush
         B = len(self.nbytes)
         self.heap: list[tuple[int, int]] = []
+        self.held: list[int] = []  # ready, kept for the flush (Note [Two-stage blocks in the simulator])
         self.queue: collections.deque[int] = collections.deque()  # released, not launched
         self.window = [0] * B
         self.group = [-1] * B
@@ -369,11 +425,18 @@ class _Run:
     def _process_event(self, i: int) -> None:
         layout = self.table.layout
         for b in self.table.enters_at[i]:
-            heapq.heappush(self.heap, (layout[b][3], b))
+            if self.at_flush[b]:
+                self.held.append(b)
+            else:
+                heapq.heappush(self.heap, (layout[b][3], b))
         self._release(self.plan.window_at(i), i)
 
     def _flush(self) -> None:
         sizes = self.plan.phase2_windows
+        layout = self.table.layout
+        for b in self.held:
+            heapq.heappush(self.heap, (layout[b][3], b))
+        self.held.clear()
         g = 0
         while self.heap:
             self._release(sizes[min(g, len(sizes) - 1)], self.plan.num_tensors)
@@ -384,6 +447,9 @@ class _Run:
         credit = self.plan.credit_bytes
         while self.queue:
             b = self.queue[0]
+            first = self.after[b]
+            if first >= 0 and self.end_s[first] != self.end_s[first]:  # NaN: not done
+                return
             if self.in_flight >= self.window[b]:
                 return
             if credit > 0 and self.in_flight > 0 and self.in_flight_bytes + self.nbytes[b] > credit:
@@ -406,7 +472,7 @@ class _Run:
 
     def _start(self, b: int) -> None:
         self.channel_busy[self.channel[b]] = True
-        heapq.heappush(self.latency, (self.now + self.alpha, b))
+        heapq.heappush(self.latency, (self.now + self.latency_s[b], b))
 
     def _complete(self, b: int) -> None:
         self.end_s[b] = self.now
@@ -452,14 +518,14 @@ class _Run:
             self.now = t
             # Order at one instant: completions, then releases, then launches,
             # as in the runtime where a completion wakes the dispatch thread.
-            while self.transfer and self.transfer[0][0] - self.served <= 1e-9 * self.nbytes[self.transfer[0][1]]:
+            while self.transfer and self.transfer[0][0] - self.served <= 1e-9 * self.wire[self.transfer[0][1]]:
                 self._complete(heapq.heappop(self.transfer)[1])
             while self.latency and self.latency[0][0] <= self.now:
                 _, b = heapq.heappop(self.latency)
                 if self.beta == 0:
                     self._complete(b)
                 else:
-                    heapq.heappush(self.transfer, (self.served + self.nbytes[b], b))
+                    heapq.heappush(self.transfer, (self.served + self.wire[b], b))
             while self.next_event < T and event_s[self.next_event] <= self.now:
                 self._process_event(self.next_event)
                 self.next_event = next_active[self.next_event + 1]
@@ -514,7 +580,7 @@ class _Run:
         blocks = tuple(
             BlockTiming(b, tensors, offset, numel, self.nbytes[b], priority, self.group[b], self.event[b],
                         self.window[b], self.release_s[b], self.launch_s[b], self.end_s[b], self.launch_index[b],
-                        self.channel[b])
+                        self.channel[b], self.table.op[b])
             for b, (tensors, offset, numel, priority) in enumerate(layout))
         return SimResult(
             iteration_s=ends[-1] if ends else 0.0,

@@ -9,6 +9,9 @@ import time
 
 import dcredit_opt as dc
 from dcredit_opt.layout import ALL_GATHER, REDUCE_SCATTER, fixed_plan
+from dcredit_opt.planner import search
+from dcredit_opt.planner.dcredit import partition_by_bytes
+from dcredit_opt.planner.profile import Profile, TensorProfile
 
 from .workers import OPTIMIZERS, _make, batch, loss_of, max_diff, reference_grads
 
@@ -67,4 +70,59 @@ def decoupled(backend: str = "auto", horovod_first: bool = False, opt_name: str 
     return out
 
 
-__all__ = ["OPTIMIZERS", "decoupled"]
+def _planned_profile(params: list) -> Profile:
+    """The same profile on every rank (fixed timings, no measurement), so that each rank plans alike."""
+    tensors = tuple(TensorProfile(f"t{i}", p.numel(), str(p.dtype).removeprefix("torch."), i, 0.002, 0.004)
+                    for i, p in enumerate(params))
+    return Profile(tensors, alpha_s=1e-3, beta_s_per_byte=2e-6, world_size=2)
+
+
+def policies(cases: list, backend: str = "auto", horovod_first: bool = False, opt_name: str = "adam",
+             max_sleep_ms: float = 10.0) -> dict:
+    """S1's plans on a real job, each case ``(name, phase2)``: ``dear`` is the profiled DeAR plan (the job
+    measures itself, rank 0 plans, every rank switches); ``dcredit-all`` and ``dcredit-flush`` are the D-Credit
+    search's decoupled candidates (every block, or those its all-reduce plan leaves for the flush), planned on
+    every rank from one fixed profile and staged at a step boundary. Returns, per case, the plan's collectives
+    and the worst difference from synchronous training."""
+    if horovod_first:
+        import horovod.torch as hvd
+
+        hvd.init()
+    dc.init()
+    world, rank = dc.size(), dc.rank()
+    rng = random.Random(5 + 17 * rank)
+    out = {"backend": None, "cases": {}}
+    for name, phase2 in cases:
+        policy = "dear" if name == "dear" else "fixed"
+        config = dc.Config(policy=policy, profile_iters=3, block_bytes=512, window=2, channels=2,
+                           overlap_forward=phase2, backend=backend)
+        model, ref, opt, ropt = _make(opt_name, config)
+        model.mid.register_forward_pre_hook(lambda module, args: time.sleep(rng.uniform(0, max_sleep_ms / 1000)))
+        params = list(model.parameters())
+        if name != "dear":
+            profile = _planned_profile(params)
+            base = search._layout(profile, partition_by_bytes(profile, 256), channels=2, overlap_forward=phase2)
+            plan = search._decoupled_dcredit(profile, base, 256, name.removeprefix("dcredit-"), 0.0, True)
+            opt._dc_staged_plan = dataclasses.replace(plan, overlap_forward=phase2)
+        for step in range(12):
+            opt.zero_grad()
+            loss_of(model, batch(step, rank)).backward()
+            time.sleep(rng.uniform(0, max_sleep_ms / 1000))
+            opt.step()
+            reference_grads(ref, step, world)
+            ropt.step()
+        opt.synchronize()
+        ops = opt._dc_layout.block_op
+        out["cases"][f"{name} phase2={phase2}"] = {
+            "policy": opt.plan.policy, "overlap_forward": opt.plan.overlap_forward,
+            "ops": [ops.count(REDUCE_SCATTER), ops.count(ALL_GATHER), len(ops)],
+            "diff": max_diff(model, ref),
+            # Rank 0's profile: the reduce-scatter and all-gather sweeps (profiler.measure_stage_ratios).
+            "stage_ratios": list(opt.profile.stage_ratios) if opt.profile is not None else None,
+            "checksum": float(sum(p.double().sum() for p in model.state_dict().values()))}
+        out["backend"] = opt._dc_backend.name
+        opt._dc_close()
+    return out
+
+
+__all__ = ["OPTIMIZERS", "decoupled", "policies"]

@@ -7,7 +7,7 @@ import itertools
 from hypothesis import strategies as st
 
 from dcredit_opt.planner.plan import ALL, Plan, validate
-from dcredit_opt.planner.profile import Profile, TensorProfile
+from dcredit_opt.planner.profile import RING_STAGE_RATIOS, Profile, TensorProfile
 
 times = st.floats(min_value=0.0, max_value=2.0, allow_nan=False, allow_infinity=False)
 
@@ -23,12 +23,14 @@ def profiles(draw, max_tensors: int = 6, max_numel: int = 40, allow_empty: bool 
     alpha = draw(st.just(0.0) | st.floats(0.0, 1.0))
     beta = draw(st.just(0.0) | st.floats(1e-4, 0.05))
     ready = draw(st.permutations(range(T))) if shuffled and draw(st.booleans()) else None
-    return Profile(tensors, alpha, beta, 2, None if ready is None else tuple(ready))
+    ratios = draw(st.just(RING_STAGE_RATIOS) | st.tuples(*[st.floats(0.1, 2.0)] * 4))
+    return Profile(tensors, alpha, beta, 2, None if ready is None else tuple(ready), stage_ratios=ratios)
 
 
 @st.composite
 def plans_for(draw, profile: Profile) -> Plan:
-    """Any plan the runtime accepts for ``profile``: random order, cuts, merges, windows, credit."""
+    """Any plan the runtime accepts for ``profile``: random order, cuts, merges, decoupled tensors, windows,
+    credit."""
     T = profile.num_tensors
     order = tuple(draw(st.permutations(range(T)))) if draw(st.booleans()) else profile.order()
     partition = []
@@ -50,9 +52,17 @@ def plans_for(draw, profile: Profile) -> Plan:
         run = [t] if len(partition[t]) == 1 else []
     if len(run) > 1:
         merges.append(tuple(run))
+    # Decoupled tensors (Note [Two-stage blocks]): a merge whole or not at all.
+    in_merge = {t: m for m in merges for t in m}
+    decoupled = set()
+    if draw(st.booleans()):
+        for t in range(T):
+            if partition[t] and t not in decoupled and draw(st.booleans()):
+                decoupled.update(in_merge.get(t, (t,)))
     plan = Plan(
         numels=profile.numels,
         order=order,
+        decoupled=tuple(sorted(decoupled)),
         partition=tuple(partition),
         merges=tuple(merges),
         priority=tuple(draw(st.permutations(range(T)))) if draw(st.booleans()) else None,

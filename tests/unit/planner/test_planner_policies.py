@@ -74,9 +74,41 @@ def test_bytescheduler_by_hand():
 
 
 def test_dear_by_hand():
-    assert policies.dear(P4) == Plan(numels=P4.numels, order=ORDER, partition=WHOLE, merges=((2, 1, 0),),
-                                     phase1_windows=(ALL,) * 4, phase2_windows=(4,), overlap_forward=True,
-                                     policy="dear")
+    # Forward order t0 (1024 B), t1 (4096), t2 (256), t3 (2048), threshold 5000: t1 would bring t0's group to
+    # 5120, so it starts the next; t2 joins it (4352); t3 would reach 6400 and is a group alone. Groups are
+    # merges in ready order (3, 2, 1, 0); every tensor is decoupled; all-gathers go one at a time at the flush.
+    assert policies.dear_groups(P4, 5000) == [[3], [2, 1], [0]]
+    assert policies.dear(P4, threshold_bytes=5000) == Plan(
+        numels=P4.numels, order=ORDER, partition=WHOLE, merges=((2, 1),), phase1_windows=(ALL,) * 4,
+        phase2_windows=(1,), overlap_forward=True, decoupled=(0, 1, 2, 3), policy="dear")
+    # A group is closed before it *reaches* the threshold: 5120 exactly splits t0 from t1.
+    assert policies.dear_groups(P4, 5120) == [[3], [2, 1], [0]]
+    assert policies.dear_groups(P4, 5121) == [[3, 2], [1, 0]]  # t0 + t1 = 5120 fit; t2 starts a group, t3 joins
+    # The default (25 MB) fuses everything here; a threshold below every tensor fuses nothing.
+    assert policies.dear(P4).merges == ((3, 2, 1, 0),)
+    assert policies.dear_groups(P4, 1) == [[3], [2], [1], [0]]
+    with pytest.raises(ValueError, match="threshold_bytes must be positive"):
+        policies.dear_groups(P4, 0)
+
+
+def test_dear_groups_keep_dtypes_apart_and_skip_empty_tensors():
+    p = Profile(tuple(TensorProfile(f"t{i}", n, dt, i, 0.1, 0.1) for i, (n, dt) in
+                      enumerate([(10, "float32"), (10, "float16"), (0, "float16"), (10, "float16"), (10, "float16")])),
+                alpha_s=0.1, beta_s_per_byte=1e-4, world_size=2)
+    assert policies.dear_groups(p, 1 << 20) == [[4, 3], [1], [0]]
+    plan = policies.dear(p, threshold_bytes=1 << 20)
+    assert plan.decoupled == (0, 1, 3, 4)
+    validate(plan, numels=p.numels, dtypes=p.dtypes)
+
+
+def test_tune_dear_picks_the_best_threshold():
+    from dcredit_opt.planner.usbyte import unit_grid
+
+    sizes = [256, 1024, 4096]
+    best = policies.tune_dear(P4, block_sizes=sizes)
+    grid = [policies.dear(P4, threshold_bytes=s) for s in unit_grid(sizes, 5)]
+    assert best in grid and best.policy == "dear"
+    assert simulate(best, P4).iteration_s == min(simulate(g, P4).iteration_s for g in grid)
 
 
 def test_dcredit_by_hand():

@@ -28,7 +28,8 @@ BASELINES = ("wfbp", "ddp", "mgwfbp", "oasr", "bytescheduler", "usbyte", "dear")
 
 def baseline_plans(p: Profile, grid: list[int], channels: int, fifo: bool = False) -> dict[str, Plan]:
     """Every other result-preserving policy, tuned over ``grid`` as the runtime tunes them."""
-    plans = {name: policies.POLICIES[name](p, channels=channels) for name in ("wfbp", "ddp", "mgwfbp", "oasr", "dear")}
+    plans = {name: policies.POLICIES[name](p, channels=channels) for name in ("wfbp", "ddp", "mgwfbp", "oasr")}
+    plans["dear"] = policies.tune_dear(p, block_sizes=grid, channels=channels, channel_fifo=fifo)
     plans["bytescheduler"] = policies.tune_bytescheduler(p, block_sizes=grid, channels=channels, channel_fifo=fifo)
     plans["usbyte"] = policies.tune_usbyte(p, block_sizes=grid, channels=channels, channel_fifo=fifo)
     assert sorted(plans) == sorted(BASELINES)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcredit_opt.planner.plan import ALL, Plan, PlanError
+from dcredit_opt.planner.plan import ALL, ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Plan, PlanError
 from dcredit_opt.planner.profile import Profile, TensorProfile
 from dcredit_opt.planner.simulate import (
     FlushSnapshot,
@@ -161,15 +161,56 @@ def test_flush_snapshot_matches_full_simulation():
         snap.iteration_s((2, 0))
 
 
+def test_decoupled_blocks_by_hand():
+    # Note [Two-stage blocks in the simulator]. Two tensors of 2000 bytes, ready at 1 (t1) and 2 (t0); each
+    # stage costs half of 0.5 + 2 s. Blocks: 0 = RS(t1), 1 = AG(t1), 2 = RS(t0), 3 = AG(t0).
+    # RS(t1) runs 1 -> 2.25; RS(t0), released at 2 with window 1, waits for it: 2.25 -> 3.5. The flush (2 s)
+    # releases the all-gathers in priority order, one per group: AG(t0) waits for RS(t0), 3.5 -> 4.75, then
+    # AG(t1) 4.75 -> 6; t0's forward runs 4.75 -> 5.75 beside AG(t1), t1's 6 -> 7.
+    p = profile_of([500, 500])
+    plan = plan_of(p, [(500,), (500,)], phase1_windows=(ALL, ALL), phase2_windows=(1,), decoupled=(0, 1))
+    r = simulate(plan, p)
+    assert [b.op for b in r.blocks] == [REDUCE_SCATTER, ALL_GATHER, REDUCE_SCATTER, ALL_GATHER]
+    assert r.launch_sequence == (0, 2, 3, 1)
+    assert ends(r) == pytest.approx([2.25, 6.0, 3.5, 4.75])
+    assert [b.event for b in r.blocks] == [0, 2, 1, 2]
+    assert r.forward_start_s == pytest.approx((4.75, 6.0))
+    assert r.iteration_s == pytest.approx(7.0)
+    # The same plan with all-reduces: 1 -> 3.5, 3.5 -> 6; both forwards wait: 8 s.
+    whole = simulate(dataclasses.replace(plan, decoupled=()), p)
+    assert ends(whole) == pytest.approx([3.5, 6.0])
+    assert whole.iteration_s == pytest.approx(8.0)
+    # A window of two at the flush launches both all-gathers as soon as their reduce-scatters are done: AG(t0)
+    # at 3.5 and AG(t1) right behind it (it waits for AG(t0)'s launch, the head of the sequence), sharing the link.
+    both = simulate(dataclasses.replace(plan, phase2_windows=(2,)), p)
+    assert [both.blocks[b].launch_s for b in (3, 1)] == pytest.approx([3.5, 3.5])
+    assert [both.blocks[b].end_s for b in (3, 1)] == pytest.approx([5.75, 5.75])  # 3.5 + 0.25 + 2000 B * 0.001
+    # Measured stage costs (Profile.stage_ratios): a reduce-scatter as dear as an all-reduce, an all-gather
+    # at 0.4 of its start-up and 0.7 of its transfer. RS(t1) 1 -> 3.5, RS(t0) 3.5 -> 6, AG(t0) 6 -> 6.2 + 1.4
+    # = 7.6, AG(t1) 7.6 -> 9.2; forwards 7.6 -> 8.6 and 9.2 -> 10.2.
+    gloo_like = dataclasses.replace(p, stage_ratios=(1.0, 1.0, 0.4, 0.7))
+    assert gloo_like.stage_cost(ALL_GATHER) == pytest.approx((0.2, 0.0007))
+    slow = simulate(plan, gloo_like)
+    assert ends(slow) == pytest.approx([3.5, 9.2, 6.0, 7.6])
+    assert slow.iteration_s == pytest.approx(10.2)
+
+
 # -- invariants on arbitrary plans ---------------------------------------------
 
 def entry_event(plan: Plan, tensors: tuple[int, ...]) -> int:
     return max(plan.order.index(t) for t in tensors)
 
 
+def cost(profile: Profile, b) -> float:
+    """The least time a block's collective takes: its own start-up and transfer (``Profile.stage_cost``)."""
+    alpha, beta = profile.stage_cost(b.op)
+    return alpha + beta * b.nbytes
+
+
 def check_invariants(plan: Plan, profile: Profile, r) -> None:
     blocks = r.blocks
     B = len(blocks)
+    T = plan.num_tensors
     # Each block launched exactly once, in a sequence that is a permutation.
     assert sorted(r.launch_sequence) == list(range(B))
     for n, b in enumerate(r.launch_sequence):
@@ -177,17 +218,29 @@ def check_invariants(plan: Plan, profile: Profile, r) -> None:
         assert blocks[b].channel == n % plan.channels
     for b in blocks:
         assert b.release_s <= b.launch_s + EPS
-        # No collective beats alpha + beta * its bytes.
-        assert b.end_s >= b.launch_s + profile.alpha_s + profile.beta_s_per_byte * b.nbytes - 1e-7
+        # No collective beats alpha + beta * its bytes (half of it for a stage of a decoupled block).
+        assert b.end_s >= b.launch_s + cost(profile, b) - 1e-7
         # Released exactly when its event was processed (the flush: at the last event's time).
         assert b.release_s == r.event_s[min(b.event, plan.num_tensors - 1)]
     # Launch order is release order: groups in order, a group by (priority, id).
     released = sorted(blocks, key=lambda b: (b.group, b.priority, b.block_id))
     assert [b.block_id for b in released] == list(r.launch_sequence)
-    # Priority at each release: a block left in the heap never beats one released.
+    # Two-stage blocks: each decoupled block is a reduce-scatter, then its all-gather, released at the flush
+    # and launched only once the reduce-scatter is done.
+    split = set(plan.decoupled)
+    ops = [b.op for b in blocks]
+    assert all((op == ALL_REDUCE) == (b.tensors[0] not in split) for op, b in zip(ops, blocks))
+    for b in blocks:
+        if b.op == ALL_GATHER:
+            first = blocks[b.block_id - 1]
+            assert first.op == REDUCE_SCATTER and first.tensors == b.tensors and first.numel == b.numel
+            assert b.event == T and b.launch_s >= first.end_s - EPS
+    # Priority at each release: a block left in the heap never beats one released (an all-gather enters the
+    # heap at the flush).
     for x in blocks:
         for y in blocks:
-            if y.group > x.group and entry_event(plan, y.tensors) <= x.event:
+            entry = T if y.op == ALL_GATHER else entry_event(plan, y.tensors)
+            if y.group > x.group and entry <= x.event:
                 assert (y.priority, y.block_id) > (x.priority, x.block_id)
     # The window and the credit hold at every launch.
     for b in blocks:
@@ -221,7 +274,7 @@ def test_channel_fifo_runs_one_collective_at_a_time_per_channel(pp):
     for c in range(plan.channels):
         on_c = sorted((b for b in r.blocks if b.channel == c), key=lambda b: b.launch_index)
         for prev, b in itertools.pairwise(on_c):
-            assert b.end_s >= prev.end_s + profile.alpha_s + profile.beta_s_per_byte * b.nbytes - 1e-7
+            assert b.end_s >= prev.end_s + cost(profile, b) - 1e-7
 
 
 @settings(max_examples=100, deadline=None)
@@ -246,17 +299,25 @@ def test_same_order_on_every_rank(data):
 def test_lower_bound_is_tight_for_compute_or_communication(p):
     lb = lower_bound(p)
     compute = sum(t.fwd_s + t.bwd_s for t in p.tensors)
-    comm = p.alpha_s + p.beta_s_per_byte * p.total_bytes if p.total_bytes else 0.0
-    assert lb == max(compute, comm)
+    ra, rb, _, gb = p.stage_ratios
+    comm = (min(1.0, ra) * p.alpha_s + min(1.0, rb + gb) * p.beta_s_per_byte * p.total_bytes
+            if p.total_bytes else 0.0)
+    assert lb == pytest.approx(max(compute, comm), rel=1e-12)
 
 
 def test_synchronous_floor_by_hand():
-    # Three tensors of 1000 float32 (4000 B), forward 1 s and backward 1 s each: compute 6 s; one all-reduce of
-    # 12000 B: 0.5 + 12 = 12.5 s. Input side: 6 + (0.5 + 4) = 10.5 s. Output side: 12.5 + fwd(last) 1 + bwd(first
-    # ready) 1 = 14.5 s.
+    # Three tensors of 1000 float32 (4000 B), forward 1 s and backward 1 s each: compute 6 s. The link: 12000 B
+    # at 0.001 s/B after the first start-up, a reduce-scatter's (half of alpha 0.5 by the ring formula, since
+    # every byte may go as a reduce-scatter and an all-gather at the all-reduce's total per-byte time):
+    # 0.25 + 12 = 12.25 s. Input side: 6 + (0.5 + 4) = 10.5 s (two half stages cost the same). Output side:
+    # 12.25 + fwd(last) 1 + bwd(first ready) 1 = 14.25 s.
     p = profile_of([1000, 1000, 1000])
-    assert lower_bound(p) == pytest.approx(12.5)
-    assert synchronous_floor(p) == pytest.approx(14.5)
+    assert lower_bound(p) == pytest.approx(12.25)
+    assert synchronous_floor(p) == pytest.approx(14.25)
+    # Where stages cost more than halves (Gloo's), only all-reduces reach the floor: 0.5 + 12, then + 2.
+    gloo_like = dataclasses.replace(p, stage_ratios=(1.1, 1.1, 0.7, 0.7))
+    assert lower_bound(gloo_like) == pytest.approx(12.5)
+    assert synchronous_floor(gloo_like) == pytest.approx(14.5)
     # Compute-bound: 0.1 s per pass, tiny link cost: the input side's reduction after backward decides.
     q = profile_of([1000, 10, 10], fwd=0.1, bwd=0.1, alpha=0.01, beta=1e-5)
     assert synchronous_floor(q) == pytest.approx(0.6 + 0.01 + 1e-5 * 4000)
