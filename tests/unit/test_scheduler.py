@@ -23,7 +23,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dcredit_opt import _ext
+from dcredit_opt.layout import build_layout
+from dcredit_opt.planner.profile import bytes_of
+from dcredit_opt.planner.simulate import simulate
 from tests import timing
+from tests.unit.planner import strategies as planner_strategies
 
 C = _ext.load()
 ALL = C.RELEASE_ALL
@@ -584,3 +588,46 @@ def test_set_plan_rejects_a_bad_field_by_name(field, change):
         engine.set_plan(**args)
         with pytest.raises(ValueError, match=field):
             engine.set_plan(**{**args, **change})
+
+
+# ---- the simulator's replay is the engine's ------------------------------------
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pp=planner_strategies.profile_and_plan(), data=st.data())
+def test_engine_launches_what_the_simulator_replays(pp, data):
+    """``plan.stages_of`` is the one layout of the runtime and the simulator (Note [Two-stage blocks]): for any
+    plan, decoupled tensors included, the engine launches the simulator's sequence, on its channels, in its
+    groups and windows, whatever the arrival and completion orders."""
+    profile, plan = pp
+    layout = build_layout(plan, list(profile.dtypes), [bytes_of(d) for d in profile.dtypes])
+    expected = simulate(plan, profile)
+    pick = picker(data)
+    with manual_engine() as engine:
+        engine.set_plan(plan.num_tensors, list(plan.order), list(layout.block_segment), list(layout.block_offset),
+                        list(layout.block_numel), list(layout.block_bytes), list(layout.block_priority),
+                        [list(t) for t in layout.block_tensors],
+                        list(plan.phase1_windows or [ALL] * plan.num_tensors), list(plan.phase2_windows),
+                        plan.credit_bytes, plan.channels, [], 1.0, block_ops=list(layout.block_op),
+                        block_after=list(layout.block_after), block_at_flush=list(layout.block_at_flush))
+        engine.start_iteration()
+        for t in data.draw(st.permutations(range(plan.num_tensors)), label="arrivals"):
+            engine.mark_ready(t)
+        engine.flush()
+        deadline = time.monotonic() + SYNC_S
+        while len(engine.history()) < layout.num_blocks or engine.pending():
+            pending = engine.pending()
+            if pending:
+                assert engine.complete(pending[pick(len(pending))][0])
+                deadline = time.monotonic() + SYNC_S
+            else:
+                assert time.monotonic() < deadline, f"launched {engine.history()}, nothing in flight"
+                time.sleep(0.0002)
+        engine.wait_all(10.0)
+        history = engine.history()
+        trace = {tr[0]: tr for tr in engine.trace()}
+    assert [b for b, _ in history] == list(expected.launch_sequence)
+    for b in expected.blocks:
+        _, channel, window, group, seq = trace[b.block_id][:5]
+        assert (seq, channel, window, group) == (b.launch_index, b.channel, b.window, b.group), b
