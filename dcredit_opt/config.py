@@ -28,7 +28,9 @@ class Config:
     policy: str = "dcredit"
     """Planner policy used once the job has profiled itself (``profile_iters``).
     One of wfbp, ddp, mgwfbp, oasr, bytescheduler, usbyte, dear, dcredit, or "fixed" to keep
-    the fixed plan below for the whole job."""
+    the fixed plan below for the whole job; or "deft", which trains differently from synchronous
+    data parallelism (some updates one iteration late, Note [Delayed updates] in planner/deft.py)
+    and therefore also needs ``accept_delayed_updates=True``."""
 
     backend: str = "auto"
     """Who carries the collectives: "torch" (torch.distributed: Gloo, NCCL), "horovod",
@@ -74,6 +76,11 @@ class Config:
     touched (all-gathered), plus a dense all-reduce of any other part (a tied output layer), instead of one
     dense all-reduce at the end of the backward (Note [Embedding rows]). Every backend, 2+ ranks."""
 
+    accept_delayed_updates: bool = False
+    """Required with ``policy="deft"``, and only there: you accept that the parameters DeFT delays are
+    updated with the previous iteration's gradients, so training no longer equals synchronous data
+    parallelism (the README's DeFT section says what that trades)."""
+
     check_finite: bool = False
     """Raise DCreditError from ``step()`` if a reduced gradient holds NaN or Inf, before any
     update (the step is skipped). Costs one pass over the gradients, and that ``step()``
@@ -92,7 +99,7 @@ class Config:
             if isinstance(getattr(self, name), bool):  # bool is an int subclass; never a count
                 raise ValueError(  # noqa: TRY004
                     f"Config.{name} must be an integer, got {getattr(self, name)!r}")
-        for name in ("overlap_forward", "check_finite", "embedding_rows"):
+        for name in ("overlap_forward", "check_finite", "embedding_rows", "accept_delayed_updates"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(  # noqa: TRY004
                     f"Config.{name} must be True or False, got {getattr(self, name)!r}")
@@ -117,9 +124,16 @@ class Config:
             raise ValueError(f"Config.lazy_step {self.lazy_step!r} is unknown; known: auto, on, off")
         if self.backend not in ("auto", "torch", "horovod", "mpi"):
             raise ValueError(f"Config.backend {self.backend!r} is unknown; known: auto, torch, horovod, mpi")
-        known = ("fixed", "wfbp", "ddp", "mgwfbp", "oasr", "bytescheduler", "usbyte", "dear", "dcredit")
+        known = ("fixed", "wfbp", "ddp", "mgwfbp", "oasr", "bytescheduler", "usbyte", "dear", "dcredit", "deft")
         if self.policy not in known:
             raise ValueError(f"Config.policy {self.policy!r} is unknown; known policies: {', '.join(known)}")
+        if self.policy == "deft" and not self.accept_delayed_updates:
+            raise ValueError("Config.policy 'deft' updates some parameters with the previous iteration's gradients, "
+                             "so training no longer equals synchronous data parallelism; set "
+                             "Config(accept_delayed_updates=True) to accept that, or pick another policy")
+        if self.accept_delayed_updates and self.policy != "deft":
+            raise ValueError(f"Config.accept_delayed_updates=True is only for policy 'deft'; policy "
+                             f"{self.policy!r} keeps training synchronous (set it back to False)")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> Config:

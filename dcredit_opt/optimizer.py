@@ -97,6 +97,7 @@ from . import (
 )
 from .compression import block_wire_dtype, wire_dtype_of
 from .config import Config
+from .delayed import DelayedGradients
 from .errors import DCreditError, at_rank
 from .layout import build_layout, fixed_plan
 from .lazy import Keeper, LazyStep, copy_hyper, watch_module_hooks_when_compiled
@@ -308,6 +309,12 @@ class _DistributedOptimizer:
         self._dc_told = set()  # notices already given
         self._dc_backend = backends.create(config.backend, config.channels, config.timeout_s)
         self._dc_engine = self._dc_backend.engine
+        if config.policy == "deft" and not hasattr(self._dc_backend, "start_delayed"):
+            self._dc_backend.close()
+            raise DCreditError(f"Config(policy='deft') sums its delayed gradients on backend 'torch' only; this "
+                               f"job's blocks go through backend '{self._dc_backend.name}': set "
+                               "Config(backend='torch') (it runs under torchrun, horovodrun and mpirun alike)")
+        self._dc_delayed = None  # Note [Delayed updates] in planner/deft.py: the plan's delayed tensors
         reducible = self._dc_backend.reducible_dtypes
         if wire is not None and reducible is not None and wire not in reducible:
             log.warning("dcredit_opt: backend '%s' cannot reduce %s, so Compression.fp16 changes nothing here: "
@@ -348,6 +355,10 @@ class _DistributedOptimizer:
         plan = rows.without_tensors(plan, self._dc_rows_only())
         validate(plan, numels=self._dc_numels(), max_channels=self._dc_config.channels,
                  dtypes=[p.dtype for p in params])
+        if plan.delayed and (self._dc_config.policy != "deft" or not hasattr(self._dc_backend, "start_delayed")):
+            raise DCreditError(f"plan delays the updates of {[self._dc_names[i] for i in plan.delayed]} (DeFT), "
+                               "which only Config(policy='deft', accept_delayed_updates=True, backend='torch') "
+                               "runs: delayed updates do not train like synchronous data parallelism")
         wire_of = self._dc_wire_dtypes()
         layout = build_layout(plan, [str(p.dtype) for p in params], [w.itemsize for w in wire_of])
         device = params[0].device if params else torch.device("cpu")
@@ -371,6 +382,9 @@ class _DistributedOptimizer:
             block_at_flush=list(layout.block_at_flush))
         self._dc_backend.set_blocks(buffers, wires, layout, self._dc_postscale)
         self._dc_plan, self._dc_layout, self._dc_buffers, self._dc_slots = plan, layout, buffers, slots
+        if self._dc_delayed is not None:  # the sum in flight was for the old plan's slots: not applied
+            self._dc_delayed.drain(self._dc_backend, float(self._dc_config.timeout_s))
+        self._dc_delayed = DelayedGradients(plan.delayed, slots) if plan.delayed else None
 
     def _dc_rows_only(self) -> list:
         return [i for i, r in self._dc_rows.items() if r.kind == rows.ROWS_ONLY]
@@ -490,6 +504,14 @@ class _DistributedOptimizer:
                 self._dc_marked[i] = True
         if self._dc_rows:
             self._dc_exchange_rows()  # before the flush releases the last blocks: less queued ahead of it
+        if self._dc_delayed is not None:  # Note [Delayed updates]: the previous step's sum in, this step's out
+            try:
+                self._dc_delayed.swap(self._dc_slots, self._dc_postscale, self._dc_backend,
+                                      float(self._dc_config.timeout_s))
+            except (RuntimeError, TimeoutError) as e:
+                raise at_rank(e, "end of phase 1, waiting for the background sum of the delayed gradients") from e
+            for i in self._dc_delayed.indices:
+                self._dc_versions[i] = self._dc_slots[i]._version
         try:
             self._dc_engine.flush()
         except (RuntimeError, TimeoutError) as e:
@@ -497,6 +519,8 @@ class _DistributedOptimizer:
         self._dc_flushed = True
         self._dc_life.flushed = True
         self._dc_start_tally()
+        if self._dc_delayed is not None:
+            self._dc_delayed.start(self._dc_backend)  # after the tally: it never waits behind this sum
 
     def _dc_exchange_rows(self) -> None:
         """Note [Embedding rows]: every rank's embedding rows to every rank; a rows-only tensor's other

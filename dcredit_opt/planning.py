@@ -46,6 +46,8 @@ def make_plan(profile: Profile, policy: str, *, channels: int, overlap_forward: 
         build = policies.tune_usbyte
     elif policy == "dear":
         build = policies.tune_dear
+    elif policy in policies.RESULT_CHANGING:
+        build = policies.RESULT_CHANGING[policy]
     elif policy == "dcredit":
         build = functools.partial(search.search, overlap_forward=overlap_forward)
     elif policy in policies.POLICIES:

@@ -97,6 +97,7 @@ class TorchDistBackend:
         self._groups = runtime.channel_groups(channels)  # this backend's own (see the module docstring)
         self._tally_group = runtime.channel_groups(1, backend="gloo")[0]  # Note [Global usage] in optimizer.py
         self._tally = None
+        self._delayed = None  # the background sum of delayed gradients in flight (planner/deft.py)
         self._timeout_s = float(timeout_s)
         self.engine = _ext.load().Engine.torch(self._groups, float(timeout_s))
         if runtime.kind() == "horovod":  # registered after hvd.init(), so it runs before Horovod's own exit
@@ -174,10 +175,29 @@ class TorchDistBackend:
             dist.all_reduce(host, group=self._tally_group)
             tensor.copy_(host)
 
+    def start_delayed(self, flat) -> None:
+        """Start summing the CPU tensor ``flat`` over ranks, in place, on the side group, after whatever is
+        queued there (Note [Delayed updates] in planner/deft.py). One at a time: ``wait_delayed`` first."""
+        assert self._delayed is None, "a delayed sum is already in flight"
+        self._delayed = dist.all_reduce(flat, group=self._tally_group, async_op=True)
+
+    def wait_delayed(self, timeout_s: float) -> None:
+        """Wait for the delayed sum in flight, if any."""
+        work, self._delayed = self._delayed, None
+        if work is not None:
+            work.wait(datetime.timedelta(seconds=timeout_s))
+
     def close(self) -> None:
         """Stop the engine, then destroy the groups: the engine's dispatch thread is gone, and the
         optimizer has drained what was in flight."""
         self.engine.shutdown()
+        if self._delayed is not None:  # queued before the next tally on the side group: wait for it too
+            grace = 1.0 if self.engine.error() is not None else self._timeout_s
+            try:
+                self.wait_delayed(grace)
+            except RuntimeError as e:
+                log.warning("dcredit_opt: the last background sum of delayed gradients did not finish within "
+                            "%g s: %s", grace, e)
         if self._tally is not None:
             # A slower peer may start its last tally well after our blocks are done: destroying the group
             # first would fail that peer's tally. As long, then, as a collective; after a failure, briefly.

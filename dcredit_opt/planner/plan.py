@@ -128,6 +128,12 @@ class Plan:
     the next forward (Note [Two-stage blocks] in ``csrc/core/scheduler.cc``). A merge is decoupled whole
     or not at all."""
 
+    delayed: tuple[int, ...] = ()
+    """Tensors whose updates are one iteration late (DeFT, Note [Delayed updates] in ``planner/deft.py``):
+    they have no blocks; their gradients are summed in the background while the next iteration runs, and
+    each update applies the previous iteration's sum. Not synchronous data parallelism: only a plan of
+    ``Config(policy="deft", accept_delayed_updates=True)`` may have them."""
+
     policy: str = "custom"
     """The policy that produced this plan (for logs and timelines)."""
 
@@ -146,7 +152,7 @@ class Plan:
             if required not in data:
                 raise PlanError(f"plan field '{required}' is missing")
         kwargs = dict(data)
-        for name in ("numels", "order", "priority", "phase1_windows", "phase2_windows", "decoupled"):
+        for name in ("numels", "order", "priority", "phase1_windows", "phase2_windows", "decoupled", "delayed"):
             if kwargs.get(name) is not None:
                 kwargs[name] = tuple(int(x) for x in kwargs[name])
         kwargs["partition"] = tuple(tuple(int(x) for x in p) for p in kwargs["partition"])
@@ -256,9 +262,17 @@ def validate(plan: Plan, numels: Sequence[int] | None = None, max_channels: int 
         raise PlanError(f"plan 'order' must be a permutation of 0..{T - 1}")
     if len(plan.partition) != T:
         raise PlanError(f"plan 'partition' has {len(plan.partition)} entries for {T} tensors")
+    if len(set(plan.delayed)) != len(plan.delayed) or any(not 0 <= t < T for t in plan.delayed):
+        raise PlanError(f"plan 'delayed' must name distinct tensors of 0..{T - 1}, got {list(plan.delayed)}")
+    late = set(plan.delayed)
     for t, sizes in enumerate(plan.partition):
         if any(s <= 0 for s in sizes):
             raise PlanError(f"plan 'partition'[{t}] has a block of {min(sizes)} elements; blocks must be positive")
+        if t in late:
+            if sizes:
+                raise PlanError(f"plan 'partition'[{t}] cuts tensor {t} into blocks, but it is 'delayed' (its "
+                                "gradient is summed in the background, without blocks): give it ()")
+            continue
         if sum(sizes) != plan.numels[t]:
             raise PlanError(
                 f"plan 'partition'[{t}] sums to {sum(sizes)} elements, tensor {t} has {plan.numels[t]}")
@@ -283,6 +297,8 @@ def validate(plan: Plan, numels: Sequence[int] | None = None, max_channels: int 
     if len(set(plan.decoupled)) != len(plan.decoupled) or any(not 0 <= t < T for t in plan.decoupled):
         raise PlanError(f"plan 'decoupled' must name distinct tensors of 0..{T - 1}, got {list(plan.decoupled)}")
     split = set(plan.decoupled)
+    if split & late:
+        raise PlanError(f"plan 'decoupled' names delayed tensor(s) {sorted(split & late)}, which have no blocks")
     for run in plan.merges:
         if 0 < len(split & set(run)) < len(run):
             raise PlanError(f"plan 'decoupled' splits merge {list(run)}: decouple all of it or none")

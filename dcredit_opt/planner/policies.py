@@ -9,10 +9,10 @@ makes the runtime do, and Note [Group window] in ``simulate.py``.
 DeAR is its own collectives: every tensor reduce-scattered in backward and
 all-gathered during the next forward (``Plan.decoupled``).
 
-DeFT is not implemented: its speed comes from delayed updates (a layer's
-update may use a gradient from an earlier iteration), which changes what is
-trained, and Invariant 3 of DESIGN.md requires results equal to synchronous
-data parallelism. ``make_plan(profile, "deft")`` says so.
+DeFT (``deft.py``) is registered apart (:data:`RESULT_CHANGING`): its speed
+comes from delayed updates (a layer's update uses the gradient of the
+previous iteration), which changes what is trained; Invariant 3 of
+DESIGN.md lets the runtime run it only when the user accepts that.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from .dcredit import DEFAULT_BLOCK_BYTES, dcredit, partition_by_bytes
+from .deft import deft
 from .oasr import overlap_aware_merges
 from .plan import ALL, POLICY_NAMES, Plan
 from .profile import Profile
@@ -348,15 +349,17 @@ POLICIES: dict[str, Callable[..., Plan]] = {
     "dear": dear,
     "dcredit": dcredit,
 }
-assert set(POLICIES) <= set(POLICY_NAMES), "every policy must be a name plan.validate accepts"
+RESULT_CHANGING: dict[str, Callable[..., Plan]] = {"deft": deft}
+"""Policies whose plans do not train like synchronous data parallelism: never a baseline the D-Credit
+search adopts, never compared as if equal."""
+assert set(POLICIES) | set(RESULT_CHANGING) <= set(POLICY_NAMES), "every policy must be a name plan.validate accepts"
 
 
 def make_plan(profile: Profile, policy: str, **kwargs) -> Plan:
     """``POLICIES[policy](profile, **kwargs)``, with a clear error for an unknown name."""
+    if policy in RESULT_CHANGING:
+        return RESULT_CHANGING[policy](profile, **kwargs)
     if policy not in POLICIES:
-        known = ", ".join(sorted(POLICIES))
-        if policy == "deft":
-            raise ValueError(f"policy 'deft' is not implemented: its delayed updates change training results "
-                             f"(DESIGN.md invariant 3); known policies: {known}")
+        known = ", ".join(sorted([*POLICIES, *RESULT_CHANGING]))
         raise ValueError(f"unknown policy {policy!r}; known policies: {known}")
     return POLICIES[policy](profile, **kwargs)

@@ -33,6 +33,7 @@ FIELDS = (
     ("timeout_s", "float"),
     ("timeline_path", "str | None"),
     ("embedding_rows", "bool"),
+    ("accept_delayed_updates", "bool"),
     ("check_finite", "bool"),
 )
 
@@ -41,6 +42,21 @@ FIELDS = (
 def test_field_list_is_frozen():
     assert tuple((f.name, f.type) for f in dataclasses.fields(Config)) == FIELDS
     assert dcredit_opt.Config is Config
+
+
+@pytest.mark.timeout(60)
+def test_deft_needs_the_acknowledgement_and_nothing_else_takes_it():
+    """Note [Delayed updates]: the one policy that does not train like synchronous data parallelism runs only
+    when the user says they accept it, and the acknowledgement means nothing elsewhere."""
+    with pytest.raises(ValueError, match=r"Config.policy 'deft' updates some parameters with the previous "
+                                         r"iteration's gradients.*accept_delayed_updates=True"):
+        Config(policy="deft")
+    with pytest.raises(ValueError, match=r"accept_delayed_updates=True is only for policy 'deft'; policy 'dcredit'"):
+        Config(accept_delayed_updates=True)
+    assert Config(policy="deft", accept_delayed_updates=True).policy == "deft"
+    with pytest.raises(ValueError, match="DCREDIT_POLICY='deft'"):
+        Config.from_env({"DCREDIT_POLICY": "deft"})
+    assert Config.from_env({"DCREDIT_POLICY": "deft", "DCREDIT_ACCEPT_DELAYED_UPDATES": "1"}).accept_delayed_updates
 
 
 @pytest.mark.timeout(60)

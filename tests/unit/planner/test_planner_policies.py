@@ -163,8 +163,7 @@ def test_registry_is_frozen():
 def test_make_plan_errors_name_the_policy():
     with pytest.raises(ValueError, match=r"unknown policy 'dcredit2'; known policies: bytescheduler, dcredit, ddp"):
         make_plan(P4, "dcredit2")
-    with pytest.raises(ValueError, match=r"'deft' is not implemented: its delayed updates change training"):
-        make_plan(P4, "deft")
+    assert make_plan(P4, "deft").policy == "deft"  # apart from POLICIES: it changes results (Config says so)
     with pytest.raises(TypeError):
         make_plan(P4, "wfbp", block_bytes=4)
     assert make_plan(P4, "bytescheduler", block_bytes=1024, credit_blocks=2).partition == BLOCKS_1K
