@@ -39,16 +39,16 @@ def _whole_tensors(profile: Profile) -> tuple[tuple[int, ...], ...]:
     return tuple((t.numel,) if t.numel else () for t in profile.tensors)
 
 
-
-
 def _send_as_ready(profile: Profile, policy: str, *, merges: Sequence[Sequence[int]] = (),
-                   overlap_forward: bool = False, channels: int = 1) -> Plan:
+                   overlap_forward: bool = False, channels: int = 1, decoupled: bool = False) -> Plan:
     """Whole tensors (or merges) released as soon as they are ready: ALL at every event.
 
     A group released with ALL has as window the blocks it took (Note [Group
     window]); each event here releases at most one block, so collectives run
     one after another in ready order, as on one NCCL stream or Gloo process
-    group. Nothing is left for the flush, so the phase-2 window is never used.
+    group. Nothing is left for the flush, so the phase-2 window is never used;
+    unless every tensor is ``decoupled``: then the flush releases their
+    all-gathers, one at a time (window 1), in priority order.
     """
     T = profile.num_tensors
     return Plan(
@@ -57,7 +57,8 @@ def _send_as_ready(profile: Profile, policy: str, *, merges: Sequence[Sequence[i
         partition=_whole_tensors(profile),
         merges=tuple(tuple(m) for m in merges if len(m) > 1),
         phase1_windows=(ALL,) * T,
-        phase2_windows=(max(1, T),),
+        phase2_windows=(1,) if decoupled else (max(1, T),),
+        decoupled=tuple(t for t in range(T) if profile.tensors[t].numel) if decoupled else (),
         channels=channels,
         overlap_forward=overlap_forward,
         policy=policy,
@@ -308,20 +309,8 @@ def dear(profile: Profile, *, threshold_bytes: int = DEAR_THRESHOLD_BYTES, chann
     Each layer's forward waits for its own group (``overlap_forward=True``),
     and its update is applied then (the lazy step).
     """
-    groups = dear_groups(profile, threshold_bytes)
-    T = profile.num_tensors
-    return Plan(
-        numels=profile.numels,
-        order=profile.order(),
-        partition=_whole_tensors(profile),
-        merges=tuple(tuple(g) for g in groups if len(g) > 1),
-        phase1_windows=(ALL,) * T,
-        phase2_windows=(1,),
-        channels=channels,
-        overlap_forward=True,
-        decoupled=tuple(t for t in range(T) if profile.tensors[t].numel),
-        policy="dear",
-    )
+    return _send_as_ready(profile, "dear", merges=dear_groups(profile, threshold_bytes), overlap_forward=True,
+                          channels=channels, decoupled=True)
 
 
 def tune_dear(profile: Profile, *, block_sizes: Sequence[int] | None = None, per_octave: int = 5,

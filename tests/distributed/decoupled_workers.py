@@ -32,6 +32,19 @@ def _plans(numels: list, itemsizes: list) -> list:
             dataclasses.replace(whole, decoupled=tuple(range(T)), merges=merges, phase1_windows=(1,) * T)]
 
 
+def _train(model, ref, opt, ropt, steps, rng, max_sleep_ms: float) -> None:
+    """Steps through dcredit_opt, with a random sleep between backward and step() on each rank, beside the
+    synchronous reference."""
+    world, rank = dc.size(), dc.rank()
+    for step in steps:
+        opt.zero_grad()
+        loss_of(model, batch(step, rank)).backward()
+        time.sleep(rng.uniform(0, max_sleep_ms / 1000))
+        opt.step()
+        reference_grads(ref, step, world)
+        ropt.step()
+
+
 def decoupled(backend: str = "auto", horovod_first: bool = False, opt_name: str = "adam",
               max_sleep_ms: float = 15.0) -> dict:
     """Train under each plan in turn (staged at a step boundary, as a profiled plan is), with random per-rank
@@ -42,7 +55,7 @@ def decoupled(backend: str = "auto", horovod_first: bool = False, opt_name: str 
 
         hvd.init()
     dc.init()
-    world, rank = dc.size(), dc.rank()
+    rank = dc.rank()
     rng = random.Random(11 + 101 * rank)
     config = dc.Config(policy="fixed", block_bytes=512, window=2, channels=2, backend=backend)
     model, ref, opt, ropt = _make(opt_name, config)
@@ -50,17 +63,9 @@ def decoupled(backend: str = "auto", horovod_first: bool = False, opt_name: str 
     params = list(model.parameters())
     plans = _plans([p.numel() for p in params], [p.element_size() for p in params])
     out = {"diffs": [], "ops": [], "backend": opt._dc_backend.name}
-    step = 0
-    for plan in plans:
+    for k, plan in enumerate(plans):
         opt._dc_staged_plan = plan  # switched at the next backward, on every rank
-        for _ in range(STEPS_PER_PLAN):
-            opt.zero_grad()
-            loss_of(model, batch(step, rank)).backward()
-            time.sleep(rng.uniform(0, max_sleep_ms / 1000))
-            opt.step()
-            reference_grads(ref, step, world)
-            ropt.step()
-            step += 1
+        _train(model, ref, opt, ropt, range(k * STEPS_PER_PLAN, (k + 1) * STEPS_PER_PLAN), rng, max_sleep_ms)
         ops = opt._dc_layout.block_op
         out["ops"].append([ops.count(REDUCE_SCATTER), ops.count(ALL_GATHER), len(ops)])
         opt.synchronize()
@@ -89,7 +94,7 @@ def policies(cases: list, backend: str = "auto", horovod_first: bool = False, op
 
         hvd.init()
     dc.init()
-    world, rank = dc.size(), dc.rank()
+    rank = dc.rank()
     rng = random.Random(5 + 17 * rank)
     out = {"backend": None, "cases": {}}
     for name, phase2 in cases:
@@ -104,13 +109,7 @@ def policies(cases: list, backend: str = "auto", horovod_first: bool = False, op
             base = search._layout(profile, partition_by_bytes(profile, 256), channels=2, overlap_forward=phase2)
             plan = search._decoupled_dcredit(profile, base, 256, name.removeprefix("dcredit-"), 0.0, True)
             opt._dc_staged_plan = dataclasses.replace(plan, overlap_forward=phase2)
-        for step in range(12):
-            opt.zero_grad()
-            loss_of(model, batch(step, rank)).backward()
-            time.sleep(rng.uniform(0, max_sleep_ms / 1000))
-            opt.step()
-            reference_grads(ref, step, world)
-            ropt.step()
+        _train(model, ref, opt, ropt, range(12), rng, max_sleep_ms)
         opt.synchronize()
         ops = opt._dc_layout.block_op
         out["cases"][f"{name} phase2={phase2}"] = {
