@@ -51,7 +51,7 @@ demo: install
 # joined by rate-limited veth pairs (needs root; falls back to loopback with a
 # warning). Results land in benchmarks/results/ as dated files.
 BENCH_ARGS ?= --models vgg,gpt --rates 1gbit --ranks 2 --iters 15 --warmup 3 --rounds 2 \
-	--schemes compute,comm,ddp,horovod,dc-wfbp,dc-mgwfbp,dc-bytescheduler,dc-usbyte,dc-dear,dc-dcredit
+	--schemes compute,comm,ddp,horovod,dc-wfbp,dc-mgwfbp,dc-oasr,dc-bytescheduler,dc-usbyte,dc-dear,dc-dcredit
 bench: install horovod
 	$(PY) -m benchmarks.harness $(BENCH_ARGS)
 

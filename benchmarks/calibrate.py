@@ -30,10 +30,16 @@ For each benchmark record (``benchmarks/results/*.json``, written by
   mean error is the one the measurements support; the planner tunes under
   it (``planning.CHANNEL_FIFO``).
 
-The plans of ``dc-dcredit`` and ``dc-usbyte`` changed since the records
-were measured (the search; the paper's US-Byte), so their rows compare a
-prediction for today's plan with a measurement of an older one; they are
-shown but left out of the fit and of the choice of network model.
+* a reduce-scatter's and an all-gather's costs (``Profile.stage_ratios``,
+  what DeAR's and decoupled D-Credit's plans are priced with): the median
+  of what the record's own runs of that scheme measured (their profiles),
+  the ring formula's halves where none did.
+
+Where a scheme's plan changed since a record was measured (``PLANNER_SINCE``:
+the commit from which the planner makes today's plan; the record's own
+commit is not after it), its row compares a prediction for today's plan
+with a measurement of an older one; such rows are shown but left out of
+the fit and of the choice of network model.
 Horovod's scheme is not modelled (its own fusion and cycle). By default the
 records of the current runtime are used: those whose ``compute`` runs have
 per-phase times (the 2026-11-22 records measured an older, slower runtime).
@@ -46,20 +52,23 @@ import dataclasses
 import glob
 import json
 import statistics
+import subprocess
 from pathlib import Path
 
 import numpy as np
 
 import dcredit_opt
 from dcredit_opt import planning
-from dcredit_opt.planner.profile import Profile
+from dcredit_opt.planner.profile import RING_STAGE_RATIOS, Profile
 from dcredit_opt.planner.simulate import simulate
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMES = {"ddp": "ddp", "dc-wfbp": "wfbp", "dc-mgwfbp": "mgwfbp", "dc-bytescheduler": "bytescheduler",
-           "dc-dear": "dear", "dc-usbyte": "usbyte", "dc-dcredit": "dcredit"}
-CHANGED_SINCE = {"dc-dcredit", "dc-usbyte"}
-"""Schemes whose plan the current planner makes differently from the measured runs' planner."""
+           "dc-oasr": "oasr", "dc-dear": "dear", "dc-usbyte": "usbyte", "dc-dcredit": "dcredit"}
+PLANNER_SINCE = {"dc-dcredit": "245b792", "dc-usbyte": "245b792", "dc-dear": "245b792"}
+"""Per scheme, the commit from which the planner makes today's plan for it: the search with decoupled
+candidates, the paper's US-Byte, DeAR's own collectives. A record measured at an earlier commit ran
+another plan."""
 GRID_C_S = [k * 5e-4 for k in range(21)]
 """Per-collective costs tried: 0 to 10 ms in 0.5 ms steps."""
 TELL_APART = 0.01
@@ -109,6 +118,30 @@ def fit_network(records: list[dict]) -> dict[str, tuple[float, float]]:
             beta = statistics.median((t - alpha_shared) / s for s, t in pts)
             fits[rate] = (alpha_shared, max(0.0, beta))
     return fits
+
+
+def _is_ancestor(old: str, new: str | None) -> bool:
+    if not new:
+        return False
+    done = subprocess.run(["git", "merge-base", "--is-ancestor", old, new], cwd=REPO, capture_output=True,
+                          check=False)
+    return done.returncode == 0
+
+
+def plan_changed_since(record: dict, scheme: str) -> bool:
+    """Whether ``record`` ran another plan for ``scheme`` than the current planner makes (``PLANNER_SINCE``)."""
+    since = PLANNER_SINCE.get(scheme)
+    return since is not None and not _is_ancestor(since, record.get("versions", {}).get("git_commit"))
+
+
+def stage_ratios(record: dict, model: str, rate: str, scheme: str) -> tuple[float, ...]:
+    """The median ``stage_ratios`` the record's runs of ``scheme`` measured (the ring's halves if none did)."""
+    measured_ratios = [run["profile"]["stage_ratios"] for run in record["runs"]
+                       if run["scheme"] == scheme and run.get("model") == model and run.get("rate") == rate
+                       and run.get("status") == "ok" and (run.get("profile") or {}).get("stage_ratios")]
+    if not measured_ratios:
+        return RING_STAGE_RATIOS
+    return tuple(statistics.median(r[k] for r in measured_ratios) for k in range(4))
 
 
 def calibrated_profile(record: dict, model: str, rate: str, network: tuple[float, float]) -> tuple[Profile, float]:
@@ -171,11 +204,14 @@ def main(argv: list[str] | None = None) -> None:
             profile, step = calibrated_profile(record, model, rate, networks[rate])
             for scheme, policy in SCHEMES.items():
                 if scheme in rows:
-                    cases.append((Path(path).stem, model, rate, scheme, rows[scheme], profile, step, policy))
+                    ratios = stage_ratios(record, model, rate, scheme)
+                    cases.append((Path(path).stem, model, rate, scheme, rows[scheme],
+                                  dataclasses.replace(profile, stage_ratios=ratios), step, policy,
+                                  plan_changed_since(record, scheme)))
 
     def errors(c: float, fifo: bool) -> list[float]:
-        return [predict(prof, step, pol, c, fifo) / m - 1 for _, _, _, s, m, prof, step, pol in cases
-                if s not in CHANGED_SINCE]
+        return [predict(prof, step, pol, c, fifo) / m - 1 for _, _, _, s, m, prof, step, pol, changed in cases
+                if not changed]
 
     fit = {}
     for fifo in (False, True):
@@ -184,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
     name = {False: "processor sharing", True: "channel FIFO"}
     chosen = min(fit, key=lambda f: fit[f][1])
     gaps = [(abs(ps) - abs(ff), s, rec, model) for (rec, model, _, s, *_), ps, ff in
-            zip([c for c in cases if c[3] not in CHANGED_SINCE], errors(fit[False][0], False), errors(fit[True][0], True))]
+            zip([c for c in cases if not c[-1]], errors(fit[False][0], False), errors(fit[True][0], True))]
     gap, scheme, rec, model = max(gaps, key=lambda g: abs(g[0]))
     verdict = (f"The measurements support {name[chosen]}: mean |error| {fit[chosen][1]:.1%} against "
                f"{fit[not chosen][1]:.1%}; where the two models differ most ({scheme} on {model}, {rec}: "
@@ -204,10 +240,10 @@ def main(argv: list[str] | None = None) -> None:
              + f". **{verdict}**", "",
              "| record | model | rate | scheme | measured s | predicted s (PS) | error | predicted s (FIFO) | error |",
              "|---|---|---|---|---:|---:|---:|---:|---:|"]
-    for rec, model, rate, scheme, m, prof, step, pol in cases:
+    for rec, model, rate, scheme, m, prof, step, pol, changed in cases:
         ps = predict(prof, step, pol, fit[False][0], False)
         ff = predict(prof, step, pol, fit[True][0], True)
-        note = " (plan changed since)" if scheme in CHANGED_SINCE else ""
+        note = " (plan changed since)" if changed else ""
         lines.append(f"| {rec} | {model} | {rate} | {scheme}{note} | {m:.3f} | {ps:.3f} | {ps / m - 1:+.1%} | "
                      f"{ff:.3f} | {ff / m - 1:+.1%} |")
     within = [abs(e) <= 0.10 for e in errors(fit[chosen][0], chosen)]

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from benchmarks.models import get_model, loss_fn, param_count
 
-DC_POLICIES = ("wfbp", "mgwfbp", "bytescheduler", "usbyte", "dear", "dcredit")
+DC_POLICIES = ("wfbp", "mgwfbp", "oasr", "bytescheduler", "usbyte", "dear", "dcredit")
 # hvd-dcredit: a Horovod script with dc.DistributedOptimizer and Config(backend="torch") (blocks on our own C++
 # channels beside Horovod); hvd-dcredit-ops: blocks on Horovod's operations (the default there, "auto").
 # dc-dcredit-fp16: D-Credit with compression=Compression.fp16 (blocks travel as float16: half the bytes, float16's

@@ -54,7 +54,7 @@ def test_scheme_list_is_frozen():
     # Adding a scheme means adding it to the README and the results: do it on purpose.
     assert worker.SCHEMES == (
         "compute", "comm", "ddp", "horovod",
-        "dc-wfbp", "dc-mgwfbp", "dc-bytescheduler", "dc-usbyte", "dc-dear", "dc-dcredit",
+        "dc-wfbp", "dc-mgwfbp", "dc-oasr", "dc-bytescheduler", "dc-usbyte", "dc-dear", "dc-dcredit",
         "hvd-dcredit", "hvd-dcredit-ops",  # an unchanged Horovod script with our optimizer: C++ channels, Horovod ops
         "dc-dcredit-fp16",  # Compression.fp16
         "dc-dcredit-dense",  # Config(embedding_rows=False): embeddings all-reduced densely
