@@ -323,9 +323,9 @@ def tune_dear(profile: Profile, *, block_sizes: Sequence[int] | None = None, per
     of two over ``block_sizes`` (default: ByteScheduler's grid).
     """
     sizes = _block_size_grid(profile, step=1) if block_sizes is None else block_sizes
-    return _fastest(profile, update_s, "tune_dear",
-                    (dear(profile, threshold_bytes=size, channels=channels) for size in unit_grid(sizes, per_octave)),
-                    channel_fifo)
+    # Thresholds that make the same groups make the same plan: each plan is simulated once.
+    plans = dict.fromkeys(dear(profile, threshold_bytes=size, channels=channels) for size in unit_grid(sizes, per_octave))
+    return _fastest(profile, update_s, "tune_dear", plans, channel_fifo)
 
 
 POLICIES: dict[str, Callable[..., Plan]] = {
