@@ -23,6 +23,7 @@ import datetime
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -354,6 +355,15 @@ def main(argv: list[str] | None = None) -> dict:
     report.plot(record, paths["png"])
     print(md)
     print("wrote " + ", ".join(str(p) for p in paths.values()))
+    # The simulator against this run: predicted vs measured per scheme, beside the results.
+    calibration = paths["json"].with_name(paths["json"].stem + "-calibration.md")
+    try:
+        from benchmarks import calibrate
+
+        calibrate.main([str(paths["json"]), "--out", str(calibration)])
+        print(f"wrote {calibration}")
+    except (ValueError, KeyError, statistics.StatisticsError) as e:  # a run without compute/comm cannot calibrate
+        print(f"no calibration table for this run: {type(e).__name__}: {e}", file=sys.stderr)
     return record
 
 
