@@ -257,17 +257,19 @@ def summarize_runs(runs: list[RunResult], models: list[str], rates: list[str],
             mine = [r for r in runs if r.launch.model == model and r.launch.rate == rate]
             times: dict[str, list[float]] = {}
             launches: dict[str, list[list[float]]] = {}
-            notes: dict[str, str] = {}
+            # DeFT trains differently (delayed updates): its row says so, whatever else it says.
+            notes: dict[str, str] = {"dc-deft": "delayed updates: not synchronous training"} if "dc-deft" in schemes \
+                else {}
             for r in mine:
                 if r.status == "ok":
                     times.setdefault(r.launch.scheme, []).extend(r.iter_times_s)
                     launches.setdefault(r.launch.scheme, []).append(list(r.iter_times_s))
-                elif r.launch.scheme not in notes:
+                elif r.launch.scheme not in notes or r.launch.scheme == "dc-deft":
                     notes[r.launch.scheme] = f"{r.status}: {(r.error or 'unknown').splitlines()[0]}"
             # The floor of full-precision synchronous training: profiles of compressed runs (fp16 on the wire,
             # half the bytes) would lower it, and a compressed scheme may legitimately beat it.
-            floor = floor_s([r.profile for r in mine
-                             if r.status == "ok" and r.profile and not r.launch.scheme.endswith("-fp16")])
+            floor = floor_s([r.profile for r in mine if r.status == "ok" and r.profile
+                             and not r.launch.scheme.endswith("-fp16") and r.launch.scheme != "dc-deft"])
             rows, bound = table(times, schemes, notes, launches, floor)
             results.append({"model": model, "rate": rate, "bound_s": bound, "floor_s": floor,
                             "rows": [report.row_to_dict(row) for row in rows]})
@@ -362,7 +364,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         calibrate.main([str(paths["json"]), "--out", str(calibration)])
         print(f"wrote {calibration}")
-    except (ValueError, KeyError, statistics.StatisticsError) as e:  # a run without compute/comm cannot calibrate
+    except (ValueError, KeyError, statistics.StatisticsError, SystemExit) as e:  # no compute/comm, no profile
         print(f"no calibration table for this run: {type(e).__name__}: {e}", file=sys.stderr)
     return record
 

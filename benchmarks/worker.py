@@ -37,8 +37,9 @@ DC_POLICIES = ("wfbp", "mgwfbp", "oasr", "bytescheduler", "usbyte", "dear", "dcr
 # dc-dcredit-fp16: D-Credit with compression=Compression.fp16 (blocks travel as float16: half the bytes, float16's
 # rounding in the reduced gradient, as with Horovod's fp16 compression). dc-dcredit-dense: D-Credit with
 # Config(embedding_rows=False), embeddings all-reduced densely (Note [Embedding rows] in dcredit_opt/rows.py).
+# dc-deft: DeFT's delayed updates (Config(policy="deft", accept_delayed_updates=True)): not synchronous training.
 SCHEMES = ("compute", "comm", "ddp", "horovod") + tuple(f"dc-{p}" for p in DC_POLICIES) + (
-    "hvd-dcredit", "hvd-dcredit-ops", "dc-dcredit-fp16", "dc-dcredit-dense")
+    "hvd-dcredit", "hvd-dcredit-ops", "dc-dcredit-fp16", "dc-dcredit-dense", "dc-deft")
 LR = 0.01
 MOMENTUM = 0.9
 # Generous: a rank may wait on a peer for a whole slow iteration plus start-up,
@@ -228,6 +229,8 @@ def run_dc(args, model, batch, rank, world):
     policy = args.scheme.removeprefix("dc-").removesuffix("-fp16").removesuffix("-dense")
     compression = dc.Compression.fp16 if args.scheme.endswith("-fp16") else dc.Compression.none
     overrides = {"embedding_rows": False} if args.scheme.endswith("-dense") else {}
+    if policy == "deft":  # the benchmark accepts what DeFT changes (README): its row is marked as such
+        overrides["accept_delayed_updates"] = True
     # DCREDIT_* variables (a timeline path, a timeout) pass through; the
     # scheme decides the policy. The timeout also bounds joining the job and
     # the control plane, as PG_TIMEOUT_S does for the other schemes.

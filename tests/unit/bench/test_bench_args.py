@@ -58,6 +58,7 @@ def test_scheme_list_is_frozen():
         "hvd-dcredit", "hvd-dcredit-ops",  # an unchanged Horovod script with our optimizer: C++ channels, Horovod ops
         "dc-dcredit-fp16",  # Compression.fp16
         "dc-dcredit-dense",  # Config(embedding_rows=False): embeddings all-reduced densely
+        "dc-deft",  # delayed updates, not synchronous training
     )
 
 
