@@ -198,8 +198,9 @@ ahead of ByteScheduler only at moderate scale (ResNet-18 at 16, GPT at 2 and 16;
 never behind WFBP or MG-WFBP (its model is the simulator's for these plans), ahead of MG-WFBP wherever the
 greedy merge hurts later overlap, and ahead of WFBP by far more than the paper's 5-16 % once alpha is large,
 since WFBP pays one start-up per tensor. Each stage of a decoupled block is priced at half an all-reduce (the
-ring formula); the measured runs have not yet calibrated that share (`benchmarks/results/calibration.md`
-predates DeAR's collectives)."""
+ring formula, what NCCL's ring reaches); on Gloo at 1 Gbit/s the profiler measured 1.0-1.1 for a
+reduce-scatter and 0.6-0.8 for an all-gather, which makes decoupling lose
+(`benchmarks/results/2026-11-25-s1-seeds-vgg-gpt-1gbit.md`)."""
 
 
 def plot(model: str, rows: list[dict], path: Path) -> None:
