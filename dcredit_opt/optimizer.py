@@ -309,7 +309,7 @@ class _DistributedOptimizer:
         self._dc_told = set()  # notices already given
         self._dc_backend = backends.create(config.backend, config.channels, config.timeout_s)
         self._dc_engine = self._dc_backend.engine
-        if config.policy == "deft" and not hasattr(self._dc_backend, "start_delayed"):
+        if config.policy == "deft" and not self._dc_sums_delayed():
             self._dc_backend.close()
             raise DCreditError(f"Config(policy='deft') sums its delayed gradients on backend 'torch' only; this "
                                f"job's blocks go through backend '{self._dc_backend.name}': set "
@@ -348,6 +348,10 @@ class _DistributedOptimizer:
         for p in params:
             _mark_reduced_by(p, me)
 
+    def _dc_sums_delayed(self) -> bool:
+        """Whether this job's backend can sum DeFT's delayed gradients in the background (torch only)."""
+        return hasattr(self._dc_backend, "start_delayed")
+
     def _dc_set_plan(self, plan: Plan) -> None:
         """Switch to ``plan`` (with Horovod's groups merged in); only between iterations (nothing in flight)."""
         params = self._dc_params
@@ -355,7 +359,7 @@ class _DistributedOptimizer:
         plan = rows.without_tensors(plan, self._dc_rows_only())
         validate(plan, numels=self._dc_numels(), max_channels=self._dc_config.channels,
                  dtypes=[p.dtype for p in params])
-        if plan.delayed and (self._dc_config.policy != "deft" or not hasattr(self._dc_backend, "start_delayed")):
+        if plan.delayed and not (self._dc_config.policy == "deft" and self._dc_sums_delayed()):
             raise DCreditError(f"plan delays the updates of {[self._dc_names[i] for i in plan.delayed]} (DeFT), "
                                "which only Config(policy='deft', accept_delayed_updates=True, backend='torch') "
                                "runs: delayed updates do not train like synchronous data parallelism")

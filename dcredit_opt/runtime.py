@@ -356,7 +356,18 @@ def _torch_beside_horovod(world: _World) -> None:
     runs under heavy load Horovod shut down in the swapped peer suite again.
     The cause is not found: not symbol interposition (Horovod's library
     neither exports nor imports gloo symbols); the group churn, or a stall
-    of one rank's background thread, remain.
+    of one rank's background thread, remain. What was measured since (AMD
+    EPYC, 2 cores, ``test_force_allreduce`` alone, 4 busy processes beside
+    it): with Horovod's default 30 s Gloo timeout 10 of 10 runs passed (and
+    the whole vendored selection 4 of 4); with
+    ``HOROVOD_GLOO_TIMEOUT_SECONDS=5``, 2 of 12 runs with our channels failed
+    (one rank's background loop waited over 5 s for its peer's send or
+    receive) against 0 of 5 with blocks on Horovod's operations; with 60 s,
+    1 of 2 (rank 0 in ``hvd.broadcast_parameters``, rank 1 silent); with
+    150 or 400 s, 13 of 13 passed, none slower than 84 s. So one rank's
+    Horovod loop sometimes stops for seconds to a minute while our groups
+    are built and destroyed one optimizer after another; a stall long enough
+    to catch with a debugger (over 160 s) never came.
     """
     from . import launchers
 

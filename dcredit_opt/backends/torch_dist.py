@@ -192,23 +192,22 @@ class TorchDistBackend:
         optimizer has drained what was in flight."""
         self.engine.shutdown()
         if self._delayed is not None:  # queued before the next tally on the side group: wait for it too
-            grace = 1.0 if self.engine.error() is not None else self._timeout_s
-            try:
-                self.wait_delayed(grace)
-            except RuntimeError as e:
-                log.warning("dcredit_opt: the last background sum of delayed gradients did not finish within "
-                            "%g s: %s", grace, e)
+            self._wait_at_close(self.wait_delayed, "the last background sum of delayed gradients")
         if self._tally is not None:
             # A slower peer may start its last tally well after our blocks are done: destroying the group
-            # first would fail that peer's tally. As long, then, as a collective; after a failure, briefly.
-            grace = 1.0 if self.engine.error() is not None else self._timeout_s
-            try:
-                self.wait_tally(grace)
-            except RuntimeError as e:  # a peer is gone: the channels' failure says so
-                log.warning("dcredit_opt: the last sum of which gradients each rank computed did not finish "
-                            "within %g s: %s", grace, e)
+            # first would fail that peer's tally.
+            self._wait_at_close(self.wait_tally, "the last sum of which gradients each rank computed")
         groups, self._groups = self._groups + [self._tally_group], []
         runtime.destroy_channel_groups(groups)
+
+    def _wait_at_close(self, wait, what: str) -> None:
+        """``wait(grace)`` for a collective still on the side group: as long as any collective, or briefly
+        after a failure; a peer that is gone is logged (the channels' own failure says why), not raised."""
+        grace = 1.0 if self.engine.error() is not None else self._timeout_s
+        try:
+            wait(grace)
+        except RuntimeError as e:
+            log.warning("dcredit_opt: %s did not finish within %g s: %s", what, grace, e)
 
 
 def _abort_failed_horovod_mpi_job(engine, hvd) -> None:
