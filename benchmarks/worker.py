@@ -33,13 +33,15 @@ from benchmarks.models import get_model, loss_fn, param_count
 
 DC_POLICIES = ("wfbp", "mgwfbp", "oasr", "bytescheduler", "usbyte", "dear", "dcredit")
 # hvd-dcredit: a Horovod script with dc.DistributedOptimizer and Config(backend="torch") (blocks on our own C++
-# channels beside Horovod); hvd-dcredit-ops: blocks on Horovod's operations (the default there, "auto").
+# channels beside Horovod); hvd-dcredit-ops: blocks on Horovod's operations (the default there, "auto");
+# hvd-dcredit-ops-fused: the same with Horovod's tensor fusion left on (its default threshold), which merges the
+# blocks released in one Horovod cycle into one collective (windows then hold only approximately).
 # dc-dcredit-fp16: D-Credit with compression=Compression.fp16 (blocks travel as float16: half the bytes, float16's
 # rounding in the reduced gradient, as with Horovod's fp16 compression). dc-dcredit-dense: D-Credit with
 # Config(embedding_rows=False), embeddings all-reduced densely (Note [Embedding rows] in dcredit_opt/rows.py).
 # dc-deft: DeFT's delayed updates (Config(policy="deft", accept_delayed_updates=True)): not synchronous training.
 SCHEMES = ("compute", "comm", "ddp", "horovod") + tuple(f"dc-{p}" for p in DC_POLICIES) + (
-    "hvd-dcredit", "hvd-dcredit-ops", "dc-dcredit-fp16", "dc-dcredit-dense", "dc-deft")
+    "hvd-dcredit", "hvd-dcredit-ops", "hvd-dcredit-ops-fused", "dc-dcredit-fp16", "dc-dcredit-dense", "dc-deft")
 LR = 0.01
 MOMENTUM = 0.9
 # Generous: a rank may wait on a peer for a whole slow iteration plus start-up,
@@ -153,10 +155,12 @@ def run_horovod(args, model, batch, rank, world):
 def run_dc_under_horovod(args, model, batch, rank, world):
     import dcredit_opt as dc
 
-    backend = "horovod" if args.scheme.endswith("-ops") else "torch"  # "auto" under Horovod is its operations
-    # The README's Horovod recipe: fusion off; with our channels carrying the blocks, a 20 ms cycle
-    # (Note [Horovod cycle time] in dcredit_opt/launchers.py). Blocks on Horovod's operations keep its default.
-    hvd, close_horovod = _join_horovod(rank, world, fusion_off=True, quiet_cycle=backend == "torch")
+    backend = "horovod" if "-ops" in args.scheme else "torch"  # "auto" under Horovod is its operations
+    # The README's Horovod recipe: fusion off (but in -fused, which measures what fusion does to our blocks);
+    # with our channels carrying the blocks, a 20 ms cycle (Note [Horovod cycle time] in
+    # dcredit_opt/launchers.py). Blocks on Horovod's operations keep its default cycle.
+    hvd, close_horovod = _join_horovod(rank, world, fusion_off=not args.scheme.endswith("-fused"),
+                                       quiet_cycle=backend == "torch")
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     config = dc.Config.from_env(policy="dcredit", backend=backend)
     opt = dc.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(), config=config)

@@ -56,6 +56,7 @@ def test_scheme_list_is_frozen():
         "compute", "comm", "ddp", "horovod",
         "dc-wfbp", "dc-mgwfbp", "dc-oasr", "dc-bytescheduler", "dc-usbyte", "dc-dear", "dc-dcredit",
         "hvd-dcredit", "hvd-dcredit-ops",  # an unchanged Horovod script with our optimizer: C++ channels, Horovod ops
+        "hvd-dcredit-ops-fused",  # Horovod ops with Horovod's tensor fusion left on
         "dc-dcredit-fp16",  # Compression.fp16
         "dc-dcredit-dense",  # Config(embedding_rows=False): embeddings all-reduced densely
         "dc-deft",  # delayed updates, not synchronous training
