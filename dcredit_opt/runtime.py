@@ -364,10 +364,11 @@ def _torch_beside_horovod(world: _World) -> None:
     (one rank's background loop waited over 5 s for its peer's send or
     receive) against 0 of 5 with blocks on Horovod's operations; with 60 s,
     1 of 2 (rank 0 in ``hvd.broadcast_parameters``, rank 1 silent); with
-    150 or 400 s, 13 of 13 passed, none slower than 84 s. So one rank's
-    Horovod loop sometimes stops for seconds to a minute while our groups
-    are built and destroyed one optimizer after another; a stall long enough
-    to catch with a debugger (over 160 s) never came.
+    150 or 400 s, 13 of 13 passed, none slower than 84 s. So with our
+    channels one rank's Horovod loop sometimes stops for seconds to a minute
+    in that test (26 optimizers, each building its groups); what it waits on
+    is not known, and a stall long enough to catch with a debugger (over
+    160 s) never came.
     """
     from . import launchers
 
