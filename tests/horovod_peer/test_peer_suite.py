@@ -5,7 +5,7 @@ tests Horovod wrote for its optimizer should then pass as they did. ``upstream/t
 those tests, verbatim (README.md lists which and why); they run under ``horovodrun -np 2 --gloo`` with
 ``-p tests.horovod_peer.swap`` (the user's one-line change, made for the whole session) and
 ``-p tests.horovod_peer.torch_compat`` (hides ``torch.optim.Muon``, which Horovod 0.28.1's optimizer loops cannot
-build). A control run without the swap shows that stock Horovod passes the same selection here, so a failure with
+build) and ``-p tests.horovod_peer.no_timeline`` (keeps Horovod's spinning timeline writer off). A control run without the swap shows that stock Horovod passes the same selection here, so a failure with
 the swap is ours, not the environment's. Tests that fail with the swap for a known reason are strict xfails: each
 must fail with its own error on every rank (a different error fails the test), and one that starts passing shows.
 
@@ -148,7 +148,8 @@ def _horovodrun(command: list, cwd: Path) -> tuple[int, str]:
 
 def _run_vendored_tests(swap: bool) -> dict:
     """Every rank's outcomes (``outcomes.py``'s records, in rank order) and the launch's output."""
-    plugins = ["-p", "tests.horovod_peer.one_init", "-p", "tests.horovod_peer.torch_compat"] + (
+    plugins = ["-p", "tests.horovod_peer.one_init", "-p", "tests.horovod_peer.torch_compat",
+               "-p", "tests.horovod_peer.no_timeline"] + (
         ["-p", "tests.horovod_peer.swap"] if swap else [])
     with tempfile.TemporaryDirectory(prefix="dcredit-peer-") as out:
         # --rootdir/--confcutdir: the run sees Horovod's files only, not this repository's conftests.
