@@ -32,8 +32,8 @@ import torch.distributed as dist
 from benchmarks.models import get_model, loss_fn, param_count
 
 DC_POLICIES = ("wfbp", "mgwfbp", "oasr", "bytescheduler", "usbyte", "dear", "dcredit")
-# hvd-dcredit: a Horovod script with dc.DistributedOptimizer and Config(backend="torch") (blocks on our own C++
-# channels beside Horovod); hvd-dcredit-ops: blocks on Horovod's operations (the default there, "auto");
+# hvd-dcredit: an unchanged Horovod script with dc.DistributedOptimizer (blocks on our own C++ channels beside
+# Horovod, the default there); hvd-dcredit-ops: the same with Config(backend="horovod"), blocks on Horovod's ops;
 # hvd-dcredit-ops-fused: the same with Horovod's tensor fusion left on (its default threshold), which merges the
 # blocks released in one Horovod cycle into one collective (windows then hold only approximately).
 # dc-dcredit-fp16: D-Credit with compression=Compression.fp16 (blocks travel as float16: half the bytes, float16's
@@ -155,12 +155,12 @@ def run_horovod(args, model, batch, rank, world):
 def run_dc_under_horovod(args, model, batch, rank, world):
     import dcredit_opt as dc
 
-    backend = "horovod" if "-ops" in args.scheme else "torch"  # "auto" under Horovod is its operations
+    backend = "horovod" if "-ops" in args.scheme else "auto"  # "auto" under Horovod on CPUs: our channels
     # The README's Horovod recipe: fusion off (but in -fused, which measures what fusion does to our blocks);
     # with our channels carrying the blocks, a 20 ms cycle (Note [Horovod cycle time] in
     # dcredit_opt/launchers.py). Blocks on Horovod's operations keep its default cycle.
     hvd, close_horovod = _join_horovod(rank, world, fusion_off=not args.scheme.endswith("-fused"),
-                                       quiet_cycle=backend == "torch")
+                                       quiet_cycle=backend == "auto")
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     config = dc.Config.from_env(policy="dcredit", backend=backend)
     opt = dc.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(), config=config)

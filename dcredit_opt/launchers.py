@@ -228,6 +228,25 @@ def warn_if_cycle_short(hvd) -> None:
                     "give those cores back (Note [Horovod cycle time])", cycle_ms, QUIET_CYCLE_MS, QUIET_CYCLE_MS)
 
 
+_timeline_told = False
+
+
+def warn_if_timeline_spins(hvd) -> None:
+    """Our channels carry the blocks beside Horovod: say once if Horovod's timeline is on. Its writer thread
+    (Horovod 0.28.1) yields in a loop without sleeping, most of a core per rank, and on a machine with few cores
+    that keeps Horovod's background loop, and our channels, waiting for a core (Note [C++ channels under
+    Horovod] in runtime.py has the measurements)."""
+    global _timeline_told
+    timeline = os.environ.get("HOROVOD_TIMELINE")
+    if timeline and hvd.rank() == 0 and not _timeline_told:
+        _timeline_told = True
+        log.warning("dcredit_opt: Horovod's timeline is on (HOROVOD_TIMELINE=%s): its writer thread spins on a "
+                    "core per rank for as long as Horovod runs (measured: most of a core), which slows training "
+                    "and, with few cores, can starve Horovod's own background loop past its Gloo timeout. Unset "
+                    "it unless you need Horovod's timeline; DCREDIT_TIMELINE_PATH records dcredit_opt's blocks "
+                    "without a spinning thread", timeline)
+
+
 def warn_if_fusion_on(hvd) -> None:
     """Blocks on Horovod's operations: say once per job if Horovod may fuse them (Note [Horovod fusion])."""
     global _fusion_told

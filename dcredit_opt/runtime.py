@@ -63,6 +63,8 @@ class _World:
     owns_horovod: bool = False
     backends_created: int = 0
     """Backends made so far; the same count on every rank (Note [Same order on every rank])."""
+    on_cpu: bool | None = None
+    """In a Horovod job: whether it runs on CPUs, decided by every rank together (``horovod_on_cpu()``)."""
 
 
 _world: _World | None = None
@@ -338,37 +340,37 @@ def _torch_beside_horovod(world: _World) -> None:
 
     Blocks on Horovod's Python API pay two Python calls and a negotiation
     cycle each, on two busy cores; blocks on c10d process groups are launched
-    and completed in C++, as under torchrun. ``Config(backend="torch")`` in a
-    Horovod job carries gradient blocks on process groups of our own, and the
-    script keeps Horovod for everything else (its own allreduce, broadcasts,
-    metrics). The rendezvous goes through one Horovod broadcast
+    and completed in C++, as under torchrun. So in a Horovod job on CPUs the
+    "auto" backend carries gradient blocks on process groups of our own, and
+    the script keeps Horovod for everything else (its own allreduce,
+    broadcasts, metrics). The rendezvous goes through one Horovod broadcast
     (``launchers.rendezvous_gloo``); the default group is ours, destroyed at
     ``shutdown()``. Collective: every rank builds its first "torch" backend at
-    the same point.
+    the same point. ``Config(backend="horovod")`` keeps the blocks on
+    Horovod's operations (also the default on GPUs: NCCL channels beside
+    Horovod are not built).
 
-    Not the default ("auto" is Horovod's operations): in Horovod's own
-    ``test_force_allreduce`` (26 optimizers built one after another in one
-    job, 3 process groups each) Horovod's background loop failed with a Gloo
-    "Timed out waiting 30000ms for recv" in 2 of 3 runs on an AMD EPYC (2
-    cores), and Horovod shut down; with blocks on Horovod's operations the
-    same test passes in 8 s. On an Intel Xeon (2 cores) it passed 10 of 10
-    runs alone and the peer suite 4 of 4, but in 1 of 2 full ``make test``
-    runs under heavy load Horovod shut down in the swapped peer suite again.
-    The cause is not found: not symbol interposition (Horovod's library
-    neither exports nor imports gloo symbols); the group churn, or a stall
-    of one rank's background thread, remain. What was measured since (AMD
-    EPYC, 2 cores, ``test_force_allreduce`` alone, 4 busy processes beside
-    it): with Horovod's default 30 s Gloo timeout 10 of 10 runs passed (and
-    the whole vendored selection 4 of 4); with
-    ``HOROVOD_GLOO_TIMEOUT_SECONDS=5``, 2 of 12 runs with our channels failed
-    (one rank's background loop waited over 5 s for its peer's send or
-    receive) against 0 of 5 with blocks on Horovod's operations; with 60 s,
-    1 of 2 (rank 0 in ``hvd.broadcast_parameters``, rank 1 silent); with
-    150 or 400 s, 13 of 13 passed, none slower than 84 s. So with our
-    channels one rank's Horovod loop sometimes stops for seconds to a minute
-    in that test (26 optimizers, each building its groups); what it waits on
-    is not known, and a stall long enough to catch with a debugger (over
-    160 s) never came.
+    Measured (2 ranks, 1 Gbit/s, 2 cores): VGG-like 1.366 s against 1.339 s
+    under torchrun and 1.643 s for stock Horovod; GPT-like 1.643 / 1.591 /
+    2.070 s; on Horovod's operations 1.406 / 1.919 s, erratic.
+
+    Why this was opt-in for a while, and what it was: in Horovod's own
+    ``test_force_allreduce`` (two dozen optimizers built one after another
+    in one job), Horovod's background loop sometimes timed out on a Gloo receive
+    with our channels and never with Horovod's operations (with
+    ``HOROVOD_GLOO_TIMEOUT_SECONDS=5``: 4 of 10 runs against 0 of 9, on an
+    idle machine). Horovod's test module sets ``HOROVOD_TIMELINE=DYNAMIC``,
+    and then Horovod's timeline writer thread spins on ``sched_yield`` (0.93
+    and 0.26 of a core on the two ranks; 0.07 for the busiest thread
+    without it). On two cores that spinner, beside our channels' threads
+    (one Gloo loop per process group, waking every 10 ms), kept a rank's
+    threads off the cores for seconds: a watcher saw every thread of one
+    rank runnable and not run for 2 s, and with the garbage collector off
+    (more groups alive) 7 of 8 runs failed. Without the variable, 6 of 6
+    (garbage collector off) and 8 of 8 (on) passed with the 5 s timeout,
+    each run faster (11-15 s instead of 20-30 s). The peer suite drops the
+    variable (``tests/horovod_peer/no_timeline.py``), and
+    ``launchers.warn_if_timeline_spins`` tells a user who sets it.
     """
     from . import launchers
 
@@ -379,9 +381,21 @@ def _torch_beside_horovod(world: _World) -> None:
                               "or pass Config(backend='horovod')")
     world.owns_default_group = True
     launchers.warn_if_cycle_short(world.hvd)
+    launchers.warn_if_timeline_spins(world.hvd)
     if world.rank == 0:
         log.warning("dcredit_opt: gradient blocks go on torch.distributed (Gloo) process groups beside Horovod "
-                    "(Config(backend='torch')); 'auto' keeps them on Horovod's operations")
+                    "(Config(backend='horovod') keeps them on Horovod's operations)")
+
+
+def horovod_on_cpu() -> bool:
+    """A Horovod job on CPUs: where our own C++ channels replace Horovod's operations for the blocks (Note [C++
+    channels under Horovod]). Decided once per job, by every rank together: a rank without CUDA makes it a CPU
+    job for all (ranks that chose differently would wait for each other's collectives forever)."""
+    world = _require()
+    if world.on_cpu is None:
+        mine = torch.tensor([0 if torch.cuda.is_available() else 1], dtype=torch.int32)
+        world.on_cpu = any(int(t) for t in all_gather(mine, name="cpu"))
+    return world.on_cpu
 
 
 def destroy_channel_groups(groups: list) -> None:

@@ -25,13 +25,14 @@ communicators, Horovod names), made when it is built and released when it
 closes: several optimizers in one process launch independently of each
 other, so they must never share one.
 
-"auto" follows whoever set up the world (``runtime.kind()``): Horovod's
-operations in a Horovod job (``backend="torch"`` there puts the blocks on
-torch.distributed process groups of our own beside Horovod, the C++ path:
-Note [C++ channels under Horovod] in ``runtime.py`` says why that is not the
-default), mpi4py in a job that mpirun/mpiexec started and dcredit_opt joined
-(the user launched with MPI, so MPI carries the gradients; pass "torch" for
-Gloo's C++ path instead), torch.distributed otherwise.
+"auto" follows whoever set up the world (``runtime.kind()``): in a Horovod
+job on CPUs, torch.distributed process groups of our own beside Horovod (the
+C++ path, Note [C++ channels under Horovod] in ``runtime.py``;
+``backend="horovod"`` keeps Horovod's operations, and so does a Horovod job
+on GPUs, whose NCCL channels beside Horovod are not built), mpi4py in a job
+that mpirun/mpiexec started and dcredit_opt joined (the user launched with
+MPI, so MPI carries the gradients; pass "torch" for Gloo's C++ path
+instead), torch.distributed otherwise.
 """
 
 from __future__ import annotations
@@ -59,9 +60,11 @@ def create(name: str, channels: int, timeout_s: float):
 
 
 def detect() -> str:
-    """The backend of the launcher that set up the world (see the module docstring). Under Horovod that is
-    Horovod's own operations; process groups of our own beside it are opt-in (``backend="torch"``, Note [C++
-    channels under Horovod] in runtime.py)."""
+    """The backend of the launcher that set up the world (see the module docstring); under Horovod on CPUs,
+    process groups of our own beside it (Note [C++ channels under Horovod] in runtime.py)."""
     from .. import runtime
 
-    return runtime.kind()
+    kind = runtime.kind()
+    if kind == "horovod" and runtime.horovod_on_cpu():
+        return "torch"
+    return kind

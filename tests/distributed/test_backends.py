@@ -65,15 +65,15 @@ def horovod_missing(controller: str) -> str | None:
     return mpi_missing() if controller == "mpi" else None
 
 
-# "backend": the one a test asks for by name; "auto": what Config(backend="auto") picks there (under Horovod, its
-# operations; our own C++ channels beside it are opt-in: Note [C++ channels under Horovod] in runtime.py).
+# "backend": the one a test asks for by name; "auto": what Config(backend="auto") picks there (under Horovod on
+# CPUs, our own C++ channels beside Horovod: Note [C++ channels under Horovod] in runtime.py).
 LAUNCHES = {
     "mpi": {"launcher": ["mpiexec", "-n", "2"], "backend": "mpi", "auto": "mpi", "horovod_first": False,
             "missing": mpi_missing},
     "horovod-gloo": {"launcher": ["horovodrun", "-np", "2", "-H", "localhost:2", "--gloo"], "backend": "horovod",
-                     "auto": "horovod", "horovod_first": False, "missing": lambda: horovod_missing("gloo")},
+                     "auto": "torch", "horovod_first": False, "missing": lambda: horovod_missing("gloo")},
     "horovod-mpi": {"launcher": ["horovodrun", "-np", "2", "-H", "localhost:2", "--mpi"], "backend": "horovod",
-                    "auto": "horovod", "horovod_first": True, "missing": lambda: horovod_missing("mpi")},
+                    "auto": "torch", "horovod_first": True, "missing": lambda: horovod_missing("mpi")},
 }
 
 

@@ -108,11 +108,13 @@ def test_mpi4py_without_an_mpi_library_says_what_to_install(backend):
     assert "/nonexistent/libmpi.so.12" in message and "mpiexec -n N" in message
 
 
-def test_backend_torch_in_a_horovod_job_trains_on_channels_beside_horovod():
-    # Note [C++ channels under Horovod]: torch.distributed is set up beside Horovod, through its broadcast.
+@pytest.mark.parametrize("code", [TRAIN, TORCH_BESIDE], ids=["auto", "torch"])
+def test_a_horovod_job_on_cpus_trains_on_channels_beside_horovod(code):
+    # Note [C++ channels under Horovod]: by default ("auto") and by name, torch.distributed is set up beside
+    # Horovod, through its broadcast; Config(backend="horovod") keeps Horovod's operations (the next tests).
     if not importable("import horovod.torch"):
         pytest.skip("Horovod with PyTorch support is not installed (make horovod)")
-    out = run("import dcredit_opt as dc\ndc.init(backend='horovod')\n" + TORCH_BESIDE)
+    out = run("import dcredit_opt as dc\ndc.init(backend='horovod')\n" + code)
     assert out.returncode == 0, out.stderr
     assert "backend torch size 1 kind horovod" in out.stdout, out.stdout
     assert "process groups beside Horovod" in out.stderr
@@ -138,8 +140,8 @@ def test_adopting_horovod_with_fusion_on_warns_once():
     assert out.returncode == 0, out.stderr
     assert "backend horovod size 1 kind horovod" in out.stdout, out.stdout
     assert out.stderr.count("tensor fusion is on") == 1 and "--fusion-threshold-mb 0" in out.stderr
-    # Blocks on our own channels beside Horovod (backend="torch"): fusion does not touch them.
-    out = run("import horovod.torch as hvd\nhvd.init()\nimport dcredit_opt as dc\ndc.init()\n" + TORCH_BESIDE)
+    # By default the blocks go on our own channels beside Horovod: fusion does not touch them.
+    out = run("import horovod.torch as hvd\nhvd.init()\nimport dcredit_opt as dc\ndc.init()\n" + TRAIN)
     assert out.returncode == 0, out.stderr
     assert "backend torch size 1 kind horovod" in out.stdout, out.stdout
     assert "tensor fusion is on" not in out.stderr
@@ -150,10 +152,11 @@ def test_our_channels_beside_a_busy_horovod_cycle_warn_once():
     we never change it (blocks on Horovod's operations would wait for its cycles)."""
     if not importable("import horovod.torch"):
         pytest.skip("Horovod with PyTorch support is not installed (make horovod)")
-    user_init = "import horovod.torch as hvd\nhvd.init()\nimport dcredit_opt as dc\ndc.init()\n" + TORCH_BESIDE
+    user_init = "import horovod.torch as hvd\nhvd.init()\nimport dcredit_opt as dc\ndc.init()\n" + TRAIN
     out = run(user_init)
     assert out.returncode == 0, out.stderr
     assert out.stderr.count("--cycle-time-ms 20") == 1, out.stderr
+    assert "timeline is on" not in out.stderr
     out = run(user_init, env={"HOROVOD_CYCLE_TIME": "20"})
     assert out.returncode == 0, out.stderr
     assert "--cycle-time-ms" not in out.stderr
@@ -161,6 +164,19 @@ def test_our_channels_beside_a_busy_horovod_cycle_warn_once():
               "print('cycle', os.environ.get('HOROVOD_CYCLE_TIME'))\n")
     assert out.returncode == 0, out.stderr
     assert "cycle None" in out.stdout, out.stdout
+
+
+def test_our_channels_beside_horovods_spinning_timeline_writer_warn_once(tmp_path):
+    """Horovod's timeline writer spins on a core per rank (Note [C++ channels under Horovod]): said once, with
+    the variable's value and what to do."""
+    if not importable("import horovod.torch"):
+        pytest.skip("Horovod with PyTorch support is not installed (make horovod)")
+    trace = tmp_path / "horovod_timeline.json"
+    out = run("import horovod.torch as hvd\nhvd.init()\nimport dcredit_opt as dc\ndc.init()\n" + TRAIN,
+              env={"HOROVOD_TIMELINE": str(trace), "HOROVOD_CYCLE_TIME": "20"})
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("Horovod's timeline is on") == 1, out.stderr
+    assert f"HOROVOD_TIMELINE={trace}" in out.stderr and "DCREDIT_TIMELINE_PATH" in out.stderr
 
 
 def test_mpi_world_of_one_trains_and_sets_up_gloo_for_control():
