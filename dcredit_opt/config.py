@@ -34,8 +34,9 @@ class Config:
 
     backend: str = "auto"
     """Who carries the collectives: "torch" (torch.distributed: Gloo, NCCL), "horovod",
-    "mpi" (mpi4py), or "auto": whoever set up the job (Horovod when it is initialised or
-    horovodrun launched us, mpi4py under mpirun/mpiexec, else torch.distributed)."""
+    "mpi" (mpi4py), or "auto": whoever set up the job (mpi4py under mpirun/mpiexec,
+    torch.distributed under torchrun; in a Horovod job, process groups of our own beside
+    Horovod on CPUs and Horovod's operations on GPUs: ``backends.detect()``)."""
 
     block_bytes: int = DEFAULT_BLOCK_BYTES
     """Block size of the fixed plan (before or without profiling), in bytes."""
