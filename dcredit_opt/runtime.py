@@ -350,22 +350,23 @@ def _torch_beside_horovod(world: _World) -> None:
     Horovod's operations (also the default on GPUs: NCCL channels beside
     Horovod are not built).
 
-    Measured (2 ranks, 1 Gbit/s, 2 cores): VGG-like 1.366 s against 1.339 s
-    under torchrun and 1.643 s for stock Horovod; GPT-like 1.643 / 1.591 /
-    2.070 s; on Horovod's operations 1.406 / 1.919 s, erratic.
+    Measured (2 ranks, 1 Gbit/s, 2 cores, two runs): VGG-like 1.366 and
+    1.384 s against 1.339 and 1.357 s under torchrun and 1.643 and 1.619 s
+    for stock Horovod; GPT-like 1.643 and 1.622 s against 1.591 and 1.534 s
+    and 2.070 and 1.830 s; on Horovod's operations 1.406 / 1.919 s, erratic.
 
     Why this was opt-in for a while, and what it was: in Horovod's own
     ``test_force_allreduce`` (two dozen optimizers built one after another
     in one job), Horovod's background loop sometimes timed out on a Gloo receive
     with our channels and never with Horovod's operations (with
-    ``HOROVOD_GLOO_TIMEOUT_SECONDS=5``: 4 of 10 runs against 0 of 9, on an
+    ``HOROVOD_GLOO_TIMEOUT_SECONDS=5``: 4 of 11 runs against 0 of 5, on an
     idle machine). Horovod's test module sets ``HOROVOD_TIMELINE=DYNAMIC``,
     and then Horovod's timeline writer thread spins on ``sched_yield`` (0.93
     and 0.26 of a core on the two ranks; 0.07 for the busiest thread
     without it). On two cores that spinner, beside our channels' threads
     (one Gloo loop per process group, waking every 10 ms), kept a rank's
-    threads off the cores for seconds: a watcher saw every thread of one
-    rank runnable and not run for 2 s, and with the garbage collector off
+    threads off the cores for seconds (in one run a watcher saw every thread of one
+    rank runnable and not run for 2 s), and with the garbage collector off
     (more groups alive) 7 of 8 runs failed. Without the variable, 6 of 6
     (garbage collector off) and 8 of 8 (on) passed with the 5 s timeout,
     each run faster (11-15 s instead of 20-30 s). The peer suite drops the
