@@ -584,3 +584,22 @@ def test_start_and_stop_timeline_switch_a_live_optimizer(tmp_path):
     steps(2)
     assert not path.exists(), "the optimizer kept recording after stop_timeline()"
     opt.synchronize()
+
+
+@pytest.mark.parametrize("on_cpu, expected", [(True, "torch"), (False, "horovod")])
+def test_auto_under_horovod_is_our_channels_on_cpus_and_horovods_operations_on_gpus(monkeypatch, on_cpu, expected):
+    # Note [C++ channels under Horovod]; whether the job runs on CPUs is decided already (the next test).
+    from dcredit_opt import backends
+
+    runtime = _horovod_world(monkeypatch, _FakeHorovod(polls_needed=1), timeout_s=30.0)
+    runtime._world.on_cpu = on_cpu
+    assert backends.detect() == expected
+
+
+def test_whether_a_horovod_job_runs_on_cpus_is_decided_once_by_every_rank(monkeypatch):
+    hvd = _FakeHorovod(polls_needed=1)
+    runtime = _horovod_world(monkeypatch, hvd, timeout_s=30.0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # this rank has CUDA; the fake's rank 1 has not
+    assert runtime.horovod_on_cpu() is True  # one rank without CUDA makes it a CPU job for all
+    assert runtime.horovod_on_cpu() is True
+    assert hvd.started == [("allgather_async", "dc.ctl.cpu")]  # asked once per job
