@@ -207,28 +207,30 @@ def join_horovod():
     return hvd, owns
 
 
-_fusion_told = False
-_cycle_told = False
+_told: set = set()  # the launch notices below already given in this process
 QUIET_CYCLE_MS = 20  # Note [Horovod cycle time]
+
+
+def _say_once(key: str, hvd, message: str, *args) -> None:
+    """Rank 0 logs ``message`` (a warning) the first time ``key`` comes up in this process."""
+    if hvd.rank() == 0 and key not in _told:
+        _told.add(key)
+        log.warning(message, *args)
 
 
 def warn_if_cycle_short(hvd) -> None:
     """Our channels carry the blocks beside Horovod: say once if Horovod polls every few milliseconds."""
-    global _cycle_told
     raw = os.environ.get("HOROVOD_CYCLE_TIME")
     try:
         cycle_ms = float(raw) if raw is not None else 1.0
     except ValueError:
         return
-    if cycle_ms < QUIET_CYCLE_MS / 2 and hvd.rank() == 0 and not _cycle_told:
-        _cycle_told = True
-        log.warning("dcredit_opt: Horovod's background thread negotiates every %g ms even when idle (about a "
-                    "quarter of a core per rank, measured on 2 ranks), while dcredit_opt's own channels carry "
-                    "the gradients; launch with `horovodrun --cycle-time-ms %d` (or HOROVOD_CYCLE_TIME=%d) to "
-                    "give those cores back (Note [Horovod cycle time])", cycle_ms, QUIET_CYCLE_MS, QUIET_CYCLE_MS)
-
-
-_timeline_told = False
+    if cycle_ms < QUIET_CYCLE_MS / 2:
+        _say_once("cycle", hvd,
+                  "dcredit_opt: Horovod's background thread negotiates every %g ms even when idle (about a "
+                  "quarter of a core per rank, measured on 2 ranks), while dcredit_opt's own channels carry "
+                  "the gradients; launch with `horovodrun --cycle-time-ms %d` (or HOROVOD_CYCLE_TIME=%d) to "
+                  "give those cores back (Note [Horovod cycle time])", cycle_ms, QUIET_CYCLE_MS, QUIET_CYCLE_MS)
 
 
 def warn_if_timeline_spins(hvd) -> None:
@@ -236,28 +238,26 @@ def warn_if_timeline_spins(hvd) -> None:
     (Horovod 0.28.1) yields in a loop without sleeping, most of a core per rank, and on a machine with few cores
     that keeps Horovod's background loop, and our channels, waiting for a core (Note [C++ channels under
     Horovod] in runtime.py has the measurements)."""
-    global _timeline_told
     timeline = os.environ.get("HOROVOD_TIMELINE")
-    if timeline and hvd.rank() == 0 and not _timeline_told:
-        _timeline_told = True
-        log.warning("dcredit_opt: Horovod's timeline is on (HOROVOD_TIMELINE=%s): its writer thread spins on a "
-                    "core per rank for as long as Horovod runs (measured: most of a core), which slows training "
-                    "and, with few cores, can starve Horovod's own background loop past its Gloo timeout. Unset "
-                    "it unless you need Horovod's timeline; DCREDIT_TIMELINE_PATH records dcredit_opt's blocks "
-                    "without a spinning thread", timeline)
+    if timeline:
+        _say_once("timeline", hvd,
+                  "dcredit_opt: Horovod's timeline is on (HOROVOD_TIMELINE=%s): its writer thread spins on a "
+                  "core per rank for as long as Horovod runs (measured: most of a core), which slows training "
+                  "and, with few cores, can starve Horovod's own background loop past its Gloo timeout. Unset "
+                  "it unless you need Horovod's timeline; DCREDIT_TIMELINE_PATH records dcredit_opt's blocks "
+                  "without a spinning thread", timeline)
 
 
 def warn_if_fusion_on(hvd) -> None:
     """Blocks on Horovod's operations: say once per job if Horovod may fuse them (Note [Horovod fusion])."""
-    global _fusion_told
     fusion = os.environ.get("HOROVOD_FUSION_THRESHOLD")
-    if (fusion is None or fusion.strip() != "0") and hvd.rank() == 0 and not _fusion_told:
-        _fusion_told = True
-        log.warning("dcredit_opt: Horovod's tensor fusion is on (HOROVOD_FUSION_THRESHOLD=%s), so Horovod may "
-                    "merge blocks that the scheduler releases together; results are unchanged, but priorities "
-                    "and windows are kept only approximately. Launch with `horovodrun --fusion-threshold-mb 0` "
-                    "(or HOROVOD_FUSION_THRESHOLD=0) to keep them exact.",
-                    fusion if fusion is not None else "unset: 128 MiB")
+    if fusion is None or fusion.strip() != "0":
+        _say_once("fusion", hvd,
+                  "dcredit_opt: Horovod's tensor fusion is on (HOROVOD_FUSION_THRESHOLD=%s), so Horovod may "
+                  "merge blocks that the scheduler releases together; results are unchanged, but priorities "
+                  "and windows are kept only approximately. Launch with `horovodrun --fusion-threshold-mb 0` "
+                  "(or HOROVOD_FUSION_THRESHOLD=0) to keep them exact.",
+                  fusion if fusion is not None else "unset: 128 MiB")
 
 
 def join_mpi(timeout_s: float):
