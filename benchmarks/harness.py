@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"comma-separated, from {','.join(MODELS)}")
     p.add_argument("--rates", type=_csv, default=["1gbit"],
                    help="comma-separated tc rates per link and direction, e.g. 1gbit,10gbit")
-    p.add_argument("--ranks", type=int, default=2, help=f"2..{MAX_RANKS}")
+    p.add_argument("--ranks", type=int, default=2, help=f"1..{MAX_RANKS}")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per launch")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations per launch")
     p.add_argument("--rounds", type=int, default=3, help="launches per scheme, interleaved")
@@ -75,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", type=_batch_sizes, default={},
                    help="per-rank overrides, e.g. vgg=32,gpt=4")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: one GPU per rank, NCCL between ranks (Horovod's schemes run on CPUs only)")
     p.add_argument("--network", choices=("auto", "netns", "loopback"), default="auto",
                    help="auto: namespaces when root, else loopback (unlimited, with a warning)")
     p.add_argument("--launch-timeout-s", type=float, default=300.0,
@@ -99,6 +101,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(str(exc))
     if not 1 <= args.ranks <= MAX_RANKS:
         p.error(f"--ranks must be 1..{MAX_RANKS}")
+    if args.device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < args.ranks:
+            p.error(f"--device cuda needs one GPU per rank: {args.ranks} ranks, "
+                    f"{torch.cuda.device_count()} GPU(s) here")
+        hvd = [s for s in args.schemes if s == "horovod" or s.startswith("hvd-")]
+        if hvd:
+            p.error(f"schemes {hvd} run on CPUs only in this benchmark; drop them with --device cuda")
     if args.iters < 1 or args.warmup < 0 or args.rounds < 1 or args.threads < 1:
         p.error("--iters, --rounds, --threads must be >= 1 and --warmup >= 0")
     if not args.models or not args.rates or not args.schemes:
@@ -173,7 +184,8 @@ def run_launch(net: Network, launch: Launch, args: argparse.Namespace, workdir: 
             x for x in (str(report.REPO_ROOT), os.environ.get("PYTHONPATH")) if x)
         argv = [sys.executable, "-m", "benchmarks.worker", "--scheme", launch.scheme,
                 "--model", launch.model, "--iters", str(args.iters),
-                "--warmup", str(args.warmup), "--threads", str(args.threads), "--out", str(out)]
+                "--warmup", str(args.warmup), "--threads", str(args.threads), "--device", args.device,
+                "--out", str(out)]
         if batch:
             argv += ["--batch-size", str(batch)]
         log = workdir / f"{tag}-r{ep.rank}.log"
@@ -336,7 +348,7 @@ def main(argv: list[str] | None = None) -> dict:
             "models": args.models, "rates": args.rates, "ranks": args.ranks,
             "iters": args.iters, "warmup": args.warmup, "rounds": args.rounds,
             "schemes": args.schemes, "batch_sizes": batch_sizes, "threads": args.threads,
-            "network": net_desc, "launch_timeout_s": args.launch_timeout_s,
+            "network": net_desc, "device": args.device, "launch_timeout_s": args.launch_timeout_s,
             "argv": sys.argv[1:] if argv is None else list(argv),
             "unavailable_schemes": unavailable,
         },

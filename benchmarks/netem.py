@@ -1,6 +1,6 @@
 """A rate-limited network on one machine: one network namespace per rank.
 
-Topology (N = 2..4 ranks)::
+Topology (N = 2..16 ranks)::
 
     <prefix>-r0  veth0 ─┐                      ┌─ vr0 ┐
     <prefix>-r1  veth0 ─┼──── veth pairs ──────┼─ vr1 ┼─ br0   (<prefix>-br)
@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
 
-MAX_RANKS = 4
+MAX_RANKS = 16  # one /24, one bridge port each; beyond the cores, ranks only measure contention
 SUBNET = "10.231.0"  # private /24; rank r gets .r+1
 RANK_IFNAME = "veth0"
 BRIDGE_IFNAME = "br0"

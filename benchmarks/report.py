@@ -53,7 +53,19 @@ def hardware() -> dict[str, Any]:
         "memory_gib": mem,
         "machine": platform.machine(),
         "kernel": platform.release(),
+        "gpus": _gpus(),
     }
+
+
+def _gpus() -> str | None:
+    """The machine's CUDA GPUs, e.g. "1x NVIDIA H200"; None without any."""
+    try:
+        import torch
+
+        n = torch.cuda.device_count()
+        return f"{n}x {torch.cuda.get_device_name(0)}" if n else None
+    except (ImportError, RuntimeError):
+        return None
 
 
 def _git(*args: str) -> str | None:
@@ -211,6 +223,11 @@ def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
     return "-" if x is None else f"{x:{spec}}{suffix}"
 
 
+def _sec(x: float | None, suffix: str = "") -> str:
+    """Seconds: three decimals, or three significant digits under 0.1 s (a GPU's milliseconds)."""
+    return _fmt(x, ".3f" if x is None or abs(x) >= 0.1 else "#.3g", suffix)
+
+
 def speedup_text(speedup: float | None, ci) -> str:
     """"1.08x [1.02, 1.15]"; an interval that holds 1.0 is read as no difference, and says so."""
     if speedup is None:
@@ -225,17 +242,17 @@ def speedup_text(speedup: float | None, ci) -> str:
 def markdown_table(result: dict) -> str:
     """One (model, rate) result as a markdown table."""
     head = (f"### {result['model']} @ {result['rate']}  "
-            f"(bound max(compute, comm) = {_fmt(result['bound_s'], '.3f', ' s')}; synchronous floor = "
-            f"{_fmt(result.get('floor_s'), '.3f', ' s')})\n\n"
+            f"(bound max(compute, comm) = {_sec(result['bound_s'], ' s')}; synchronous floor = "
+            f"{_sec(result.get('floor_s'), ' s')})\n\n"
             "| scheme | n | median (s) | IQR (s) | min-max (s) | speedup vs DDP [95 % CI] "
             "| ratio to bound | ratio to floor | note |\n|---|---:|---:|---:|---:|---:|---:|---:|---|\n")
     lines = []
     for r in result["rows"]:
         iqr = None if r["q1_s"] is None else r["q3_s"] - r["q1_s"]
-        span = "-" if r["min_s"] is None else f"{r['min_s']:.3f}-{r['max_s']:.3f}"
+        span = "-" if r["min_s"] is None else f"{_sec(r['min_s'])}-{_sec(r['max_s'])}"
         note = r["note"].replace("|", "/").replace("\n", " ")[:120]
         lines.append(
-            f"| {r['scheme']} | {r['n']} | {_fmt(r['median_s'], '.3f')} | {_fmt(iqr, '.3f')} "
+            f"| {r['scheme']} | {r['n']} | {_sec(r['median_s'])} | {_sec(iqr)} "
             f"| {span} | {speedup_text(r['speedup_vs_ddp'], r.get('speedup_ci'))} "
             f"| {_fmt(r['ratio_to_bound'], '.2f', 'x')} | {_fmt(r.get('ratio_to_floor'), '.2f', 'x')} | {note} |")
     return head + "\n".join(lines) + "\n"
@@ -254,7 +271,7 @@ def phase_table(runs: list[dict], model: str, rate: str) -> str:
     lines = ["Where rank 0's iteration goes (medians; a lazy step waits in the next forward):\n",
              "| scheme | forward (s) | backward (s) | step (s) |", "|---|---:|---:|---:|"]
     for scheme, phases in pooled.items():
-        cells = " | ".join(_fmt(statistics.median(phases[p]) if phases.get(p) else None, ".3f")
+        cells = " | ".join(_sec(statistics.median(phases[p]) if phases.get(p) else None)
                            for p in ("forward", "backward", "step"))
         lines.append(f"| {scheme} | {cells} |")
     return "\n".join(lines) + "\n"
@@ -272,11 +289,13 @@ def markdown_report(record: dict) -> str:
     cfg, hw, ver = record["config"], record["hardware"], record["versions"]
     out = [
         f"# Benchmark {record['name']} ({record['date']})\n",
-        f"- machine: {hw['cpu_model']}, {hw['cores']} cores",
+        f"- machine: {hw['cpu_model']}, {hw['cores']} cores"
+        + (f"; {hw['gpus']}" if hw.get("gpus") else ""),
         f"- versions: python {ver['python']}, torch {ver['torch']}, "
         f"horovod {ver.get('horovod') or 'not installed'}, commit {ver['git_commit'] or 'none'}"
         + (" (dirty)" if ver.get("git_dirty") else ""),
-        f"- network: {cfg['network']}, {cfg['ranks']} ranks, rates {', '.join(cfg['rates'])}",
+        f"- network: {cfg['network']}, {cfg['ranks']} ranks, rates {', '.join(cfg['rates'])}"
+        + (", ranks on GPUs (NCCL)" if cfg.get("device") == "cuda" else ""),
         (f"- {cfg['iters']} timed iterations after {cfg['warmup']} warm-up, per launch; "
          f"{cfg['rounds']} rounds; {cfg['threads']} thread(s) per rank"),
         f"- batch sizes per rank: {cfg['batch_sizes']}",

@@ -11,6 +11,12 @@ Iteration time is the wall time between consecutive returns of
 (``step()`` returns before communication is done) the wait lands in the next
 forward pass, which is inside the next interval, as intended: the interval is
 what a training loop experiences.
+
+``--device cuda`` puts the model and the batch on the rank's GPU
+(``LOCAL_RANK``), joins torch.distributed over NCCL, and ends every
+iteration by waiting for the current CUDA stream (as a loop that reads its
+loss each step does): the interval then holds the GPU's work, not only its
+launches. Communication on other streams (a lazy step's) may still run on.
 """
 
 from __future__ import annotations
@@ -65,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=None, help="per rank; default: the model's")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: the rank's GPU (LOCAL_RANK), NCCL between ranks")
     p.add_argument("--out", default=None, help="rank 0 writes its JSON record here")
     args = p.parse_args(argv)
     if args.iters < 1 or args.warmup < 0:
@@ -89,6 +97,7 @@ def _timed_loop(iters: int, warmup: int, one_iter: Callable[[], object]) -> tupl
 
 def _train_step(model: torch.nn.Module, opt, batch) -> Callable[[], torch.Tensor]:
     x, y = batch
+    on_gpu = x.is_cuda
 
     def one_iter() -> torch.Tensor:
         # No arguments: Horovod's optimizer does not take set_to_none, and
@@ -100,6 +109,8 @@ def _train_step(model: torch.nn.Module, opt, batch) -> Callable[[], torch.Tensor
         loss.backward()
         t2 = time.perf_counter()
         opt.step()
+        if on_gpu:
+            torch.cuda.current_stream().synchronize()
         t3 = time.perf_counter()
         for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2), strict=True):
             PHASES[phase].append(seconds)
@@ -108,9 +119,9 @@ def _train_step(model: torch.nn.Module, opt, batch) -> Callable[[], torch.Tensor
     return one_iter
 
 
-def _init_torch_pg() -> None:
+def _init_torch_pg(device: str) -> None:
     if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
 
 
 def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -129,16 +140,21 @@ def run_compute(args, model, batch, rank, world):
 def run_comm(args, model, batch, rank, world):
     # The communication lower bound: every gradient byte in one flat
     # all-reduce (the fewest start-ups possible), nothing to overlap with.
-    _init_torch_pg()
-    flat = torch.zeros(param_count(model))
-    return (*_timed_loop(args.iters, args.warmup, lambda: dist.all_reduce(flat)),
-            dist.destroy_process_group)
+    _init_torch_pg(args.device)
+    flat = torch.zeros(param_count(model), device=args.device)
+
+    def one_iter():
+        dist.all_reduce(flat)
+        if flat.is_cuda:
+            torch.cuda.current_stream().synchronize()
+
+    return (*_timed_loop(args.iters, args.warmup, one_iter), dist.destroy_process_group)
 
 
 def run_ddp(args, model, batch, rank, world):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    _init_torch_pg()
+    _init_torch_pg(args.device)
     ddp = DDP(model)  # defaults: 25 MiB buckets, first bucket 1 MiB
     intervals, loss = _timed_loop(args.iters, args.warmup, _train_step(ddp, _sgd(ddp), batch))
     return intervals, loss, dist.destroy_process_group
@@ -293,13 +309,20 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "scheme": args.scheme, "model": args.model, "rank": rank, "world_size": world,
         "batch_size": batch_size, "threads": args.threads, "iters": args.iters,
-        "warmup": args.warmup,
+        "warmup": args.warmup, "device": args.device,
     }
     try:
         torch.manual_seed(args.seed)  # same initial weights on every rank
         model = spec.build()
         # Different data on every rank, as in data-parallel training.
         batch = spec.make_batch(batch_size, torch.Generator().manual_seed(args.seed + 1 + rank))
+        if args.device == "cuda":
+            if args.scheme == "horovod" or args.scheme.startswith("hvd-"):
+                raise ValueError(f"scheme {args.scheme} runs on CPUs only in this benchmark")
+            torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
+            record["gpu"] = torch.cuda.get_device_name()
+            model = model.cuda()
+            batch = tuple(t.cuda() for t in batch)
         record["params"] = param_count(model)
         t0 = time.perf_counter()
         intervals, loss, close = _runner(args.scheme)(args, model, batch, rank, world)

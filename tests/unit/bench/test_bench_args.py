@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from benchmarks import harness, worker
 from benchmarks.models import MODELS
@@ -34,7 +35,7 @@ def test_harness_lists_and_overrides():
     ["--schemes", "ddp,ddp"],
     ["--rates", "fast"],
     ["--rates", "1gb"],
-    ["--ranks", "5"],
+    ["--ranks", "17"],
     ["--ranks", "0"],
     ["--iters", "0"],
     ["--rounds", "0"],
@@ -43,11 +44,28 @@ def test_harness_lists_and_overrides():
     ["--batch-sizes", "alexnet=4"],
     ["--network", "wifi"],
     ["--schemes", ""],
+    ["--device", "tpu"],
 ])
 def test_harness_rejects(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         harness.parse_args(argv)
     assert exc.value.code == 2
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="a machine with a GPU accepts --device cuda")
+def test_harness_refuses_cuda_without_gpus(capsys):
+    with pytest.raises(SystemExit) as exc:
+        harness.parse_args(["--device", "cuda", "--ranks", "1", "--schemes", "compute,ddp"])
+    assert exc.value.code == 2
+    assert "one GPU per rank: 1 ranks, 0 GPU(s)" in capsys.readouterr().err
+
+
+def test_harness_refuses_horovod_on_cuda(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(SystemExit) as exc:
+        harness.parse_args(["--device", "cuda", "--ranks", "2", "--schemes", "ddp,hvd-dcredit"])
+    assert exc.value.code == 2
+    assert "['hvd-dcredit'] run on CPUs only" in capsys.readouterr().err
 
 
 def test_scheme_list_is_frozen():

@@ -125,13 +125,13 @@ def test_phase_table_pools_rounds_per_scheme():
     for rnd, run in enumerate(r for r in runs if r["scheme"] == "ddp"):
         run["phases_s"] = {"forward": [0.1 + rnd], "backward": [0.2 + rnd], "step": [0.05]}
     table = report.phase_table(runs, "vgg", "1gbit")
-    assert "| ddp | 0.600 | 0.700 | 0.050 |" in table  # medians of the two rounds
+    assert "| ddp | 0.600 | 0.700 | 0.0500 |" in table  # medians of the two rounds
     assert "compute" not in table
     assert report.phase_table(runs, "gpt", "1gbit") == ""
     rec = make_record()
     rec["runs"] = runs
     assert report.validate_record(rec) == []
-    assert "| ddp | 0.600 | 0.700 | 0.050 |" in report.markdown_report(rec)
+    assert "| ddp | 0.600 | 0.700 | 0.0500 |" in report.markdown_report(rec)
 
 
 # -- waiting on ranks never hangs ------------------------------------------------------
