@@ -14,6 +14,7 @@
 #include "../core/backends.h"
 #include "../core/scheduler.h"
 #include "torch_backend.h"
+#include "torch_compat.h"
 
 namespace dcredit {
 namespace {
@@ -149,8 +150,7 @@ class Engine {
 void ForgetGraphReads(const std::vector<at::Tensor>& tensors) {
   for (const at::Tensor& t : tensors) {
     if (torch::autograd::impl::get_autograd_meta(t) != nullptr) {
-      torch::autograd::impl::set_grad_accumulator(t, c10::weak_intrusive_ptr<torch::autograd::Node>(
-                                                         c10::intrusive_ptr<torch::autograd::Node>()));
+      compat::DropGradAccumulator(t);
     }
   }
 }

@@ -1,5 +1,7 @@
 #include "torch_backend.h"
 
+#include "torch_compat.h"
+
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -217,7 +219,7 @@ void TorchBackend::Launch(int32_t block, int32_t channel, Done done) {
         c10d::AllgatherOptions opts;
         opts.asyncOp = true;
         at::Tensor out = padded.defined() ? padded : travels;
-        return group.all_gather_single(out, shard, opts);
+        return compat::AllGatherSingle(group, out, shard, opts);
       }
       if (wire.defined()) wire.copy_(view);  // cast for the wire, on the stream the collective waits for
       if (op == BlockOp::kReduceScatter) {
@@ -226,7 +228,7 @@ void TorchBackend::Launch(int32_t block, int32_t channel, Done done) {
         opts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
         opts.asyncOp = true;
         at::Tensor in = padded.defined() ? padded : travels;
-        return group.reduce_scatter_single(shard, in, opts);
+        return compat::ReduceScatterSingle(group, shard, in, opts);
       }
       std::vector<at::Tensor> tensors{travels};
       c10d::AllreduceOptions opts;
