@@ -255,6 +255,9 @@ def run_dc(args, model, batch, rank, world):
     # scheme decides the policy. The timeout also bounds joining the job and
     # the control plane, as PG_TIMEOUT_S does for the other schemes.
     config = dc.Config.from_env(policy=policy, **overrides)
+    # The group the script makes, as DDP's: Gloo for CPU ranks even where a GPU is present (dc.init() alone
+    # would pick NCCL there), NCCL for --device cuda.
+    _init_torch_pg(args.device)
     dc.init(timeout_s=config.timeout_s)
     opt = dc.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(), compression=compression,
                                   config=config)

@@ -427,7 +427,8 @@ class _DistributedOptimizer:
             return
         if not self._dc_open:
             self._dc_begin()
-        self._dc_stage(i, p)
+        with torch._C.DisableTorchFunction():  # our buffers only (Note [Guard cost] in reads.py)
+            self._dc_stage(i, p)
         self._dc_marked[i] = True
         try:
             self._dc_engine.mark_ready(i)
@@ -775,10 +776,13 @@ class _DistributedOptimizer:
         if self._dc_open and (any(self._dc_marked) or rows_in) and not self._dc_synchronized:
             raise DCreditError("optimizer.zero_grad() was called after loss.backward() but before "
                                "optimizer.step() or optimizer.synchronize(): the gradients are being reduced")
-        for i, p in enumerate(self._dc_params):
-            if self._dc_pending[i] and _is_view_of(p.grad, self._dc_slots[i]):
-                # The slot holds the reduced gradient a pending update still needs.
-                p.grad = None if set_to_none else torch.zeros_like(p)
+        # Our own bookkeeping on gradients, not a read of any parameter: out of the read guard's sight (it
+        # would see every call here while updates are pending; Note [Guard cost] in reads.py).
+        with torch._C.DisableTorchFunction():
+            for i, p in enumerate(self._dc_params):
+                if self._dc_pending[i] and _is_view_of(p.grad, self._dc_slots[i]):
+                    # The slot holds the reduced gradient a pending update still needs.
+                    p.grad = None if set_to_none else torch.zeros_like(p)
         self._dc_base.zero_grad(self, set_to_none=set_to_none)
 
     def state_dict(self):
