@@ -130,6 +130,7 @@ class LazyStep:
             _ext.load().forget_graph_reads(pending)
             self._dc_guard.arm(self._dc_params)
         self._dc_deferred = True
+        self._dc_ahead = 0
 
     def _dc_before_forward(self, module: torch.nn.Module) -> None:
         """Forward pre-hook of a module that first reads some of our parameters."""
@@ -141,9 +142,27 @@ class LazyStep:
         if self._dc_recorder is not None:
             self._dc_recorder.on_forward(own)
         if self._dc_npending:
-            self._dc_apply(own)
+            self._dc_apply(own + self._dc_done_ahead(own))
         else:
             self._dc_guard.leave_if_idle()
+
+    def _dc_done_ahead(self, own) -> tuple[int, ...]:
+        """Pending tensors read later in the forward whose reduced gradients are final already, in first-read
+        order up to the first that is not: applied together with ``own`` (Note [Lazy step]). Tensors with
+        embedding rows wait for their own module (their rows are gathered apart from the blocks)."""
+        order, pending, rows_of = self._dc_read_order, self._dc_pending, self._dc_rows
+        done = self._dc_engine.tensor_done
+        found = []
+        k = self._dc_ahead
+        while k < len(order):
+            i = order[k]
+            if pending[i] and i not in own and i not in rows_of:
+                if not done(i):
+                    break
+                found.append(i)
+            k += 1
+        self._dc_ahead = k
+        return tuple(found)
 
     # ---- the checks ---------------------------------------------------------------
 
@@ -291,6 +310,8 @@ class LazyStep:
                     self._dc_module_hooks.append(module.register_state_dict_pre_hook(_weak_apply_hook(me)))
                     self._dc_module_hooks.append(module.register_load_state_dict_pre_hook(_weak_apply_hook(me)))
         self._dc_eager = tuple(eager)
+        self._dc_read_order = tuple(sorted((i for own in by_module.values() for i in own),
+                                           key=lambda i: tracer.first_read_ns.get(i, 0)))
         self._dc_propose_rows(tracer)
         if eager:
             unread = [self._dc_names[i] for i in eager if i not in tracer.readers]

@@ -13,11 +13,18 @@ Where the first read happens is learned once (Note [First read] in
 ``reads.py``): the update is applied in a forward pre-hook of the module
 whose forward reads the parameter first, and in ``step()`` itself for a
 parameter read outside any forward (an EMA right after ``step()``) or not
-read while we watched. Each module applies only the updates it reads first:
-applying another parameter's finished update early, to save wrapped steps,
-would hide a stale read of it (the check below needs it still pending).
-Optimizer state therefore stays exactly what a synchronous step would have
-made. ``synchronize()``, ``state_dict()``/``load_state_dict()`` of the
+read while we watched. Each module applies the updates it reads first, and
+with them, in the same wrapped step, the updates of parameters read later
+whose reduced gradients are already final (in first-read order, up to the
+first that is not): where communication has finished by the time the next
+forward starts (one GPU, a fast network, a compute-bound model) one wrapped
+step then applies nearly everything, instead of one per module, each with
+the optimizer's Python and kernel launches. Applying an update earlier than
+its first read changes nothing the training sees: the update is the one
+synchronous training makes (same gradient, same hyperparameters), the
+parameter is not read in between, and the stale-read checks below run on
+it at that apply as they would have at its own. Optimizer state therefore
+stays exactly what a synchronous step would have made. ``synchronize()``, ``state_dict()``/``load_state_dict()`` of the
 optimizer and of every module the forward ran, and ``step()`` apply what is
 pending first.
 
@@ -303,6 +310,8 @@ class _DistributedOptimizer:
         self._dc_learned = False
         self._dc_apply_at = weakref.WeakKeyDictionary()  # module -> tensors whose update its forward applies
         self._dc_eager = tuple(range(T))  # tensors applied in step() even when lazy
+        self._dc_read_order: tuple[int, ...] = ()  # lazily applied tensors in first-read order (Note [Lazy step])
+        self._dc_ahead = 0  # where the next pre-hook's look for finished updates starts in _dc_read_order
         self._dc_module_hooks = []
         self._dc_keeper = Keeper(self)
         self._dc_guard = PendingReadGuard(self._dc_keeper)  # Note [Guarded reads] in reads.py

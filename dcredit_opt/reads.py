@@ -322,8 +322,10 @@ class PendingReadGuard(TorchFunctionMode):
         # Inside code that Dynamo traces the guard is a plain pass-through (no guard on our attributes, so
         # arming and disarming never recompile anything). Every torch operation of the forward comes here:
         # the common case (no parameter among the arguments) must cost little (Note [Guard cost]).
+        # `p.data = x` replaces what it reads; `==`, not `is`: every lookup of a slot wrapper's __set__ makes a
+        # new (equal) method object.
         if self.armed and not _dynamo_compiling() and (
-                getattr(func, "__name__", "") not in _GUARD_NOT_READS or func is _SET_DATA):  # p.data = x replaces what it reads
+                getattr(func, "__name__", "") not in _GUARD_NOT_READS or func == _SET_DATA):
             opt = self._keeper()
             if opt is None or not opt._dc_npending:
                 self.armed = False

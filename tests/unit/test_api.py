@@ -219,18 +219,28 @@ def test_no_launcher_is_a_world_of_one():
     assert "size 1" in out.stdout
 
 
-def test_lazy_step_applies_each_update_at_its_own_module_only():
-    # Four modules with parameters. Even with every reduction finished, the
-    # first module's forward applies its own update only: applying the
-    # others early would hide a stale read of them (Note [Lazy step]). The
-    # result is still plain SGD's.
-    class CountingSGD(torch.optim.SGD):
-        calls = 0
+class _Unfinished:
+    """The optimizer's engine, except that the tensors named report their reduction as unfinished."""
 
-        def step(self, closure=None):
-            CountingSGD.calls += 1
-            return super().step(closure)
+    def __init__(self, engine, unfinished):
+        self._engine, self._unfinished = engine, set(unfinished)
 
+    def tensor_done(self, i):
+        return i not in self._unfinished and self._engine.tensor_done(i)
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+class CountingSGD(torch.optim.SGD):
+    calls = 0
+
+    def step(self, closure=None):
+        CountingSGD.calls += 1
+        return super().step(closure)
+
+
+def _lazy_counting_net():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 3))
     ref = copy.deepcopy(model)
@@ -243,15 +253,39 @@ def test_lazy_step_applies_each_update_at_its_own_module_only():
         train_step(ref, ref_opt, s)
     assert opt._dc_npending == 8, "the step was not lazy: this test needs the lazy path"
     opt._dc_engine.wait_all(30.0)
+    return model, ref, opt
+
+
+def _check_same(model, ref):
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_lazy_step_applies_finished_updates_together_at_the_first_module():
+    # Note [Lazy step]: with every reduction finished, the first module's forward applies all eight
+    # updates in one wrapped step (not one per module). The result is still plain SGD's.
+    model, ref, opt = _lazy_counting_net()
     before = CountingSGD.calls
     model[0](torch.randn(2, 4))
     assert CountingSGD.calls == before + 1
-    assert opt._dc_npending == 6, "the first module applied more than its own two parameters"
-    with torch.no_grad():
-        model(torch.randn(2, 4))
-    assert not opt._dc_npending
-    for a, b in zip(model.parameters(), ref.parameters()):
-        assert torch.allclose(a, b, atol=1e-6)
+    assert opt._dc_npending == 0
+    _check_same(model, ref)
+
+
+def test_lazy_step_applies_ahead_only_up_to_the_first_unfinished_update():
+    # In first-read order: model[0]'s own two, then model[2]'s (finished), then model[4].weight (not): the
+    # first forward applies four, model[4] and model[5] wait for their own modules, one wrapped step each.
+    model, ref, opt = _lazy_counting_net()
+    opt._dc_engine = _Unfinished(opt._dc_engine, [opt._dc_names.index("4.weight")])
+    before = CountingSGD.calls
+    model[0](torch.randn(2, 4))
+    assert CountingSGD.calls == before + 1
+    assert [n for n, w in zip(opt._dc_names, opt._dc_pending) if w] == ["4.weight", "4.bias", "5.weight", "5.bias"]
+    model[2](torch.randn(2, 8))  # applied already: nothing to do
+    assert CountingSGD.calls == before + 1
+    model[4](torch.randn(2, 8))  # its own two, and model[5]'s, finished
+    assert CountingSGD.calls == before + 2 and opt._dc_npending == 0
+    _check_same(model, ref)
 
 
 class PeekNet(nn.Module):
@@ -296,6 +330,9 @@ def test_early_read_in_forward_sees_the_update(peek, caplog):
     # Note [Guarded reads]: from step 3 on, the parent reads c.weight before c's forward, where the first
     # iteration learned to apply its update. The guard applies it at that read instead: plain SGD's result.
     model, ref, opt, ref_opt = _lazy_peek_net()
+    # c's reduction unfinished when a's forward runs, or a's forward would apply c's update too, ahead of the
+    # read (Note [Lazy step]), and the guard would have nothing to do.
+    opt._dc_engine = _Unfinished(opt._dc_engine, [opt._dc_names.index("c.weight")])
     for s in range(6):
         model.peek = ref.peek = peek if s >= 3 else None
         train_step(model, opt, s)
@@ -335,6 +372,9 @@ def test_stale_read_on_another_thread_is_refused_where_the_update_would_be_appli
     assert opt._dc_pending[i], "the step was not lazy: this test needs the lazy path"
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # unseen by the guard, so nothing is applied
         old = pool.submit(lambda: model.c.weight.detach().clone()).result()
+    # c's reduction unfinished when a's forward runs, so c's update waits for c's own forward (finished, it
+    # would be applied at a's forward, before the read: test_read_on_another_thread_after_the_update_...).
+    opt._dc_engine = _Unfinished(opt._dc_engine, [i])
     model.peek = "thread"
     with pytest.raises(dc.DCreditError, match=r"parameter 'c\.weight' was read .* before its update"):
         model(torch.randn(5, 4))
@@ -342,6 +382,22 @@ def test_stale_read_on_another_thread_is_refused_where_the_update_would_be_appli
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         assert torch.equal(pool.submit(lambda: model.c.weight.detach().clone()).result(), old), \
             "the refused update was applied"
+
+
+def test_read_on_another_thread_after_the_update_was_applied_ahead_sees_it():
+    # Every reduction finished: a's forward applies c's update too (Note [Lazy step]), so the read of
+    # c.weight on another thread, later in the forward, is no stale read: plain SGD's result.
+    model, ref, opt, ref_opt = _lazy_peek_net()
+    for s in range(6):
+        model.peek = ref.peek = "thread" if s >= 3 else None
+        if s == 3:
+            assert opt._dc_npending, "the step was not lazy: this test needs the lazy path"
+            opt._dc_engine.wait_all(30.0)
+        train_step(model, opt, s)
+        train_step(ref, ref_opt, s)
+        opt._dc_engine.wait_all(30.0)
+    opt.synchronize()
+    _check_same(model, ref)
 
 
 def test_stale_read_on_another_thread_of_a_parameter_whose_module_does_not_run_is_refused_before_backward():
@@ -455,6 +511,8 @@ def test_write_to_a_pending_parameter_between_backward_and_step_applies_its_upda
     opt = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                   named_parameters=model.named_parameters(),
                                   config=dataclasses.replace(FIXED, lazy_step="on"))
+    # c's reduction unfinished at a's forward: its update waits for c's own (Note [Lazy step]).
+    opt._dc_engine = _Unfinished(opt._dc_engine, [opt._dc_names.index("c.weight")])
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     pending_at_decay = 0
     for s in range(7):
