@@ -436,7 +436,7 @@ class _DistributedOptimizer:
             return
         if not self._dc_open:
             self._dc_begin()
-        with torch._C.DisableTorchFunction():  # our buffers only (Note [Guard cost] in reads.py)
+        with self._dc_guard.paused():  # our buffers only (Note [Guard cost] in reads.py)
             self._dc_stage(i, p)
         self._dc_marked[i] = True
         try:
@@ -785,9 +785,9 @@ class _DistributedOptimizer:
         if self._dc_open and (any(self._dc_marked) or rows_in) and not self._dc_synchronized:
             raise DCreditError("optimizer.zero_grad() was called after loss.backward() but before "
                                "optimizer.step() or optimizer.synchronize(): the gradients are being reduced")
-        # Our own bookkeeping on gradients, not a read of any parameter: out of the read guard's sight (it
-        # would see every call here while updates are pending; Note [Guard cost] in reads.py).
-        with torch._C.DisableTorchFunction():
+        # Our own bookkeeping on gradients, not a read of any parameter: the read guard stands aside (it
+        # would examine every call here while updates are pending; Note [Guard cost] in reads.py).
+        with self._dc_guard.paused():
             for i, p in enumerate(self._dc_params):
                 if self._dc_pending[i] and _is_view_of(p.grad, self._dc_slots[i]):
                     # The slot holds the reduced gradient a pending update still needs.

@@ -591,3 +591,35 @@ def test_parameter_unused_on_every_rank_is_left_alone_by_a_stateful_optimizer():
     opt.synchronize()
     for a, b in zip(model.parameters(), ref.parameters()):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_our_own_gradient_bookkeeping_passes_the_read_guard_and_leaves_it_armed():
+    # Note [Guard cost]: zero_grad() and the gradient hooks touch gradients and slots only; the guard lets
+    # them through unexamined, and is armed again afterwards (else a later early read would go unseen).
+    model, ref, opt, ref_opt = _lazy_peek_net()
+    opt._dc_engine = _Unfinished(opt._dc_engine, [opt._dc_names.index("c.weight")])
+    for s in range(3):
+        train_step(model, opt, s)
+        train_step(ref, ref_opt, s)
+    guard = opt._dc_guard
+    assert opt._dc_npending and guard.armed, "the step was not lazy: this test needs the lazy path"
+    examined = []
+    real = guard._addresses.read_by
+
+
+    def read_by(args, kwargs):  # operations on tensors (the wrapped zero_grad's profiler marks take none)
+        if any(isinstance(a, torch.Tensor) for a in (*args, *(kwargs or {}).values())):
+            examined.append(1)
+        return real(args, kwargs)
+
+    guard._addresses.read_by = read_by
+    opt.zero_grad()
+    assert not examined and guard.armed
+    with torch.no_grad():
+        model.c.weight.mul_(1.0)  # an early write: examined, c's update applied first
+    assert examined and not opt._dc_pending[opt._dc_names.index("c.weight")]
+    for s in range(3, 5):
+        train_step(model, opt, s)
+        train_step(ref, ref_opt, s)
+    opt.synchronize()
+    _check_same(model, ref)
