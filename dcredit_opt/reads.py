@@ -136,22 +136,19 @@ class Addresses:
         tensor over several parameters (a flat buffer they are views of) touches each of them. Tensors are
         looked for among the arguments and one level into lists and tuples (how torch functions take them)."""
         hits: list[int] = []
-        for a in args:
+        self._scan(args, hits)
+        if kwargs:
+            self._scan(kwargs.values(), hits)
+        return hits
+
+    def _scan(self, values, hits: list[int]) -> None:
+        for a in values:
             if isinstance(a, torch.Tensor):
                 self._touch(a, hits)
             elif isinstance(a, (list, tuple)):
                 for b in a:
                     if isinstance(b, torch.Tensor):
                         self._touch(b, hits)
-        if kwargs:
-            for a in kwargs.values():
-                if isinstance(a, torch.Tensor):
-                    self._touch(a, hits)
-                elif isinstance(a, (list, tuple)):
-                    for b in a:
-                        if isinstance(b, torch.Tensor):
-                            self._touch(b, hits)
-        return hits
 
     def _touch(self, t: torch.Tensor, hits: list[int]) -> None:
         try:
