@@ -24,9 +24,9 @@ its first read changes nothing the training sees: the update is the one
 synchronous training makes (same gradient, same hyperparameters), the
 parameter is not read in between, and the stale-read checks below run on
 it at that apply as they would have at its own. Optimizer state therefore
-stays exactly what a synchronous step would have made. ``synchronize()``, ``state_dict()``/``load_state_dict()`` of the
-optimizer and of every module the forward ran, and ``step()`` apply what is
-pending first.
+stays exactly what a synchronous step would have made. ``synchronize()``,
+``state_dict()``/``load_state_dict()`` of the optimizer and of every module
+the forward ran, and ``step()`` apply what is pending first.
 
 The lazy step defers only what it can prove safe, and checks the rest:
 
