@@ -83,7 +83,7 @@ def rank_main(args: argparse.Namespace) -> None:
     warmup = args.warmup
     if args.rank_of == "ddp":
         warmup += dc.Config.from_env().profile_iters + 1
-    run_args = argparse.Namespace(scheme=args.rank_of, iters=args.iters, warmup=warmup)
+    run_args = argparse.Namespace(scheme=args.rank_of, iters=args.iters, warmup=warmup, device="cpu")
     runner = worker.run_ddp if args.rank_of == "ddp" else worker.run_dc
     intervals, loss, close = runner(run_args, model, batch, rank, world)
     close()  # dcredit-opt applies its last (lazy) updates before it shuts down
