@@ -35,7 +35,7 @@ from benchmarks import report
 from benchmarks.models import MODELS
 from benchmarks.netem import MAX_RANKS, Network, open_network, parse_rate, rank_env
 from benchmarks.stats import Launch, median, schedule, table
-from benchmarks.worker import SCHEMES
+from benchmarks.worker import SCHEMES, uses_horovod
 
 DEFAULT_SCHEMES = SCHEMES
 # After one rank fails, how long the others get to notice and exit on their
@@ -107,9 +107,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if torch.cuda.device_count() < args.ranks:
             p.error(f"--device cuda needs one GPU per rank: {args.ranks} ranks, "
                     f"{torch.cuda.device_count()} GPU(s) here")
-        hvd = [s for s in args.schemes if s == "horovod" or s.startswith("hvd-")]
-        if hvd:
-            p.error(f"schemes {hvd} run on CPUs only in this benchmark; drop them with --device cuda")
+        on_horovod = [s for s in args.schemes if uses_horovod(s)]
+        if on_horovod:
+            p.error(f"schemes {on_horovod} run on CPUs only in this benchmark; drop them with --device cuda")
     if args.iters < 1 or args.warmup < 0 or args.rounds < 1 or args.threads < 1:
         p.error("--iters, --rounds, --threads must be >= 1 and --warmup >= 0")
     if not args.models or not args.rates or not args.schemes:
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     launches = schedule(args.models, args.rates, args.schemes, args.rounds)
     unavailable: dict[str, str] = {}
-    needs_horovod = [s for s in args.schemes if s == "horovod" or s.startswith("hvd-")]
+    needs_horovod = [s for s in args.schemes if uses_horovod(s)]
     if needs_horovod:
         why = horovod_unavailable()
         if why:

@@ -48,6 +48,13 @@ DC_POLICIES = ("wfbp", "mgwfbp", "oasr", "bytescheduler", "usbyte", "dear", "dcr
 # dc-deft: DeFT's delayed updates (Config(policy="deft", accept_delayed_updates=True)): not synchronous training.
 SCHEMES = ("compute", "comm", "ddp", "horovod") + tuple(f"dc-{p}" for p in DC_POLICIES) + (
     "hvd-dcredit", "hvd-dcredit-ops", "hvd-dcredit-ops-fused", "dc-dcredit-fp16", "dc-dcredit-dense", "dc-deft")
+
+
+def uses_horovod(scheme: str) -> bool:
+    """The scheme runs under Horovod (stock Horovod, or our optimizer in a Horovod script)."""
+    return scheme == "horovod" or scheme.startswith("hvd-")
+
+
 LR = 0.01
 MOMENTUM = 0.9
 # Generous: a rank may wait on a peer for a whole slow iteration plus start-up,
@@ -121,7 +128,8 @@ def _train_step(model: torch.nn.Module, opt, batch) -> Callable[[], torch.Tensor
 
 def _init_torch_pg(device: str) -> None:
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+        dist.init_process_group("nccl" if device == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
 
 
 def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -320,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         # Different data on every rank, as in data-parallel training.
         batch = spec.make_batch(batch_size, torch.Generator().manual_seed(args.seed + 1 + rank))
         if args.device == "cuda":
-            if args.scheme == "horovod" or args.scheme.startswith("hvd-"):
+            if uses_horovod(args.scheme):
                 raise ValueError(f"scheme {args.scheme} runs on CPUs only in this benchmark")
             torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
             record["gpu"] = torch.cuda.get_device_name()
