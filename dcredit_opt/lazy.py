@@ -62,9 +62,8 @@ class LazyStep:
         todo = [i for i in dict.fromkeys(indices) if self._dc_pending[i]]
         if not todo:
             return
-        guard, armed = self._dc_guard, self._dc_guard.armed
-        guard.armed = False  # the wrapped step reads the parameters it updates: not reads to guard
-        try:
+        guard = self._dc_guard
+        with guard.paused():  # the wrapped step reads the parameters it updates: not reads to guard
             if self._dc_deferred:
                 self._dc_check_graph_reads(todo)
             self._dc_wait(todo)
@@ -77,8 +76,6 @@ class LazyStep:
                 self._dc_check_writes(todo, "the lazy step")
             with profiled("dcredit_opt::apply"):
                 self._dc_run_wrapped_step(todo)
-        finally:
-            guard.armed = armed
         for i in todo:
             self._dc_pending[i] = False
         self._dc_npending -= len(todo)

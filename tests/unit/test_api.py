@@ -433,6 +433,47 @@ def test_read_guard_sits_under_the_scripts_own_modes_and_leaves_at_close():
     assert opt._dc_guard not in stack()
 
 
+def test_our_own_work_runs_with_the_read_guard_off_the_stack_and_puts_it_back_at_the_bottom():
+    # Note [Guard cost]: while our bookkeeping or the wrapped step runs, the guard is not on the mode stack at
+    # all (a mode on the stack costs every call a trip through Python), a script's mode above it stays where it
+    # is, and afterwards the guard is back under it, armed as before. Where it was not on the stack, pausing
+    # leaves it off.
+    from torch.overrides import TorchFunctionMode
+    from torch.overrides import _get_current_function_mode_stack as stack
+
+    class Seen(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    model, ref, opt, ref_opt = _lazy_peek_net()
+    opt._dc_engine = _Unfinished(opt._dc_engine, [opt._dc_names.index("c.weight")])
+    for s in range(3):
+        train_step(model, opt, s)
+        train_step(ref, ref_opt, s)
+    guard = opt._dc_guard
+    assert opt._dc_npending and guard.armed and stack() == [guard], "the step was not lazy"
+    with Seen() as seen:
+        with guard.paused():
+            assert stack() == [seen] and not guard.armed
+            torch.ones(3).add_(1)
+        assert seen.calls == 2, "the script's own mode stopped seeing calls (ones, add_)"
+        assert stack() == [guard, seen] and guard.armed
+    model(torch.randn(5, 4))
+    assert not opt._dc_npending and guard not in stack()
+    with guard.paused():
+        assert guard not in stack()
+    assert guard not in stack() and not guard.armed
+    train_step(model, opt, 3)
+    train_step(ref, ref_opt, 3)
+    opt.synchronize()
+    _check_same(model, ref)
+
+
 def test_graphs_of_earlier_iterations_do_not_count_as_reads():
     # Kept-alive, freed and no-grad graphs around the lazy step: none is a stale
     # read, and training equals plain SGD. A loop that keeps the last loss alive
