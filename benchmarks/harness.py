@@ -144,6 +144,7 @@ class RunResult:
     final_loss: float | None = None
     phases_s: dict[str, list[float]] | None = None
     profile: dict | None = None  # a dcredit run's own measurement (per-tensor times, alpha, beta), rank 0
+    cpu_s_per_iter: dict[str, float] | None = None  # rank 0's CPU per timed iteration by kind of thread
 
     def to_dict(self) -> dict:
         d = {k: v for k, v in vars(self).items() if k != "launch"}
@@ -217,7 +218,7 @@ def run_launch(net: Network, launch: Launch, args: argparse.Namespace, workdir: 
                          batch_size=record.get("batch_size"), params=record.get("params"))
     return RunResult(launch, "ok", [float(t) for t in record["iter_times_s"]], None, wall,
                      record.get("batch_size"), record.get("params"), record.get("final_loss"),
-                     record.get("phases_s"), record.get("profile"))
+                     record.get("phases_s"), record.get("profile"), record.get("cpu_s_per_iter"))
 
 
 def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> str | None:

@@ -277,6 +277,32 @@ def phase_table(runs: list[dict], model: str, rate: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def cpu_table(runs: list[dict], model: str, rate: str) -> str:
+    """Rank 0's CPU seconds per timed iteration by kind of thread (``benchmarks/cpu_use.py``), medians over
+    launches per scheme, beside the median iteration ("" when no run recorded them)."""
+    pooled: dict[str, dict[str, list[float]]] = {}
+    iters: dict[str, list[float]] = {}
+    for run in runs:
+        if run["model"] == model and run["rate"] == rate and run.get("cpu_s_per_iter"):
+            mine = pooled.setdefault(run["scheme"], {})
+            for kind, seconds in run["cpu_s_per_iter"].items():
+                mine.setdefault(kind, []).append(seconds)
+            mine.setdefault("total", []).append(sum(run["cpu_s_per_iter"].values()))
+            iters.setdefault(run["scheme"], []).extend(run["iter_times_s"])
+    if not pooled:
+        return ""
+    lines = [("Rank 0's CPU per iteration, by thread (medians over launches; `busy`: CPU seconds per second of "
+             "iteration, where 1.0 is one core):\n"),
+             "| scheme | training (s) | comm. library (s) | dcredit_opt (s) | other (s) | total (s) | busy |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for scheme, kinds in pooled.items():
+        med = {k: statistics.median(v) for k, v in kinds.items()}
+        cells = " | ".join(_sec(med.get(k)) for k in ("training", "library", "dcredit_opt", "other", "total"))
+        busy = med["total"] / statistics.median(iters[scheme]) if iters.get(scheme) else None
+        lines.append(f"| {scheme} | {cells} | {_fmt(busy, '.2f', '')} |")
+    return "\n".join(lines) + "\n"
+
+
 def _conditions(cond: dict | None) -> str:
     if not cond:
         return "- load: not recorded"
@@ -310,6 +336,9 @@ def markdown_report(record: dict) -> str:
         phases = phase_table(record["runs"], result["model"], result["rate"])
         if phases:
             out.append(phases)
+        cpu = cpu_table(record["runs"], result["model"], result["rate"])
+        if cpu:
+            out.append(cpu)
     return "\n".join(out)
 
 

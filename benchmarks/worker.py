@@ -28,6 +28,7 @@ import itertools
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from benchmarks import cpu_use
 from benchmarks.models import get_model, loss_fn, param_count
 
 DC_POLICIES = ("wfbp", "mgwfbp", "oasr", "bytescheduler", "usbyte", "dear", "dcredit")
@@ -67,6 +69,8 @@ PHASES: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
 # What a dcredit run's rank 0 measured while profiling (its per-tensor times, alpha and beta), for the
 # harness's synchronous floor.
 MEASURED: dict[str, dict] = {}
+# Rank 0's CPU seconds per timed iteration, by kind of thread (benchmarks/cpu_use.py).
+CPU_USE: dict[str, float] = {}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -95,9 +99,14 @@ def _timed_loop(iters: int, warmup: int, one_iter: Callable[[], object]) -> tupl
     """Run ``warmup + iters`` iterations; return the last ``iters`` intervals."""
     stamps = [time.perf_counter()]
     last = None
-    for _ in range(warmup + iters):
+    cpu_before = cpu_use.thread_cpu_s() if warmup == 0 else {}
+    for k in range(warmup + iters):
         last = one_iter()
         stamps.append(time.perf_counter())
+        if k == warmup - 1:
+            cpu_before = cpu_use.thread_cpu_s()  # the timed iterations start here
+    cpu = cpu_use.cpu_by_kind(cpu_before, cpu_use.thread_cpu_s(), threading.get_native_id())
+    CPU_USE.update({kind: seconds / iters for kind, seconds in cpu.items()})
     intervals = [b - a for a, b in itertools.pairwise(stamps)]
     return intervals[warmup:], last
 
@@ -342,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         if PHASES["step"]:  # schemes that train (not `comm`): the timed iterations' phases
             record["phases_s"] = {k: v[len(v) - len(intervals):] for k, v in PHASES.items()}
         record["final_loss"] = float(loss) if loss is not None else None
+        if CPU_USE:
+            record["cpu_s_per_iter"] = dict(CPU_USE)
         if "profile" in MEASURED:
             record["profile"] = MEASURED["profile"]
         if close is not None:

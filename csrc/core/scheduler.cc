@@ -256,6 +256,7 @@ struct Scheduler::Core {
 //  4. Several launches are taken per lock hold to keep the per-block cost
 //     far below a microsecond.
 void Scheduler::DispatchLoop(std::shared_ptr<Core> core) {
+  NameThisThread("dc_dispatch");
   std::vector<std::pair<int32_t, int32_t>> batch;  // (block, channel)
   std::unique_lock<std::mutex> lock(core->mu);
   uint64_t gen = 0;

@@ -44,6 +44,7 @@ class WorkWaiter {
 
  private:
   void Loop() {
+    NameThisThread("dc_waiter");
     std::unique_lock<std::mutex> lock(mu_);
     while (true) {
       cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });

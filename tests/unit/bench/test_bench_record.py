@@ -134,6 +134,21 @@ def test_phase_table_pools_rounds_per_scheme():
     assert "| ddp | 0.600 | 0.700 | 0.0500 |" in report.markdown_report(rec)
 
 
+def test_cpu_table_shows_medians_by_kind_of_thread_and_how_busy_rank_0_was():
+    runs = [r.to_dict() for r in _runs()]
+    assert report.cpu_table(runs, "vgg", "1gbit") == ""  # no run recorded CPU use
+    for rnd, run in enumerate(r for r in runs if r["scheme"] == "ddp"):  # iterations 1.3, 1.4, 1.5 s
+        run["cpu_s_per_iter"] = {"training": 1.0 + rnd, "library": 0.2, "dcredit_opt": 0.0, "other": 0.0}
+    table = report.cpu_table(runs, "vgg", "1gbit")
+    # medians of the two launches: training 1.5, library 0.2, total 1.7 s per 1.4 s iteration
+    assert "| ddp | 1.500 | 0.200 | 0.00 | 0.00 | 1.700 | 1.21 |" in table
+    assert "compute" not in table
+    rec = make_record()
+    rec["runs"] = runs
+    assert report.validate_record(rec) == []
+    assert "| ddp | 1.500 | 0.200 |" in report.markdown_report(rec)
+
+
 # -- waiting on ranks never hangs ------------------------------------------------------
 
 
