@@ -362,7 +362,7 @@ class _Paused:
     def __enter__(self) -> None:
         guard = self._guard
         self._armed, guard.armed = guard.armed, False
-        self._lifted = bool(torch._C._len_torch_function_stack()) and _remove_from_stack(guard)
+        self._lifted = _remove_from_stack(guard)
 
     def __exit__(self, *exc) -> None:
         if self._lifted:
@@ -381,6 +381,8 @@ def _insert_at_bottom(mode: TorchFunctionMode) -> None:
 
 def _remove_from_stack(mode: TorchFunctionMode) -> bool:
     """Take ``mode`` off this thread's stack, the modes above it staying in order; False if it was not there."""
+    if not torch._C._len_torch_function_stack():
+        return False  # the common case once nothing is pending: every module's forward asks
     stack = torch.overrides._get_current_function_mode_stack()
     if mode not in stack:
         return False

@@ -456,13 +456,14 @@ def test_our_own_work_runs_with_the_read_guard_off_the_stack_and_puts_it_back_at
         train_step(model, opt, s)
         train_step(ref, ref_opt, s)
     guard = opt._dc_guard
-    assert opt._dc_npending and guard.armed and stack() == [guard], "the step was not lazy"
+    # (Guards of other tests' optimizers that still hold pending updates may sit above ours.)
+    assert opt._dc_npending and guard.armed and stack()[0] is guard, "the step was not lazy"
     with Seen() as seen:
         with guard.paused():
-            assert stack() == [seen] and not guard.armed
+            assert guard not in stack() and stack()[-1] is seen and not guard.armed
             torch.ones(3).add_(1)
         assert seen.calls == 2, "the script's own mode stopped seeing calls (ones, add_)"
-        assert stack() == [guard, seen] and guard.armed
+        assert stack()[0] is guard and stack()[-1] is seen and guard.armed
     model(torch.randn(5, 4))
     assert not opt._dc_npending and guard not in stack()
     with guard.paused():
