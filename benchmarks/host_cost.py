@@ -1,0 +1,137 @@
+"""Our host work per iteration where compute is small: a world of one, on the CPU.
+
+    .venv/bin/python -m benchmarks.host_cost [--rounds 4] [--iters 150]
+
+On a fast GPU an iteration of the benchmark's models takes milliseconds, and
+what the optimizer does on the host (the gradient hooks, the read guard,
+the hand-off of blocks to the scheduler's thread, the wrapped step) decides
+the iteration time. Without a GPU this is its stand-in: a model with the
+GPT-like model's structure (its layers and heads, 77 parameters in 40
+modules) at width 64, vocabulary 512 and context 16, so that its compute
+takes a few milliseconds on one core.
+
+Three ways to train it, each in its own process, one at a time, the rounds
+interleaving them: ``plain`` (the SGD optimizer alone), ``ddp`` (DDP at a
+world of one over Gloo) and ``dc`` (``dc.DistributedOptimizer`` at a world of
+one over Gloo; it measures and plans in the warm-up). Each process runs 30
+warm-up iterations, then ``--iters`` timed ones, and reports every
+iteration's wall time and its training thread's CPU time per iteration.
+Printed: medians per way, and ``dc`` against ``plain`` and ``ddp`` with
+bootstrap intervals over processes (``benchmarks/stats.py``). A benchmark,
+not a test: it prints numbers and checks nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+WAYS = ("plain", "ddp", "dc")
+WARMUP = 30
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_one(way: str, iters: int) -> dict:
+    """In this process: train the small GPT-shaped model ``way`` and return its timings."""
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.models import GPT_HEADS, GPT_LAYERS, GPTLike, loss_fn
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPTLike(vocab=512, context=16, width=64, layers=GPT_LAYERS, heads=GPT_HEADS)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 512, (2, 16), generator=gen)
+    y = torch.randint(0, 512, (2, 16), generator=gen)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    net, opt, close = model, sgd, None
+    if way != "plain":
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        close = dist.destroy_process_group
+    if way == "ddp":
+        net = torch.nn.parallel.DistributedDataParallel(model)
+    elif way == "dc":
+        import dcredit_opt as dc
+
+        dc.init()
+        opt = dc.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
+
+        def close():
+            dc.shutdown()
+            dist.destroy_process_group()
+
+    def step():
+        opt.zero_grad()
+        loss_fn(net(x), y).backward()
+        opt.step()
+
+    for _ in range(WARMUP):
+        step()
+    walls = []
+    cpu0 = time.thread_time()
+    for _ in range(iters):
+        t = time.perf_counter()
+        step()
+        walls.append(time.perf_counter() - t)
+    cpu = (time.thread_time() - cpu0) / iters
+    if close is not None:
+        close()
+    return {"way": way, "iter_s": walls, "train_cpu_s": cpu, "params": len(list(model.parameters()))}
+
+
+def _launch(way: str, iters: int) -> dict:
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "benchmarks.host_cost", "--one", way, "--iters", str(iters)],
+                         env=env, capture_output=True, text=True, timeout=600, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"{way} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--iters", type=int, default=150)
+    p.add_argument("--one", choices=WAYS, help=argparse.SUPPRESS)  # a child process
+    args = p.parse_args(argv)
+    if args.one:
+        print(json.dumps(run_one(args.one, args.iters)))
+        return
+
+    from benchmarks.stats import speedup_interval
+
+    runs: dict[str, list[dict]] = {w: [] for w in WAYS}
+    for _ in range(args.rounds):
+        for way in WAYS:
+            runs[way].append(_launch(way, args.iters))
+    params = runs["dc"][0]["params"]
+    print(f"# host cost, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"{args.rounds} rounds x {args.iters} iterations, a world of one, GPT-shaped model ({params} parameters)")
+    med = {}
+    for way in WAYS:
+        med[way] = statistics.median(t for r in runs[way] for t in r["iter_s"])
+        cpu = statistics.median(r["train_cpu_s"] for r in runs[way])
+        print(f"{way:6s} iteration {med[way] * 1e3:7.2f} ms (median)   training thread CPU {cpu * 1e3:7.2f} ms")
+    for base in ("plain", "ddp"):
+        ci = speedup_interval([r["iter_s"] for r in runs[base]], [r["iter_s"] for r in runs["dc"]])
+        ratio = med["dc"] / med[base]
+        text = f"[{1 / ci[1]:.2f}, {1 / ci[0]:.2f}]" if ci else "-"
+        print(f"dc / {base}: {ratio:.2f}x the time {text}; {(med['dc'] - med[base]) * 1e3:+.2f} ms per iteration "
+              f"({(med['dc'] - med[base]) / params * 1e6:+.1f} us per parameter)")
+
+
+if __name__ == "__main__":
+    main()
