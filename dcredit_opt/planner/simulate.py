@@ -146,16 +146,6 @@ def link_floor(profile: Profile, nbytes: int) -> float:
     return min(profile.alpha_s, rs_alpha) + min(profile.beta_s_per_byte, rs_beta + ag_beta) * nbytes
 
 
-def reduce_time(profile: Profile, nbytes: int) -> float:
-    """The least time one block of ``nbytes`` takes to be reduced alone: an all-reduce, or a reduce-scatter
-    followed by its all-gather (0 for no bytes)."""
-    if nbytes <= 0:
-        return 0.0
-    (rs_alpha, rs_beta), (ag_alpha, ag_beta) = profile.stage_cost(1), profile.stage_cost(2)
-    return min(profile.alpha_s + profile.beta_s_per_byte * nbytes,
-               rs_alpha + ag_alpha + (rs_beta + ag_beta) * nbytes)
-
-
 def synchronous_floor(profile: Profile) -> float:
     """The shortest iteration any schedule of synchronous data parallelism can reach on one link.
 
@@ -163,15 +153,23 @@ def synchronous_floor(profile: Profile) -> float:
 
     - The gradient ready last (usually the input side's, at the end of
       backward) must be reduced before the next forward reaches it, and that
-      forward then runs to the end: ``backward + reduce_time(bytes(last
+      forward then runs to the end: ``backward + link_floor(bytes(last
       ready)) + forward from it on`` (``compute + alpha + beta * bytes`` when it
-      is the first layer's and all-reduced). A tied input embedding, ready
-      last and large, makes this one long.
+      is the first layer's and all-reduced). Its link floor, not the time of
+      one block of that size: cut into blocks on several channels, the
+      tensor's start-ups overlap one another's transfers. A tied input embedding,
+      ready last and large, makes this one long.
     - Whatever block arrives last, the forward of its layer and of every
-      later one, then the backward until the first gradient, leave the link
-      with nothing to send; at best that block is the last layer's:
-      ``comm + fwd(last layer) + bwd(first gradient)``, ``comm`` being
-      :func:`link_floor` of every byte.
+      later one leaves the link with nothing to send (at best that block is
+      the last layer's: ``fwd(last layer)``), and then no gradient can go
+      before backward has produced it: every tail of the ready order waits
+      for its first gradient, then needs the link for all its bytes. So
+      ``fwd(last layer) + max over t of (ready(t) + link_floor(bytes of t
+      and every gradient ready after it))``; for the first gradient that is
+      ``bwd(first) + comm``, ``comm`` being :func:`link_floor` of every byte.
+      A small last layer ahead of a large one (VGG's classifier, a language
+      model's head) makes the large one's term the longest: the link idles
+      through its backward, whatever the order of blocks.
     """
     if not profile.num_tensors:
         return lower_bound(profile)
@@ -180,10 +178,17 @@ def synchronous_floor(profile: Profile) -> float:
     comm = link_floor(profile, total)
     order = profile.order()
     last = order[-1]
-    transfer = reduce_time(profile, profile.tensors[last].nbytes)
+    transfer = link_floor(profile, profile.tensors[last].nbytes)
     input_side = (sum(t.bwd_s for t in profile.tensors) + transfer
                   + sum(t.fwd_s for t in profile.tensors[last:]))
-    output_side = comm + profile.tensors[-1].fwd_s + profile.tensors[order[0]].bwd_s if total > 0 else 0.0
+    output_side = 0.0
+    if total > 0:
+        ready, tail_bytes = 0.0, total
+        for t in order:
+            ready += profile.tensors[t].bwd_s
+            output_side = max(output_side, ready + link_floor(profile, tail_bytes))
+            tail_bytes -= profile.tensors[t].nbytes
+        output_side += profile.tensors[-1].fwd_s
     return max(compute, comm, input_side, output_side)
 
 

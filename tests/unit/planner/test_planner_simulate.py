@@ -309,7 +309,7 @@ def test_synchronous_floor_by_hand():
     # Three tensors of 1000 float32 (4000 B), forward 1 s and backward 1 s each: compute 6 s. The link: 12000 B
     # at 0.001 s/B after the first start-up, a reduce-scatter's (half of alpha 0.5 by the ring formula, since
     # every byte may go as a reduce-scatter and an all-gather at the all-reduce's total per-byte time):
-    # 0.25 + 12 = 12.25 s. Input side: 6 + (0.5 + 4) = 10.5 s (two half stages cost the same). Output side:
+    # 0.25 + 12 = 12.25 s. Input side: 6 + (0.25 + 4) = 10.25 s (the last tensor's link floor). Output side:
     # 12.25 + fwd(last) 1 + bwd(first ready) 1 = 14.25 s.
     p = profile_of([1000, 1000, 1000])
     assert lower_bound(p) == pytest.approx(12.25)
@@ -318,10 +318,17 @@ def test_synchronous_floor_by_hand():
     gloo_like = dataclasses.replace(p, stage_ratios=(1.1, 1.1, 0.7, 0.7))
     assert lower_bound(gloo_like) == pytest.approx(12.5)
     assert synchronous_floor(gloo_like) == pytest.approx(14.5)
-    # Compute-bound: 0.1 s per pass, tiny link cost: the input side's reduction after backward decides.
+    # Compute-bound: 0.1 s per pass, tiny link cost: the input side's reduction after backward decides, at
+    # its link floor (a reduce-scatter's start-up, half of alpha, then every byte).
     q = profile_of([1000, 10, 10], fwd=0.1, bwd=0.1, alpha=0.01, beta=1e-5)
-    assert synchronous_floor(q) == pytest.approx(0.6 + 0.01 + 1e-5 * 4000)
+    assert synchronous_floor(q) == pytest.approx(0.6 + 0.005 + 1e-5 * 4000)
     assert synchronous_floor(profile_of([])) == lower_bound(profile_of([]))
+    # A small last layer ready first, a large one behind it (VGG's classifier): the link has 40 B to carry
+    # until the middle tensor's gradient, ready at 2 s; from there 8000 B: 2 + 0.25 + 8 = 10.25 s, then the
+    # last layer's forward: 11.25 s. (From the first gradient: 1 + 0.25 + 8.04 = 9.29 s; input side: 3 + 4.25
+    # + 3 = 10.25 s.)
+    vgg_like = profile_of([1000, 1000, 10])
+    assert synchronous_floor(vgg_like) == pytest.approx(11.25)
 
 
 @settings(max_examples=100, deadline=None)
