@@ -325,6 +325,18 @@ def _lazy_peek_net():
     return model, ref, opt, ref_opt
 
 
+def _peek_net_with_c_pending():
+    """``_lazy_peek_net`` after three steps, with c's reduction held unfinished so that its update is still
+    pending (and the guard armed) after the last ``step()``: a's forward would apply it otherwise."""
+    model, ref, opt, ref_opt = _lazy_peek_net()
+    opt._dc_engine = _Unfinished(opt._dc_engine, [opt._dc_names.index("c.weight")])
+    for s in range(3):
+        train_step(model, opt, s)
+        train_step(ref, ref_opt, s)
+    assert opt._dc_npending and opt._dc_guard.armed, "the step was not lazy: this test needs the lazy path"
+    return model, ref, opt, ref_opt
+
+
 @pytest.mark.parametrize("peek", ["graph", "untracked", "data"])
 def test_early_read_in_forward_sees_the_update(peek, caplog):
     # Note [Guarded reads]: from step 3 on, the parent reads c.weight before c's forward, where the first
@@ -450,14 +462,9 @@ def test_our_own_work_runs_with_the_read_guard_off_the_stack_and_puts_it_back_at
             self.calls += 1
             return func(*args, **(kwargs or {}))
 
-    model, ref, opt, ref_opt = _lazy_peek_net()
-    opt._dc_engine = _Unfinished(opt._dc_engine, [opt._dc_names.index("c.weight")])
-    for s in range(3):
-        train_step(model, opt, s)
-        train_step(ref, ref_opt, s)
+    model, ref, opt, ref_opt = _peek_net_with_c_pending()
     guard = opt._dc_guard
-    # (Guards of other tests' optimizers that still hold pending updates may sit above ours.)
-    assert opt._dc_npending and guard.armed and stack()[0] is guard, "the step was not lazy"
+    assert stack()[0] is guard  # guards of other tests' optimizers, still holding updates, may sit above
     with Seen() as seen:
         with guard.paused():
             assert guard not in stack() and stack()[-1] is seen and not guard.armed
@@ -638,13 +645,8 @@ def test_parameter_unused_on_every_rank_is_left_alone_by_a_stateful_optimizer():
 def test_our_own_gradient_bookkeeping_passes_the_read_guard_and_leaves_it_armed():
     # Note [Guard cost]: zero_grad() and the gradient hooks touch gradients and slots only; the guard lets
     # them through unexamined, and is armed again afterwards (else a later early read would go unseen).
-    model, ref, opt, ref_opt = _lazy_peek_net()
-    opt._dc_engine = _Unfinished(opt._dc_engine, [opt._dc_names.index("c.weight")])
-    for s in range(3):
-        train_step(model, opt, s)
-        train_step(ref, ref_opt, s)
+    model, ref, opt, ref_opt = _peek_net_with_c_pending()
     guard = opt._dc_guard
-    assert opt._dc_npending and guard.armed, "the step was not lazy: this test needs the lazy path"
     examined = []
     real = guard._addresses.read_by
 
