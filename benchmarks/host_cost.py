@@ -27,20 +27,15 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
 import time
 
+from benchmarks.netem import LoopbackNetwork
+
 WAYS = ("plain", "ddp", "dc")
 WARMUP = 30
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_one(way: str, iters: int) -> dict:
@@ -92,8 +87,8 @@ def run_one(way: str, iters: int) -> dict:
     return {"way": way, "iter_s": walls, "train_cpu_s": cpu, "params": len(list(model.parameters()))}
 
 
-def _launch(way: str, iters: int) -> dict:
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
+def _launch(way: str, iters: int, net: LoopbackNetwork) -> dict:
+    env = dict(os.environ, MASTER_ADDR=net.master_addr, MASTER_PORT=str(net.next_port()), OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-m", "benchmarks.host_cost", "--one", way, "--iters", str(iters)],
                          env=env, capture_output=True, text=True, timeout=600, check=False)
     if out.returncode != 0:
@@ -114,9 +109,10 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.stats import speedup_interval
 
     runs: dict[str, list[dict]] = {w: [] for w in WAYS}
+    net = LoopbackNetwork(1)
     for _ in range(args.rounds):
         for way in WAYS:
-            runs[way].append(_launch(way, args.iters))
+            runs[way].append(_launch(way, args.iters, net))
     params = runs["dc"][0]["params"]
     print(f"# host cost, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"{args.rounds} rounds x {args.iters} iterations, a world of one, GPT-shaped model ({params} parameters)")

@@ -17,6 +17,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from benchmarks import cpu_use
 from benchmarks.stats import Row
 
 SCHEMA_VERSION = 2  # 2: rows carry speedup_ci and ratio_to_floor, results floor_s
@@ -297,7 +298,7 @@ def cpu_table(runs: list[dict], model: str, rate: str) -> str:
              "|---|---:|---:|---:|---:|---:|---:|"]
     for scheme, kinds in pooled.items():
         med = {k: statistics.median(v) for k, v in kinds.items()}
-        cells = " | ".join(_sec(med.get(k)) for k in ("training", "library", "dcredit_opt", "other", "total"))
+        cells = " | ".join(_sec(med.get(k)) for k in (*cpu_use.KINDS, "total"))
         busy = med["total"] / statistics.median(iters[scheme]) if iters.get(scheme) else None
         lines.append(f"| {scheme} | {cells} | {_fmt(busy, '.2f', '')} |")
     return "\n".join(lines) + "\n"
