@@ -17,7 +17,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from benchmarks import cpu_use
+from benchmarks import cpu_use, stats
 from benchmarks.stats import Row
 
 SCHEMA_VERSION = 2  # 2: rows carry speedup_ci and ratio_to_floor, results floor_s
@@ -280,7 +280,13 @@ def phase_table(runs: list[dict], model: str, rate: str) -> str:
 
 def cpu_table(runs: list[dict], model: str, rate: str) -> str:
     """Rank 0's CPU seconds per timed iteration by kind of thread (``benchmarks/cpu_use.py``), medians over
-    launches per scheme, beside the median iteration ("" when no run recorded them)."""
+    launches per scheme, beside the median iteration ("" when no run recorded them).
+
+    ``vs DDP`` is a scheme's total over DDP's (below 1: less CPU than DDP), with a bootstrap interval over
+    launches. CPU time is what a scheme adds around the same compute, and it varies far less from launch to
+    launch than wall time on a shared machine: where the wall-time interval is too wide to say whether a
+    scheme costs 2 % more than DDP, this one may not be.
+    """
     pooled: dict[str, dict[str, list[float]]] = {}
     iters: dict[str, list[float]] = {}
     for run in runs:
@@ -293,14 +299,21 @@ def cpu_table(runs: list[dict], model: str, rate: str) -> str:
     if not pooled:
         return ""
     lines = [("Rank 0's CPU per iteration, by thread (medians over launches; `busy`: CPU seconds per second of "
-             "iteration, where 1.0 is one core):\n"),
-             "| scheme | training (s) | comm. library (s) | dcredit_opt (s) | other (s) | total (s) | busy |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "iteration, where 1.0 is one core; `vs DDP`: total CPU over DDP's, with a 95 % interval over "
+             "launches):\n"),
+             "| scheme | training (s) | comm. library (s) | dcredit_opt (s) | other (s) | total (s) | busy | vs DDP |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    ddp = pooled.get("ddp", {}).get("total")
     for scheme, kinds in pooled.items():
         med = {k: statistics.median(v) for k, v in kinds.items()}
         cells = " | ".join(_sec(med.get(k)) for k in (*cpu_use.KINDS, "total"))
         busy = med["total"] / statistics.median(iters[scheme]) if iters.get(scheme) else None
-        lines.append(f"| {scheme} | {cells} | {_fmt(busy, '.2f', '')} |")
+        versus = "-"
+        if ddp and scheme != "ddp" and statistics.median(ddp) > 0:
+            ratio = med["total"] / statistics.median(ddp)
+            ci = stats.speedup_interval([[x] for x in kinds["total"]], [[x] for x in ddp])
+            versus = f"{ratio:.2f}x" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+        lines.append(f"| {scheme} | {cells} | {_fmt(busy, '.2f', '')} | {versus} |")
     return "\n".join(lines) + "\n"
 
 

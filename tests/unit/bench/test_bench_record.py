@@ -141,8 +141,14 @@ def test_cpu_table_shows_medians_by_kind_of_thread_and_how_busy_rank_0_was():
         run["cpu_s_per_iter"] = {"training": 1.0 + rnd, "library": 0.2, "dcredit_opt": 0.0, "other": 0.0}
     table = report.cpu_table(runs, "vgg", "1gbit")
     # medians of the two launches: training 1.5, library 0.2, total 1.7 s per 1.4 s iteration
-    assert "| ddp | 1.500 | 0.200 | 0.00 | 0.00 | 1.700 | 1.21 |" in table
+    assert "| ddp | 1.500 | 0.200 | 0.00 | 0.00 | 1.700 | 1.21 | - |" in table
     assert "compute" not in table
+    for rnd, run in enumerate(r for r in runs if r["scheme"] == "comm"):  # iterations 0.9, 1.0, 1.1 s
+        run["cpu_s_per_iter"] = {"training": 0.5 + 0.2 * rnd, "library": 0.3, "dcredit_opt": 0.05, "other": 0.0}
+    table = report.cpu_table(runs, "vgg", "1gbit")
+    # totals 0.85 and 1.05 s, median 0.95 s, against DDP's 1.2 and 2.2 s, median 1.7 s; with two launches
+    # a side the interval reaches the extreme ratios, 0.85 / 2.2 and 1.05 / 1.2
+    assert "| comm | 0.600 | 0.300 | 0.0500 | 0.00 | 0.950 | 0.95 | 0.56x [0.39, 0.88] |" in table
     rec = make_record()
     rec["runs"] = runs
     assert report.validate_record(rec) == []
