@@ -125,11 +125,16 @@ class TorchDistBackend:
         group = self._groups[0]
         world = dist.get_world_size(group)
 
+        # torch 2.13 renamed these (the old names warn FutureWarning on every call); earlier torch has only
+        # the old ones. Same arguments: (output, input).
+        reduce_scatter_into = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        all_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
         def reduce_scatter(buf):
-            dist.reduce_scatter_tensor(buf.new_empty(buf.numel() // world), buf, group=group)
+            reduce_scatter_into(buf.new_empty(buf.numel() // world), buf, group=group)
 
         def all_gather(buf):
-            dist.all_gather_into_tensor(buf, buf[:buf.numel() // world].clone(), group=group)
+            all_gather_into(buf, buf[:buf.numel() // world].clone(), group=group)
 
         return reduce_scatter, all_gather
 

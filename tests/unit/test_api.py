@@ -7,12 +7,14 @@ import os
 import subprocess
 import sys
 import warnings
+from unittest import mock
 
 import pytest
 import torch
 from torch import nn
 
 import dcredit_opt as dc
+from dcredit_opt import profiler
 from tests import timing
 
 pytestmark = pytest.mark.timeout(120)
@@ -667,3 +669,21 @@ def test_our_own_gradient_bookkeeping_passes_the_read_guard_and_leaves_it_armed(
         train_step(ref, ref_opt, s)
     opt.synchronize()
     _check_same(model, ref)
+
+
+def test_profiling_calls_no_deprecated_torch_distributed_function():
+    # The profiler's sweeps (the stage sweep: reduce-scatter and all-gather) run in every user's job: a
+    # FutureWarning from torch.distributed there would be printed on every rank of every launch.
+    model, opt = model_and_opt()
+    config = dc.Config(block_bytes=64, profile_iters=2, policy="dcredit")
+    dopt = dc.DistributedOptimizer(opt, named_parameters=model.named_parameters(), config=config)
+    sweep = mock.patch.object(profiler, "measure_stage_ratios", wraps=profiler.measure_stage_ratios)
+    with warnings.catch_warnings(record=True) as caught, sweep as stage_sweep:
+        warnings.simplefilter("always")
+        for s in range(4):  # profiles 2 iterations, sweeps, plans
+            train_step(model, dopt, s)
+        dopt.synchronize()
+    assert stage_sweep.call_count == 1 and dopt.profile is not None, "the sweeps did not run"
+    deprecated = [f"{w.category.__name__}: {w.message} ({w.filename})" for w in caught
+                  if issubclass(w.category, (FutureWarning, DeprecationWarning))]
+    assert not deprecated, deprecated
