@@ -12,8 +12,9 @@ import weakref
 import torch
 
 from . import _ext, rows, runtime
-from .errors import DCreditError, at_rank
+from .errors import DCreditError
 from .reads import FirstReadTracer
+from .runtime import at_rank
 from .timeline import profiled
 
 

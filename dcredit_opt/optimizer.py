@@ -105,13 +105,14 @@ from . import (
 from .compression import block_wire_dtype, wire_dtype_of
 from .config import Config
 from .delayed import DelayedGradients
-from .errors import DCreditError, at_rank
+from .errors import DCreditError
 from .layout import build_layout, fixed_plan
 from .lazy import Keeper, LazyStep, copy_hyper, watch_module_hooks_when_compiled
 from .planner.plan import Plan, validate
 from .planner.profile import RING_STAGE_RATIOS
 from .planning import DECOUPLING_POLICIES
 from .reads import PendingReadGuard
+from .runtime import at_rank
 
 log = logging.getLogger("dcredit_opt")
 

@@ -187,6 +187,12 @@ def size() -> int:
     return _require().size
 
 
+def at_rank(e: Exception, where: str) -> Exception:
+    """Engine error ``e`` again, same type, saying which rank saw it and where."""
+    rank_ = f"rank {rank()} of {size()}" if is_initialized() else "a rank that has shut down"
+    return type(e)(f"{rank_}, {where}: {e}")
+
+
 def local_rank() -> int:
     return _require().local_rank
 
