@@ -57,27 +57,6 @@ The lazy step defers only what it can prove safe, and checks the rest:
 A compiled model (``torch.compile(model)``, ``model.compile()``) takes the
 same path: the hooks are hidden from Dynamo and run eagerly at a graph break
 (Note [Compiled models] in ``lazy.py``).
-
-Gradients live in flat buffers owned here (one per dtype, laid out by the
-plan); after its hook, ``p.grad`` is its slot, so a finished reduction is
-visible in ``p.grad`` with no copy.
-
-Note [Global usage]
--------------------
-A parameter unused on this rank (its gradient is ``None`` when phase 1
-ends) contributes zeros to the all-reduce, as Horovod does: every rank must
-launch the same blocks. If no rank used it, synchronous training (one
-process, or DDP) leaves its gradient ``None`` and the optimizer skips it:
-no momentum, no weight decay, no Adam step. Giving it the reduced zeros
-instead would move it (Horovod's behaviour, a silent difference). The
-reduced values cannot tell the two apart (a used parameter may have an
-exactly zero gradient, and ranks deciding on local evidence would differ),
-so each rank also sums, over ranks, a flag per tensor: "had a gradient
-here". The tally starts when phase 1 ends, on a channel of its own beside
-the blocks, and is waited for only when an update is applied to a tensor
-this rank did not use (a tensor used here is used, whatever the others
-did). A tensor that no rank used gets ``p.grad = None`` before the wrapped
-step, on every rank alike, and keeps it, as under DDP.
 """
 
 from __future__ import annotations
@@ -106,13 +85,14 @@ from .compression import block_wire_dtype, wire_dtype_of
 from .config import Config
 from .delayed import DelayedGradients
 from .errors import DCreditError
+from .gradients import GradientHooks, is_slot, slot_in, weak_count_hook, weak_grad_hook
 from .layout import build_layout, fixed_plan
 from .lazy import Keeper, LazyStep, copy_hyper, watch_module_hooks_when_compiled
 from .planner.plan import Plan, validate
 from .planner.profile import RING_STAGE_RATIOS
 from .planning import DECOUPLING_POLICIES
 from .reads import PendingReadGuard
-from .runtime import at_rank
+from .usage import GlobalUsage
 
 log = logging.getLogger("dcredit_opt")
 
@@ -191,7 +171,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     _take_over(owners)
 
     base = optimizer.__class__
-    body = {k: v for part in (LazyStep, _DistributedOptimizer) for k, v in part.__dict__.items()
+    body = {k: v for part in (LazyStep, GradientHooks, GlobalUsage, _DistributedOptimizer) for k, v in part.__dict__.items()
             if k not in ("__dict__", "__weakref__", "__module__", "__doc__")}
     body["_dc_base"] = base
     cls = type(base.__name__, (base,), body)
@@ -349,11 +329,11 @@ class _DistributedOptimizer:
                                             float(config.timeout_s))
         self._dc_dropped.atexit = False  # at exit, _drain_at_exit drains and the runtime closes
         runtime.register_user(self)
-        self._dc_grad_hooks = [p.register_post_accumulate_grad_hook(_weak_grad_hook(me, i))
+        self._dc_grad_hooks = [p.register_post_accumulate_grad_hook(weak_grad_hook(me, i))
                                for i, p in enumerate(params)]
         # A gradient beyond backward_passes_per_step is refused before autograd
         # adds it to p.grad, which by then is our slot, possibly on the wire.
-        self._dc_grad_hooks += [p.register_hook(_weak_count_hook(me, i)) for i, p in enumerate(params)]
+        self._dc_grad_hooks += [p.register_hook(weak_count_hook(me, i)) for i, p in enumerate(params)]
         watch_module_hooks_when_compiled()
         for p in params:
             _mark_reduced_by(p, me)
@@ -384,7 +364,7 @@ class _DistributedOptimizer:
                  else torch.zeros(0, dtype=dtype_of[k][0], device=device)
                  for k, n in zip(layout.segment_keys, layout.segment_numels)]
         # A tensor without blocks (Note [Embedding rows]) keeps its gradient in memory of its own.
-        slots = [_slot(buffers[layout.tensor_segment[i]], layout.tensor_offset[i], p) if plan.numels[i] == p.numel()
+        slots = [slot_in(buffers[layout.tensor_segment[i]], layout.tensor_offset[i], p) if plan.numels[i] == p.numel()
                  else torch.zeros_like(p, memory_format=torch.contiguous_format) for i, p in enumerate(params)]
         self._dc_engine.set_plan(
             plan.num_tensors, list(plan.order), list(layout.block_segment), list(layout.block_offset),
@@ -412,242 +392,6 @@ class _DistributedOptimizer:
         """Per tensor, the dtype its blocks travel in (Note [Wire dtype])."""
         reducible = self._dc_backend.reducible_dtypes
         return [block_wire_dtype(p.dtype, self._dc_wire, reducible) for p in self._dc_params]
-
-    # ---- backward: hooks ------------------------------------------------
-
-    def _dc_too_many_passes(self, i: int) -> DCreditError:
-        return DCreditError(
-            f"gradient of parameter '{self._dc_names[i]}' was computed {self._dc_counts[i] + 1} times before "
-            f"step(), but backward_passes_per_step={self._dc_bpps}. Call step() after every "
-            f"{self._dc_bpps} backward pass(es), or raise backward_passes_per_step.")
-
-    def _dc_before_accumulate(self, i: int) -> None:
-        """Tensor hook: runs before autograd adds a gradient to ``p.grad``, so a refusal changes nothing."""
-        if self._dc_pending[i]:
-            raise self._dc_stale_read(i)
-        if self._dc_counts[i] >= self._dc_bpps and _will_accumulate(self._dc_params[i]):
-            raise self._dc_too_many_passes(i)
-
-    def _dc_on_grad(self, i: int, p: torch.Tensor) -> None:
-        count = self._dc_counts[i] + 1
-        if count > self._dc_bpps:
-            raise self._dc_too_many_passes(i)
-        self._dc_counts[i] = count
-        if count < self._dc_bpps:
-            return
-        if not self._dc_open:
-            self._dc_begin()
-        with self._dc_guard.paused():  # our buffers only (Note [Guard cost] in reads.py)
-            self._dc_stage(i, p)
-        self._dc_marked[i] = True
-        try:
-            self._dc_engine.mark_ready(i)
-        except (RuntimeError, TimeoutError) as e:
-            raise at_rank(e, f"phase 1 (backward), at the gradient of '{self._dc_names[i]}' (tensor {i})") from e
-
-    def _dc_begin(self) -> None:
-        """The first gradient of an iteration: open the scheduler's iteration.
-
-        Updates still pending here belong to parameters that the forward did not
-        read where we learned it would. If the forward's graph read one of them,
-        that read was stale: refused here, before this rank launches anything.
-        The others stay pending (applying one now, in place, in the middle of a
-        backward, would corrupt what autograd saved), their blocks are waited
-        for, and ``step()`` applies them before staging new gradients.
-        """
-        if self._dc_tracer is not None:
-            self._dc_tracer.stop_recording()  # possibly on autograd's device thread: closed in step()
-        if self._dc_npending and self._dc_deferred:
-            # Before this rank launches anything of the new iteration, so that every rank
-            # whose forward read the same stale parameter stops here, at the same point.
-            self._dc_check_graph_reads([i for i, waits in enumerate(self._dc_pending) if waits])
-        if self._dc_npending and not self._dc_reduced:
-            self._dc_wait_all("the start of backward, waiting for the last step()'s blocks")
-            self._dc_reduced = True
-        if self._dc_timeline is not None and self._dc_iteration:
-            self._dc_timeline.record(self._dc_engine.trace(), self._dc_engine.ready_times(), self._dc_names,
-                                     self._dc_layout.block_tensors, self._dc_iteration)
-        if self._dc_staged_plan is not None:
-            # Every rank stages the same plan at the same step(), so every
-            # rank switches here, in the same iteration. The step() that staged
-            # it was eager (profiling), so no update waits in the old slots.
-            assert not self._dc_npending, "a plan switch with updates pending"
-            plan, self._dc_staged_plan = self._dc_staged_plan, None
-            self._dc_set_plan(plan)
-        self._dc_iteration += 1
-        try:
-            self._dc_engine.start_iteration()
-        except (RuntimeError, TimeoutError) as e:
-            raise at_rank(e, "phase 1 (start of backward)") from e
-        self._dc_open = True
-        self._dc_flushed = False
-        self._dc_life.flushed = False
-        self._dc_synchronized = False
-        self._dc_marked = [False] * len(self._dc_params)
-
-    def _dc_stage(self, i: int, p: torch.Tensor) -> None:
-        """Put this rank's gradient of tensor ``i`` into its slot (pre-scaled) and alias ``p.grad``."""
-        slot = self._dc_slots[i]
-        g = p.grad
-        self._dc_used[i] = g is not None
-        if g is None:
-            slot.zero_()  # unused on this rank: contribute zeros, as Horovod does
-            p.grad = slot
-        elif _is_view_of(g, slot):
-            if self._dc_prescale != 1.0:
-                slot.mul_(self._dc_prescale)
-        else:
-            if g.is_sparse:
-                if not self._dc_sparse_as_dense:
-                    raise DCreditError(
-                        f"parameter '{self._dc_names[i]}' has a sparse gradient; pass sparse_as_dense=True "
-                        "to DistributedOptimizer to reduce it as a dense tensor")
-                g = g.to_dense()
-                self._dc_sparse[i] = True  # the wrapped step gets it back sparse (Horovod's sparse_as_dense)
-            if self._dc_prescale != 1.0:
-                torch.mul(g, self._dc_prescale, out=slot)
-            else:
-                slot.copy_(g)
-            p.grad = slot
-        self._dc_versions[i] = slot._version  # from here on, only the collectives write the blocks
-
-    def _dc_flush(self) -> None:
-        """End of backward: unmarked tensors (unused here) join with what they have."""
-        for i, p in enumerate(self._dc_params):
-            if not self._dc_marked[i]:
-                self._dc_stage(i, p)
-                self._dc_marked[i] = True
-        if self._dc_rows:
-            self._dc_exchange_rows()  # before the flush releases the last blocks: less queued ahead of it
-        if self._dc_delayed is not None:  # Note [Delayed updates]: the previous step's sum in, this step's out
-            try:
-                self._dc_delayed.swap(self._dc_slots, self._dc_postscale, self._dc_backend,
-                                      float(self._dc_config.timeout_s))
-            except (RuntimeError, TimeoutError) as e:
-                raise at_rank(e, "end of phase 1, waiting for the background sum of the delayed gradients") from e
-            for i in self._dc_delayed.indices:
-                self._dc_versions[i] = self._dc_slots[i]._version
-        try:
-            self._dc_engine.flush()
-        except (RuntimeError, TimeoutError) as e:
-            raise at_rank(e, "end of phase 1 (the flush in step() or synchronize())") from e
-        self._dc_flushed = True
-        self._dc_life.flushed = True
-        self._dc_start_tally()
-        if self._dc_delayed is not None:
-            self._dc_delayed.start(self._dc_backend)  # after the tally: it never waits behind this sum
-
-    def _dc_exchange_rows(self) -> None:
-        """Note [Embedding rows]: every rank's embedding rows to every rank; a rows-only tensor's other
-        gradient (if any rank has one this iteration) all-reduced densely."""
-        timeout = float(self._dc_config.timeout_s)
-        for i, r in self._dc_rows.items():  # built in tensor order on every rank
-            ids, values = r.take()
-            slot = self._dc_slots[i]
-            # W's own gradient, which has no blocks; all zeros (zero_grad(set_to_none=False)) adds nothing.
-            rest = r.kind == rows.ROWS_ONLY and self._dc_used[i] and bool(slot.any())
-            try:
-                r.gathered, rest_anywhere = self._dc_backend.exchange_rows(ids, values, rest, timeout)
-                if rest_anywhere:
-                    self._dc_tell(f"rows rest {i}", f"dcredit_opt: parameter '{self._dc_names[i]}', reduced as "
-                                  "the rows its embeddings looked up, was also read otherwise in this iteration; "
-                                  "that part of its gradient is all-reduced whole in step(), without overlap "
-                                  "(Note [Embedding rows]). Said once.")
-                    self._dc_backend.allreduce_side(slot, timeout)
-                    if self._dc_postscale != 1.0:
-                        slot.mul_(self._dc_postscale)
-            except (RuntimeError, TimeoutError) as e:
-                raise at_rank(e, f"end of phase 1, exchanging the embedding rows of '{self._dc_names[i]}'") from e
-            self._dc_versions[i] = slot._version
-            if ids.numel():
-                self._dc_used[i] = True
-
-    def _dc_add_rows(self, indices) -> None:
-        """Every rank's embedding rows into the reduced gradients of ``indices`` that have them."""
-        scale = self._dc_prescale * self._dc_postscale
-        for i in indices:
-            r = self._dc_rows.get(i)
-            if r is not None and r.gathered is not None:
-                slot = self._dc_slots[i]
-                r.add_to(slot, scale)
-                self._dc_versions[i] = slot._version
-    def _dc_start_tally(self) -> None:
-        """Note [Global usage]: start summing over ranks which tensors had a gradient on each."""
-        proposal = self._dc_rows_proposal
-        counts = torch.tensor([*self._dc_used, *(k > 0 for k in proposal), *(k == rows.ROWS_ONLY for k in proposal)],
-                              dtype=torch.int32)
-        usage = _Usage(self._dc_used, counts)
-        if runtime.size() == 1:
-            usage.everywhere = self._dc_used
-        else:
-            last = self._dc_usage
-            try:
-                self._dc_backend.wait_tally(float(self._dc_config.timeout_s))  # the last one, if nothing needed it
-                if last is not None and not self._dc_rows_agreed:
-                    self._dc_agree_on_rows(last.counts.tolist())
-                self._dc_backend.start_tally(counts)
-            except (RuntimeError, TimeoutError) as e:
-                raise at_rank(e, "end of phase 1, summing which gradients each rank computed") from e
-        self._dc_usage = usage
-        self._dc_used = [False] * len(self._dc_params)
-
-    def _dc_unused_everywhere(self, indices) -> list:
-        """Of tensors ``indices``, those no rank computed a gradient for in the iteration being applied."""
-        usage = self._dc_usage
-        if usage is None:
-            return []
-        maybe = [i for i in indices if not usage.here[i]]
-        if not maybe:
-            return []
-        if usage.everywhere is None:
-            try:
-                with timeline.profiled("dcredit_opt::wait"):
-                    self._dc_backend.wait_tally(float(self._dc_config.timeout_s))
-            except (RuntimeError, TimeoutError) as e:
-                raise at_rank(e, f"phase 2, waiting to learn whether any rank computed a gradient of "
-                                 f"'{self._dc_names[maybe[0]]}' (tensor {maybe[0]})") from e
-            usage.everywhere = [bool(c) for c in usage.counts[:len(usage.here)].tolist()]
-        return [i for i in maybe if not usage.everywhere[i]]
-
-    def _dc_agree_on_rows(self, sums: list) -> None:
-        """Note [Embedding rows]: once the last tally shows every rank proposing the same tensors, they
-        take the rows path from the next iteration on, on every rank (all saw the same sums)."""
-        T, world = len(self._dc_params), runtime.size()
-        agreed = [i for i in range(T) if sums[T + i] == world]
-        if not agreed:
-            return
-        self._dc_rows_agreed = True
-        me = weakref.ref(self)
-        for i in agreed:
-            kind = rows.ROWS_ONLY if sums[2 * T + i] == world else rows.TIED
-            modules = [m for m in (ref() for ref in self._dc_rows_modules.get(i, ())) if m is not None]
-            self._dc_rows[i] = rows.EmbeddingRows(i, self._dc_params[i], self._dc_names[i], modules, kind,
-                                                  _weak_rows_hook(me))
-        if self._dc_rows_only():
-            self._dc_staged_plan = self._dc_staged_plan or self._dc_plan  # rebuilt without their blocks
-            self._dc_replan = True
-        names = ", ".join(f"'{self._dc_names[i]}'" for i in agreed)
-        self._dc_tell("rows", f"dcredit_opt: {names} reduced as the embedding rows each batch looks up, not "
-                              "as a dense tensor (Note [Embedding rows]; Config(embedding_rows=False) turns it off)")
-
-    def _dc_drop_unused_grads(self, indices) -> list:
-        """``p.grad = None`` for the tensors of ``indices`` no rank used (Note [Global usage]); returns them."""
-        unused = self._dc_unused_everywhere(indices)
-        for i in unused:
-            self._dc_params[i].grad = None
-        return unused
-
-    def _dc_wait_final(self, where: str) -> None:
-        """Every reduced gradient final: every block done, every embedding row added."""
-        self._dc_wait_all(where)
-        self._dc_add_rows(range(len(self._dc_params)))
-
-    def _dc_wait_all(self, where: str) -> None:
-        try:
-            with timeline.profiled("dcredit_opt::wait"):
-                self._dc_engine.wait_all(float(self._dc_config.timeout_s))
-        except (RuntimeError, TimeoutError) as e:
-            raise at_rank(e, where) from e
 
     # ---- the public optimizer API ----------------------------------------
 
@@ -790,7 +534,7 @@ class _DistributedOptimizer:
         # would examine every call here while updates are pending; Note [Guard cost] in reads.py).
         with self._dc_guard.paused():
             for i, p in enumerate(self._dc_params):
-                if self._dc_pending[i] and _is_view_of(p.grad, self._dc_slots[i]):
+                if self._dc_pending[i] and is_slot(p.grad, self._dc_slots[i]):
                     # The slot holds the reduced gradient a pending update still needs.
                     p.grad = None if set_to_none else torch.zeros_like(p)
         self._dc_base.zero_grad(self, set_to_none=set_to_none)
@@ -902,18 +646,6 @@ class _Life:
     flushed = False
 
 
-class _Usage:
-    """One iteration's Note [Global usage]: per tensor, whether it had a gradient here, the counts being
-    summed over ranks, and, once that sum is known, whether it had one anywhere."""
-
-    __slots__ = ("counts", "everywhere", "here")
-
-    def __init__(self, here: list, counts: torch.Tensor):
-        self.here = here
-        self.counts = counts
-        self.everywhere = None
-
-
 def _close_dropped(engine, backend, life: _Life, timeout_s: float) -> None:
     """Finalizer of an optimizer dropped without ``_dc_close()``: drain what was released, then close."""
     try:
@@ -932,66 +664,3 @@ def _drain_at_exit(ref) -> None:
     if opt is not None and not getattr(opt, "_dc_closed", False):
         opt._dc_drain()
         opt._dc_end_timeline()
-
-
-def _slot(buffer: torch.Tensor, offset: int, p: torch.Tensor) -> torch.Tensor:
-    """Tensor ``p``'s gradient slot in ``buffer``: the same memory as the buffer, but a tensor of its own
-    (not a view), so that its version counter moves only when the slot itself is written (Note [Lazy step]).
-
-    Made from the buffer tensor, never from ``buffer.untyped_storage()``: a storage that Python has seen
-    keeps a Python object, and the last reference to the buffer's storage may be dropped on a Gloo
-    worker thread (the last collective's work), which would then need the GIL while the training thread,
-    holding it, destroys that process group and joins the worker.
-    """
-    slot = torch.empty(0, dtype=buffer.dtype, device=buffer.device)
-    return slot.set_(buffer, buffer.storage_offset() + offset, p.shape, _contiguous_strides(p.shape))
-
-
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(tuple(shape)):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
-
-
-def _is_view_of(grad, slot) -> bool:
-    """``grad`` is ``slot`` (our buffer), so the reduction already lands in it."""
-    return (grad is not None and not grad.is_sparse and slot.numel() > 0
-            and grad.data_ptr() == slot.data_ptr() and grad.shape == slot.shape)
-
-
-def _weak_grad_hook(ref, i):
-    def hook(p):
-        opt = ref()
-        if opt is not None:
-            opt._dc_on_grad(i, p)
-    return hook
-
-
-def _weak_rows_hook(ref):
-    def hook():
-        opt = ref()
-        if opt is not None and not opt._dc_open:
-            opt._dc_begin()  # an iteration whose only gradients are embedding rows
-    return hook
-
-
-def _weak_count_hook(ref, i):
-    def hook(grad):
-        opt = ref()
-        if opt is not None:
-            opt._dc_before_accumulate(i)
-    return hook
-
-
-def _will_accumulate(p: torch.Tensor) -> bool:
-    """Whether the running backward adds to ``p.grad`` (``torch.autograd.grad()`` does not)."""
-    with torch.enable_grad():  # the graph being run holds p's accumulator: this finds that one
-        accumulator = p.view_as(p).grad_fn.next_functions[0][0]
-    try:
-        return bool(torch._C._will_engine_execute_node(accumulator))
-    except RuntimeError:
-        return False  # torch.autograd.grad(): the gradient is returned, p.grad is left alone
-    except AttributeError:
-        return True  # a torch without this query: assume backward()

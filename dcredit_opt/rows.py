@@ -34,7 +34,7 @@ an embedding reads is reduced in two parts:
 
 Which weights take this path is agreed by every rank together: each rank
 proposes what it saw while learning, the proposal travels in the
-per-iteration tally (Note [Global usage] in ``optimizer.py``), and the
+per-iteration tally (Note [Global usage] in ``usage.py``), and the
 rows start, on every rank, at the ``step()`` after the one whose tally first
 shows every rank agreeing. That ``step()`` is eager, so that the plan
 without the rows-only weights' blocks replaces the old one with nothing in

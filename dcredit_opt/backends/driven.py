@@ -117,7 +117,7 @@ class DrivenBackend:
 
     def start_tally(self, counts) -> None:
         """Start summing the CPU int32 tensor ``counts`` over ranks, in place (Note [Global usage] in
-        optimizer.py), beside the blocks. One at a time: ``wait_tally`` before the next."""
+        usage.py), beside the blocks. One at a time: ``wait_tally`` before the next."""
         self._transport.start_tally(counts)
 
     def wait_tally(self, timeout_s: float) -> None:
@@ -240,7 +240,7 @@ class _Pump:
                 thread.join(grace)
         stuck = [t.name for t in (self._driver, self._completer) if t.is_alive()]
         self._engine.shutdown()
-        # The last tally (Note [Global usage] in optimizer.py) may still wait for a slower peer: its
+        # The last tally (Note [Global usage] in usage.py) may still wait for a slower peer: its
         # buffer must outlive it, so the transport is closed only after it (or keeps it, past the grace).
         try:
             runtime.wait_polled(self._transport.tally_done, grace, TimeoutError)

@@ -95,7 +95,7 @@ class TorchDistBackend:
 
     def __init__(self, channels: int, timeout_s: float):
         self._groups = runtime.channel_groups(channels)  # this backend's own (see the module docstring)
-        self._tally_group = runtime.channel_groups(1, backend="gloo")[0]  # Note [Global usage] in optimizer.py
+        self._tally_group = runtime.channel_groups(1, backend="gloo")[0]  # Note [Global usage] in usage.py
         self._tally = None
         self._delayed = None  # the background sum of delayed gradients in flight (planner/deft.py)
         self._timeout_s = float(timeout_s)
@@ -140,7 +140,7 @@ class TorchDistBackend:
 
     def start_tally(self, counts) -> None:
         """Start summing the CPU tensor ``counts`` over ranks, in place, on a Gloo group of its own (Note
-        [Global usage] in optimizer.py). One at a time: ``wait_tally`` before the next."""
+        [Global usage] in usage.py). One at a time: ``wait_tally`` before the next."""
         assert self._tally is None, "a tally is already in flight"
         self._tally = dist.all_reduce(counts, group=self._tally_group, async_op=True)
 

@@ -1,0 +1,211 @@
+"""Backward's half of the wrapper: the gradient hooks, staging each gradient into its slot, the flush.
+
+Gradients live in flat buffers owned by the optimizer (one per dtype, laid
+out by the plan); after its hook, ``p.grad`` is its slot, so a finished
+reduction is visible in ``p.grad`` with no copy. Each parameter has two
+hooks: a tensor hook, which runs before autograd adds a gradient to
+``p.grad`` (so that a refusal changes nothing), and a post-accumulate hook,
+which stages the gradient and tells the scheduler it is ready. The flush at
+``step()`` marks what backward did not. :class:`GradientHooks` holds methods
+of the generated optimizer subclass (``optimizer.py``); its state is set up
+in ``_DistributedOptimizer._dc_setup``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import timeline
+from .errors import DCreditError
+from .runtime import at_rank
+
+
+class GradientHooks:
+    def _dc_too_many_passes(self, i: int) -> DCreditError:
+        return DCreditError(
+            f"gradient of parameter '{self._dc_names[i]}' was computed {self._dc_counts[i] + 1} times before "
+            f"step(), but backward_passes_per_step={self._dc_bpps}. Call step() after every "
+            f"{self._dc_bpps} backward pass(es), or raise backward_passes_per_step.")
+
+    def _dc_before_accumulate(self, i: int) -> None:
+        """Tensor hook: runs before autograd adds a gradient to ``p.grad``, so a refusal changes nothing."""
+        if self._dc_pending[i]:
+            raise self._dc_stale_read(i)
+        if self._dc_counts[i] >= self._dc_bpps and _will_accumulate(self._dc_params[i]):
+            raise self._dc_too_many_passes(i)
+
+    def _dc_on_grad(self, i: int, p: torch.Tensor) -> None:
+        count = self._dc_counts[i] + 1
+        if count > self._dc_bpps:
+            raise self._dc_too_many_passes(i)
+        self._dc_counts[i] = count
+        if count < self._dc_bpps:
+            return
+        if not self._dc_open:
+            self._dc_begin()
+        with self._dc_guard.paused():  # our buffers only (Note [Guard cost] in reads.py)
+            self._dc_stage(i, p)
+        self._dc_marked[i] = True
+        try:
+            self._dc_engine.mark_ready(i)
+        except (RuntimeError, TimeoutError) as e:
+            raise at_rank(e, f"phase 1 (backward), at the gradient of '{self._dc_names[i]}' (tensor {i})") from e
+
+    def _dc_begin(self) -> None:
+        """The first gradient of an iteration: open the scheduler's iteration.
+
+        Updates still pending here belong to parameters that the forward did not
+        read where we learned it would. If the forward's graph read one of them,
+        that read was stale: refused here, before this rank launches anything.
+        The others stay pending (applying one now, in place, in the middle of a
+        backward, would corrupt what autograd saved), their blocks are waited
+        for, and ``step()`` applies them before staging new gradients.
+        """
+        if self._dc_tracer is not None:
+            self._dc_tracer.stop_recording()  # possibly on autograd's device thread: closed in step()
+        if self._dc_npending and self._dc_deferred:
+            # Before this rank launches anything of the new iteration, so that every rank
+            # whose forward read the same stale parameter stops here, at the same point.
+            self._dc_check_graph_reads([i for i, waits in enumerate(self._dc_pending) if waits])
+        if self._dc_npending and not self._dc_reduced:
+            self._dc_wait_all("the start of backward, waiting for the last step()'s blocks")
+            self._dc_reduced = True
+        if self._dc_timeline is not None and self._dc_iteration:
+            self._dc_timeline.record(self._dc_engine.trace(), self._dc_engine.ready_times(), self._dc_names,
+                                     self._dc_layout.block_tensors, self._dc_iteration)
+        if self._dc_staged_plan is not None:
+            # Every rank stages the same plan at the same step(), so every
+            # rank switches here, in the same iteration. The step() that staged
+            # it was eager (profiling), so no update waits in the old slots.
+            assert not self._dc_npending, "a plan switch with updates pending"
+            plan, self._dc_staged_plan = self._dc_staged_plan, None
+            self._dc_set_plan(plan)
+        self._dc_iteration += 1
+        try:
+            self._dc_engine.start_iteration()
+        except (RuntimeError, TimeoutError) as e:
+            raise at_rank(e, "phase 1 (start of backward)") from e
+        self._dc_open = True
+        self._dc_flushed = False
+        self._dc_life.flushed = False
+        self._dc_synchronized = False
+        self._dc_marked = [False] * len(self._dc_params)
+
+    def _dc_stage(self, i: int, p: torch.Tensor) -> None:
+        """Put this rank's gradient of tensor ``i`` into its slot (pre-scaled) and alias ``p.grad``."""
+        slot = self._dc_slots[i]
+        g = p.grad
+        self._dc_used[i] = g is not None
+        if g is None:
+            slot.zero_()  # unused on this rank: contribute zeros, as Horovod does
+            p.grad = slot
+        elif is_slot(g, slot):
+            if self._dc_prescale != 1.0:
+                slot.mul_(self._dc_prescale)
+        else:
+            if g.is_sparse:
+                if not self._dc_sparse_as_dense:
+                    raise DCreditError(
+                        f"parameter '{self._dc_names[i]}' has a sparse gradient; pass sparse_as_dense=True "
+                        "to DistributedOptimizer to reduce it as a dense tensor")
+                g = g.to_dense()
+                self._dc_sparse[i] = True  # the wrapped step gets it back sparse (Horovod's sparse_as_dense)
+            if self._dc_prescale != 1.0:
+                torch.mul(g, self._dc_prescale, out=slot)
+            else:
+                slot.copy_(g)
+            p.grad = slot
+        self._dc_versions[i] = slot._version  # from here on, only the collectives write the blocks
+
+    def _dc_flush(self) -> None:
+        """End of backward: unmarked tensors (unused here) join with what they have."""
+        for i, p in enumerate(self._dc_params):
+            if not self._dc_marked[i]:
+                self._dc_stage(i, p)
+                self._dc_marked[i] = True
+        if self._dc_rows:
+            self._dc_exchange_rows()  # before the flush releases the last blocks: less queued ahead of it
+        if self._dc_delayed is not None:  # Note [Delayed updates]: the previous step's sum in, this step's out
+            try:
+                self._dc_delayed.swap(self._dc_slots, self._dc_postscale, self._dc_backend,
+                                      float(self._dc_config.timeout_s))
+            except (RuntimeError, TimeoutError) as e:
+                raise at_rank(e, "end of phase 1, waiting for the background sum of the delayed gradients") from e
+            for i in self._dc_delayed.indices:
+                self._dc_versions[i] = self._dc_slots[i]._version
+        try:
+            self._dc_engine.flush()
+        except (RuntimeError, TimeoutError) as e:
+            raise at_rank(e, "end of phase 1 (the flush in step() or synchronize())") from e
+        self._dc_flushed = True
+        self._dc_life.flushed = True
+        self._dc_start_tally()
+        if self._dc_delayed is not None:
+            self._dc_delayed.start(self._dc_backend)  # after the tally: it never waits behind this sum
+
+    def _dc_wait_final(self, where: str) -> None:
+        """Every reduced gradient final: every block done, every embedding row added."""
+        self._dc_wait_all(where)
+        self._dc_add_rows(range(len(self._dc_params)))
+
+    def _dc_wait_all(self, where: str) -> None:
+        try:
+            with timeline.profiled("dcredit_opt::wait"):
+                self._dc_engine.wait_all(float(self._dc_config.timeout_s))
+        except (RuntimeError, TimeoutError) as e:
+            raise at_rank(e, where) from e
+
+
+def slot_in(buffer: torch.Tensor, offset: int, p: torch.Tensor) -> torch.Tensor:
+    """Tensor ``p``'s gradient slot in ``buffer``: the same memory as the buffer, but a tensor of its own
+    (not a view), so that its version counter moves only when the slot itself is written (Note [Lazy step]).
+
+    Made from the buffer tensor, never from ``buffer.untyped_storage()``: a storage that Python has seen
+    keeps a Python object, and the last reference to the buffer's storage may be dropped on a Gloo
+    worker thread (the last collective's work), which would then need the GIL while the training thread,
+    holding it, destroys that process group and joins the worker.
+    """
+    slot = torch.empty(0, dtype=buffer.dtype, device=buffer.device)
+    return slot.set_(buffer, buffer.storage_offset() + offset, p.shape, _contiguous_strides(p.shape))
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(tuple(shape)):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def is_slot(grad, slot) -> bool:
+    """``grad`` is ``slot`` (our buffer), so the reduction already lands in it."""
+    return (grad is not None and not grad.is_sparse and slot.numel() > 0
+            and grad.data_ptr() == slot.data_ptr() and grad.shape == slot.shape)
+
+
+def weak_grad_hook(ref, i):
+    def hook(p):
+        opt = ref()
+        if opt is not None:
+            opt._dc_on_grad(i, p)
+    return hook
+
+
+def weak_count_hook(ref, i):
+    def hook(grad):
+        opt = ref()
+        if opt is not None:
+            opt._dc_before_accumulate(i)
+    return hook
+
+
+def _will_accumulate(p: torch.Tensor) -> bool:
+    """Whether the running backward adds to ``p.grad`` (``torch.autograd.grad()`` does not)."""
+    with torch.enable_grad():  # the graph being run holds p's accumulator: this finds that one
+        accumulator = p.view_as(p).grad_fn.next_functions[0][0]
+    try:
+        return bool(torch._C._will_engine_execute_node(accumulator))
+    except RuntimeError:
+        return False  # torch.autograd.grad(): the gradient is returned, p.grad is left alone
+    except AttributeError:
+        return True  # a torch without this query: assume backward()
