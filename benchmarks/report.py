@@ -283,9 +283,8 @@ def cpu_table(runs: list[dict], model: str, rate: str) -> str:
     launches per scheme, beside the median iteration ("" when no run recorded them).
 
     ``vs DDP`` is a scheme's total over DDP's (below 1: less CPU than DDP), with a bootstrap interval over
-    launches. CPU time is what a scheme adds around the same compute, and it varies far less from launch to
-    launch than wall time on a shared machine: where the wall-time interval is too wide to say whether a
-    scheme costs 2 % more than DDP, this one may not be.
+    launches: what a scheme adds around the same compute, told apart from the waiting that wall time also
+    holds (on a shared two-core machine its interval has come out about as wide as wall time's).
     """
     pooled: dict[str, dict[str, list[float]]] = {}
     iters: dict[str, list[float]] = {}
@@ -304,13 +303,14 @@ def cpu_table(runs: list[dict], model: str, rate: str) -> str:
              "| scheme | training (s) | comm. library (s) | dcredit_opt (s) | other (s) | total (s) | busy | vs DDP |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     ddp = pooled.get("ddp", {}).get("total")
+    ddp_median = statistics.median(ddp) if ddp else 0.0
     for scheme, kinds in pooled.items():
         med = {k: statistics.median(v) for k, v in kinds.items()}
         cells = " | ".join(_sec(med.get(k)) for k in (*cpu_use.KINDS, "total"))
         busy = med["total"] / statistics.median(iters[scheme]) if iters.get(scheme) else None
         versus = "-"
-        if ddp and scheme != "ddp" and statistics.median(ddp) > 0:
-            ratio = med["total"] / statistics.median(ddp)
+        if scheme != "ddp" and ddp_median > 0:
+            ratio = med["total"] / ddp_median
             ci = stats.speedup_interval([[x] for x in kinds["total"]], [[x] for x in ddp])
             versus = f"{ratio:.2f}x" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
         lines.append(f"| {scheme} | {cells} | {_fmt(busy, '.2f', '')} | {versus} |")

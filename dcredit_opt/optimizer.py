@@ -171,7 +171,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     _take_over(owners)
 
     base = optimizer.__class__
-    body = {k: v for part in (LazyStep, GradientHooks, GlobalUsage, _DistributedOptimizer) for k, v in part.__dict__.items()
+    parts = (LazyStep, GradientHooks, GlobalUsage, _DistributedOptimizer)
+    body = {k: v for part in parts for k, v in part.__dict__.items()
             if k not in ("__dict__", "__weakref__", "__module__", "__doc__")}
     body["_dc_base"] = base
     cls = type(base.__name__, (base,), body)

@@ -687,3 +687,21 @@ def test_profiling_calls_no_deprecated_torch_distributed_function():
     deprecated = [f"{w.category.__name__}: {w.message} ({w.filename})" for w in caught
                   if issubclass(w.category, (FutureWarning, DeprecationWarning))]
     assert not deprecated, deprecated
+
+
+def test_the_parts_of_the_generated_subclass_define_disjoint_names():
+    # DistributedOptimizer merges these classes' bodies into one subclass: a name defined in two of them
+    # would silently keep only the later one.
+    from dcredit_opt.gradients import GradientHooks
+    from dcredit_opt.lazy import LazyStep
+    from dcredit_opt.optimizer import _DistributedOptimizer
+    from dcredit_opt.usage import GlobalUsage
+
+    parts = (LazyStep, GradientHooks, GlobalUsage, _DistributedOptimizer)
+    owner: dict = {}
+    for part in parts:
+        for name in part.__dict__:
+            if not (name.startswith("__") and name.endswith("__")):
+                assert name not in owner, f"{name} is defined in both {owner[name]} and {part.__name__}"
+                owner[name] = part.__name__
+    assert {"_dc_on_grad", "_dc_start_tally", "_dc_apply", "step"} <= set(owner)
