@@ -297,16 +297,23 @@ class LazyStep:
         me = self._dc_keeper
         for module, own in by_module.items():
             self._dc_apply_at[module] = tuple(own)
+            _drop_inert_hooks(module)
             self._dc_module_hooks.append(module.register_forward_pre_hook(_weak_forward_hook(me)))
         # model.state_dict()/load_state_dict() of any module the forward ran, or
-        # below it, must see applied updates.
+        # below it, must see applied updates: of those, the ones that hold any
+        # of our parameters (a teacher's forward ran too; its modules are not
+        # ours to hook; a parent of both covers ours in its state_dict).
+        ours = {id(p) for p in self._dc_params}
         hooked = set()
         for top in list(tracer.modules):
             for module in top.modules():
                 if id(module) not in hooked:
                     hooked.add(id(module))
-                    self._dc_module_hooks.append(module.register_state_dict_pre_hook(_weak_apply_hook(me)))
-                    self._dc_module_hooks.append(module.register_load_state_dict_pre_hook(_weak_apply_hook(me)))
+                    if _holds_any(module, ours):
+                        _drop_inert_hooks(module)
+                        self._dc_module_hooks.append(module.register_state_dict_pre_hook(_weak_apply_hook(me)))
+                        self._dc_module_hooks.append(
+                            module.register_load_state_dict_pre_hook(_weak_apply_hook(me)))
         self._dc_eager = tuple(eager)
         self._dc_read_order = tuple(sorted((i for own in by_module.values() for i in own),
                                            key=lambda i: tracer.first_read_ns.get(i, 0)))
@@ -392,18 +399,134 @@ class Keeper:
         return self.strong if self.strong is not None else self._ref()
 
 
-def _weak_forward_hook(keeper: Keeper):
-    @torch.compiler.disable
-    def hook(module, args):
-        opt = keeper()
-        if opt is not None:
-            opt._dc_before_forward(module)
-    return hook
+def _weak_forward_hook(keeper: Keeper) -> "_ForwardHook":
+    _ForwardHook.prepare()
+    return _ForwardHook(keeper)
 
 
-def _weak_apply_hook(keeper: Keeper):
-    def hook(module, *args, **kwargs):
-        opt = keeper()
+def _weak_apply_hook(keeper: Keeper) -> "_ApplyHook":
+    return _ApplyHook(keeper)
+
+
+# ---- the model's hooks, picklable ----------------------------------------------------------------------------
+#
+# Note [Pickled hooks]: a model is pickled whole (torch.save(model)) or
+# deep-copied (an EMA copy, a frozen teacher made from the student) while it
+# carries our hooks, so they are objects of module-level classes, never
+# closures. A copy must not carry the optimizer: it is not the model the
+# optimizer updates, and a pickle cannot hold the optimizer's channels. Pickle
+# has no way for a value of the hook dicts to drop its own key, so each hook
+# pickles (and deep-copies, through the same __reduce__) as an inert hook:
+# state-dict ones do nothing; a forward one removes itself (and its kind) from
+# its module at the copy's first forward, so that a copy trained or served
+# with plain torch goes back to the hook-free fast path. Inert state-dict
+# hooks stay (called only at state_dict()/load_state_dict(), they cost
+# nothing per step); a copy wrapped by a new optimizer sheds every inert hook
+# where it installs its own (_dc_end_learning), so save/load/wrap cycles do
+# not pile them up. Loading such a pickle imports dcredit_opt (these class
+# names are in it), as a whole-module pickle imports every class it holds.
+# The values a pickle holds are those after the pending updates: the
+# pickler reads each parameter's storage, a read the guard applies first
+# (Note [Guarded reads] in reads.py).
+
+
+class _ForwardHook:
+    """Forward pre-hook at an apply point (Note [Lazy step]): reaches its optimizer through the keeper."""
+
+    __slots__ = ("keeper",)
+    _run = None  # _before_forward, compiler-disabled: set by prepare(), not at import (Dynamo loads slowly)
+
+    def __init__(self, keeper: Keeper):
+        self.keeper = keeper
+
+    @classmethod
+    def prepare(cls) -> None:
+        # Note [Compiled models]: a compiled model runs the hook eagerly, at a graph break.
+        if cls._run is None:
+            cls._run = staticmethod(torch.compiler.disable(_before_forward))
+
+    def __call__(self, module, args):
+        self._run(self.keeper, module)
+
+    def __reduce__(self):
+        return _InertForwardHook, ()
+
+
+def _before_forward(keeper: Keeper, module) -> None:
+    opt = keeper()
+    if opt is not None:
+        opt._dc_before_forward(module)
+
+
+class _ApplyHook:
+    """``state_dict()`` / ``load_state_dict()`` pre-hook: what is pending is applied first."""
+
+    __slots__ = ("keeper",)
+
+    def __init__(self, keeper: Keeper):
+        self.keeper = keeper
+
+    def __call__(self, module, *args, **kwargs):
+        opt = self.keeper()
         if opt is not None:
             opt._dc_apply_pending()
-    return hook
+
+    def __reduce__(self):
+        return _InertApplyHook, ()
+
+
+class _InertForwardHook:
+    """A copy's forward pre-hook (Note [Pickled hooks]): at its first forward, removes itself."""
+
+    __slots__ = ()
+
+    def __call__(self, module, args):
+        # Called from a snapshot of the hook dict: removing entries here is safe.
+        if not torch.compiler.is_compiling():
+            _drop_inert_forward_hooks(module)
+
+    def __reduce__(self):
+        return _InertForwardHook, ()
+
+
+class _InertApplyHook:
+    """A copy's state-dict pre-hook (Note [Pickled hooks]): does nothing."""
+
+    __slots__ = ()
+
+    def __call__(self, module, *args, **kwargs):
+        return None
+
+    def __reduce__(self):
+        return _InertApplyHook, ()
+
+
+def _is_inert(hook) -> bool:
+    hook = getattr(hook, "hook", hook)  # load_state_dict pre-hooks are wrapped (torch's _WrappedHook)
+    return isinstance(hook, (_InertForwardHook, _InertApplyHook))
+
+
+def _drop_inert_forward_hooks(module: torch.nn.Module) -> None:
+    hooks = module.__dict__.get("_forward_pre_hooks")
+    if not hooks:
+        return
+    for key in [k for k, h in hooks.items() if _is_inert(h)]:
+        del hooks[key]
+        for extra in ("_forward_pre_hooks_with_kwargs", "_forward_pre_hooks_always_called"):
+            module.__dict__.get(extra, {}).pop(key, None)
+
+
+def _drop_inert_hooks(module: torch.nn.Module) -> None:
+    """Remove the inert hooks a copied model carries (Note [Pickled hooks]). Not from inside a state-dict
+    hook of ``module`` (those dicts are iterated then): from ``step()``, where apply points are installed."""
+    _drop_inert_forward_hooks(module)
+    for name in ("_state_dict_pre_hooks", "_load_state_dict_pre_hooks"):
+        hooks = module.__dict__.get(name)
+        if hooks:
+            for key in [k for k, h in hooks.items() if _is_inert(h)]:
+                del hooks[key]
+
+
+def _holds_any(module: torch.nn.Module, ours: set) -> bool:
+    """Whether ``module`` or a module below it holds a parameter whose id is in ``ours``."""
+    return any(p is not None and id(p) in ours for m in module.modules() for p in m._parameters.values())
