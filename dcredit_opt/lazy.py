@@ -418,8 +418,9 @@ def _weak_apply_hook(keeper: Keeper) -> "_ApplyHook":
 # has no way for a value of the hook dicts to drop its own key, so each hook
 # pickles (and deep-copies, through the same __reduce__) as an inert hook:
 # state-dict ones do nothing; a forward one removes itself (and its kind) from
-# its module at the copy's first forward, so that a copy trained or served
-# with plain torch goes back to the hook-free fast path. Inert state-dict
+# its module at the copy's first forward run eagerly, so that a copy trained or
+# served with plain torch goes back to the hook-free fast path (a compiled
+# copy traces it away: no cost either). Inert state-dict
 # hooks stay (called only at state_dict()/load_state_dict(), they cost
 # nothing per step); a copy wrapped by a new optimizer sheds every inert hook
 # where it installs its own (_dc_end_learning), so save/load/wrap cycles do
