@@ -399,12 +399,12 @@ class Keeper:
         return self.strong if self.strong is not None else self._ref()
 
 
-def _weak_forward_hook(keeper: Keeper) -> "_ForwardHook":
+def _weak_forward_hook(keeper: Keeper) -> _ForwardHook:
     _ForwardHook.prepare()
     return _ForwardHook(keeper)
 
 
-def _weak_apply_hook(keeper: Keeper) -> "_ApplyHook":
+def _weak_apply_hook(keeper: Keeper) -> _ApplyHook:
     return _ApplyHook(keeper)
 
 

@@ -132,8 +132,13 @@ def test_copies_train_under_plain_torch_without_our_hooks_doing_anything():
     assert opt._dc_npending, "the step was not lazy: this test needs updates pending while the copies train"
     pending = list(opt._dc_pending)
     calls = []
-    for name in ("_dc_before_forward", "_dc_apply_pending"):
-        setattr(opt, name, lambda *a, name=name, f=getattr(opt, name): calls.append(name) or f(*a))
+
+    def spy(name):
+        real = getattr(opt, name)
+        setattr(opt, name, lambda *a: calls.append(name) or real(*a))
+
+    spy("_dc_before_forward")
+    spy("_dc_apply_pending")
     for how, c in copies.items():
         fresh = net(7)
         fresh.load_state_dict(c.state_dict())
