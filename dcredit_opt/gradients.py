@@ -43,6 +43,12 @@ class GradientHooks:
             return
         if not self._dc_open:
             self._dc_begin()
+        elif self._dc_flushed:
+            raise DCreditError(
+                f"the gradient of parameter '{self._dc_names[i]}' was computed after this iteration's gradients "
+                "were already being reduced whole (by optimizer.synchronize(), or by reading a p.grad after a "
+                "backward, which waits for its average: Note [Gradient reads]), so it would never be reduced. "
+                "Run every backward of an iteration before reading gradients or calling synchronize()")
         with self._dc_guard.paused():  # our buffers only (Note [Guard cost] in reads.py)
             self._dc_stage(i, p)
         self._dc_marked[i] = True
@@ -63,6 +69,7 @@ class GradientHooks:
         """
         if self._dc_tracer is not None:
             self._dc_tracer.stop_recording()  # possibly on autograd's device thread: closed in step()
+        self._dc_check_casts()
         if self._dc_npending and self._dc_deferred:
             # Before this rank launches anything of the new iteration, so that every rank
             # whose forward read the same stale parameter stops here, at the same point.
@@ -90,16 +97,30 @@ class GradientHooks:
         self._dc_life.flushed = False
         self._dc_synchronized = False
         self._dc_marked = [False] * len(self._dc_params)
+        self._dc_final = [False] * len(self._dc_params)
+
+    def _dc_check_casts(self) -> None:
+        """A model cast or moved after wrapping (``model.to(torch.bfloat16)``, ``.cuda()``): its gradients
+        no longer fit the slots laid out for it. Refused at the first gradient, before anything is launched."""
+        for i, (p, slot) in enumerate(zip(self._dc_params, self._dc_slots)):
+            if p.dtype != slot.dtype or p.device != slot.device:
+                raise DCreditError(
+                    f"parameter '{self._dc_names[i]}' is {p.dtype} on {p.device} now, but was {slot.dtype} on "
+                    f"{slot.device} when dcredit_opt.DistributedOptimizer was built (model.to(), .cuda(), .half() "
+                    "after wrapping): its gradient buffers are laid out for the old dtype and device. Nothing was "
+                    "launched. Cast or move the model first, then build the DistributedOptimizer")
 
     def _dc_stage(self, i: int, p: torch.Tensor) -> None:
         """Put this rank's gradient of tensor ``i`` into its slot (pre-scaled) and alias ``p.grad``."""
-        slot = self._dc_slots[i]
+        slot, watched = self._dc_slots[i], self._dc_watched[i]
         g = p.grad
         self._dc_used[i] = g is not None
         if g is None:
             slot.zero_()  # unused on this rank: contribute zeros, as Horovod does
-            p.grad = slot
-        elif is_slot(g, slot):
+            p.grad = watched
+        elif g is watched or is_slot(g, slot):
+            if g is not watched:
+                p.grad = watched
             if self._dc_prescale != 1.0:
                 slot.mul_(self._dc_prescale)
         else:
@@ -114,7 +135,7 @@ class GradientHooks:
                 torch.mul(g, self._dc_prescale, out=slot)
             else:
                 slot.copy_(g)
-            p.grad = slot
+            p.grad = watched  # Note [Gradient reads]
         self._dc_versions[i] = slot._version  # from here on, only the collectives write the blocks
 
     def _dc_flush(self) -> None:
@@ -142,6 +163,50 @@ class GradientHooks:
         self._dc_start_tally()
         if self._dc_delayed is not None:
             self._dc_delayed.start(self._dc_backend)  # after the tally: it never waits behind this sum
+
+    def _dc_release(self) -> None:
+        """End of backward, as ``step()`` and ``synchronize()`` take it: the last step()'s updates still
+        pending applied, then every block released."""
+        self._dc_apply_pending()
+        self._dc_flush()
+
+    def _dc_gradient_read(self, i: int) -> None:
+        """Note [Gradient reads]: user code is about to read or change ``p.grad`` of tensor ``i``; if its
+        reduction may still run, wait for it, so that the code sees (and changes) the averaged gradient."""
+        if self._dc_final[i] or getattr(self, "_dc_closed", False):
+            return
+        if self._dc_open:
+            if not self._dc_marked[i]:
+                return  # not handed over in this iteration: the local gradient, still accumulating
+            if not self._dc_flushed:
+                if torch._C._current_graph_task_id() != -1:
+                    raise DCreditError(
+                        f"p.grad of parameter '{self._dc_names[i]}' was read during a backward, after dcredit_opt "
+                        "had taken it for reduction (a hook that runs after ours): its value is neither this "
+                        "rank's gradient nor the average then. Read gradients after loss.backward() returns, or "
+                        "in a hook registered before the DistributedOptimizer was built")
+                with self._dc_guard.paused():
+                    self._dc_release()
+        elif not self._dc_pending[i]:
+            self._dc_final[i] = True  # applied: nothing of ours writes it any more
+            return
+        where = f"reading p.grad of '{self._dc_names[i]}' (tensor {i}), waiting for its reduction"
+        try:
+            with timeline.profiled("dcredit_opt::wait"):
+                self._dc_engine.wait_tensor(i, float(self._dc_config.timeout_s))
+        except (RuntimeError, TimeoutError) as e:
+            raise at_rank(e, where) from e
+        self._dc_add_rows((i,))
+        self._dc_check_writes((i,), "a read of p.grad")
+        self._dc_final[i] = True
+
+    def _dc_accept_final_writes(self) -> None:
+        """At ``step()``: a gradient that user code read after its reduction had ended (Note [Gradient
+        reads]) may have been changed by it since (``clip_grad_norm_``): that change is what the step uses,
+        so its slot's version counts from here."""
+        for i, final in enumerate(self._dc_final):
+            if final:
+                self._dc_versions[i] = self._dc_slots[i]._version
 
     def _dc_wait_final(self, where: str) -> None:
         """Every reduced gradient final: every block done, every embedding row added."""

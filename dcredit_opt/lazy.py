@@ -28,19 +28,21 @@ class LazyStep:
     def _dc_step_now(self) -> None:
         """The eager step, inside ``step()``: the wrapped ``step()`` once, over the real groups, so that its
         hooks run once and see every parameter, and the hyperparameters are the ones in force."""
-        self._dc_wait(range(len(self._dc_params)))
-        self._dc_add_rows(range(len(self._dc_params)))
-        unused = set(self._dc_drop_unused_grads(range(len(self._dc_params))))
-        sparse = [i for i, was in enumerate(self._dc_sparse) if was and i not in unused]
-        saved = [self._dc_params[i].grad for i in sparse]
+        params, slots, watched = self._dc_params, self._dc_slots, self._dc_watched
+        self._dc_wait(range(len(params)))
+        self._dc_add_rows(range(len(params)))
+        self._dc_drop_unused_grads(range(len(params)))
+        # Ours (still p.grad) as plain slots, so that the wrapped step does not go through the watch
+        # (Note [Gradient reads]); what user code put in p.grad as it is.
+        ours = [i for i, p in enumerate(params) if p.grad is watched[i]]
         try:
-            for i in sparse:
-                self._dc_params[i].grad = self._dc_slots[i].to_sparse()
+            for i in ours:
+                params[i].grad = slots[i].to_sparse() if self._dc_sparse[i] else slots[i]
             with profiled("dcredit_opt::apply"):
                 self._dc_base.step(self)
         finally:
-            for i, grad in zip(sparse, saved):
-                self._dc_params[i].grad = grad
+            for i in ours:
+                params[i].grad = watched[i]
         self._dc_pending = [False] * len(self._dc_params)
         self._dc_npending = 0
         self._dc_keeper.strong = None
@@ -99,13 +101,16 @@ class LazyStep:
             for g, m, snap in zip(groups, members, self._dc_snapshot):
                 g["params"] = m
                 g.update(snap)
+            for g in groups[len(self._dc_snapshot):]:  # added after wrapping: refused at the next step()
+                g["params"] = []
             for i in todo:
                 if i not in unused:
                     params[i].grad = slots[i].to_sparse() if self._dc_sparse[i] else slots[i]
             self._dc_base.step(self)
         finally:
-            for g, ps, hyper in zip(groups, saved_params, saved_hyper):
+            for g, ps in zip(groups, saved_params):
                 g["params"] = ps
+            for g, hyper in zip(groups, saved_hyper):
                 g.update(hyper)
             for i, grad in zip(todo, saved_grads):
                 params[i].grad = grad

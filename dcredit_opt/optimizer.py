@@ -54,6 +54,22 @@ The lazy step defers only what it can prove safe, and checks the rest:
   (``_step_supports_amp_scaling``): the gradients are reduced first, then
   unscaled and checked for Inf/NaN, so every rank skips the same steps.
 
+Note [Replaced gradients]
+-------------------------
+Between ``backward()`` and ``step()`` user code may change what ``step()``
+uses, as under DDP (reads and in-place changes: Note [Gradient reads] in
+``watched.py``). ``p.grad = None`` skips that parameter's update this step,
+as plain torch does: it is simply not applied (lazily or eagerly); its
+blocks were reduced like every other, so every rank still launched the same
+collectives. ``p.grad = t`` (a new tensor) is what the wrapped step uses:
+such a step is eager, since ``t`` is the user's and may change after
+``step()`` returns. A ``p.grad`` assigned by hand where no hook fired
+(gradients from ``torch.autograd.grad``) is reduced at ``step()``, as
+Horovod's ``synchronize()`` reduces every gradient whose hook did not fire;
+a ``step()`` with nothing computed or assigned since the last one is
+refused. Parameters added to the wrapped optimizer after wrapping are
+refused at the next ``step()``, before anything is applied.
+
 A compiled model (``torch.compile(model)``, ``model.compile()``) takes the
 same path: the hooks are hidden from Dynamo and run eagerly at a graph break
 (Note [Compiled models] in ``lazy.py``).
@@ -93,6 +109,7 @@ from .planner.profile import RING_STAGE_RATIOS
 from .planning import DECOUPLING_POLICIES
 from .reads import PendingReadGuard
 from .usage import GlobalUsage
+from .watched import WatchedGradient
 
 log = logging.getLogger("dcredit_opt")
 
@@ -232,6 +249,11 @@ def _check_process_set(process_set) -> None:
         "leave process_set out, or use horovod.torch.DistributedOptimizer for a subset of ranks")
 
 
+def _group_ids(groups) -> list:
+    """The parameters of each group, by identity."""
+    return [[id(p) for p in g["params"]] for g in groups]
+
+
 def _check_devices(names, params):
     devices.device_of(names, params)  # one device, CPU or CUDA; the rest after runtime.init()
 
@@ -270,6 +292,8 @@ class _DistributedOptimizer:
         T = len(params)
         self._dc_counts = [0] * T
         self._dc_marked = [False] * T
+        self._dc_final = [False] * T  # reduction waited for at a read of p.grad (Note [Gradient reads])
+        self._dc_group_ids = _group_ids(self.param_groups)  # what was wrapped (Note [Replaced gradients])
         self._dc_pending = [False] * T
         self._dc_npending = 0
         self._dc_open = False
@@ -377,6 +401,8 @@ class _DistributedOptimizer:
             block_at_flush=list(layout.block_at_flush))
         self._dc_backend.set_blocks(buffers, wires, layout, self._dc_postscale)
         self._dc_plan, self._dc_layout, self._dc_buffers, self._dc_slots = plan, layout, buffers, slots
+        # What p.grad is after each gradient's hook (Note [Gradient reads]).
+        self._dc_watched = [WatchedGradient.of(slot, i, self._dc_keeper) for i, slot in enumerate(slots)]
         if self._dc_delayed is not None:  # the sum in flight was for the old plan's slots: not applied
             self._dc_delayed.drain(self._dc_backend, float(self._dc_config.timeout_s))
         self._dc_delayed = DelayedGradients(plan.delayed, slots) if plan.delayed else None
@@ -410,6 +436,7 @@ class _DistributedOptimizer:
             self._dc_wait_final("synchronize(), waiting for every block")
             self._dc_drop_unused_grads(range(len(self._dc_params)))
             self._dc_synchronized = True
+            self._dc_final = [True] * len(self._dc_params)  # every read from here on is of final values
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Horovod's setter: the backward passes per ``step()`` from now on; only between iterations."""
@@ -432,6 +459,7 @@ class _DistributedOptimizer:
     @timeline.profiled_call("dcredit_opt::step")
     def step(self, closure=None, grad_scaler=None):
         self._dc_require_open("step()")
+        self._dc_check_groups()
         self._dc_end_learning()
         loss = None
         if closure is not None:
@@ -446,17 +474,21 @@ class _DistributedOptimizer:
             if not any(self._dc_counts):
                 if self._dc_zero_gradients_only():
                     return self._dc_initialise_state(loss)
-                raise DCreditError("step() called, but no gradient was computed since the last step(): "
-                                   "call loss.backward() before optimizer.step()")
-            self._dc_begin()  # fewer backward passes than backward_passes_per_step: reduce what there is
+                if not self._dc_assigned_gradients():
+                    raise DCreditError("step() called, but no gradient was computed since the last step(): "
+                                       "call loss.backward() before optimizer.step()")
+                # Gradients assigned by hand (from torch.autograd.grad): reduced now, as Horovod's
+                # synchronize() reduces every p.grad whose hook did not fire.
+            self._dc_begin()  # or fewer backward passes than backward_passes_per_step: reduce what there is
         if self._dc_timeline is not None:
             self._dc_timeline.settle()  # Note [Timeline writer] in timeline.py
         self._dc_check_frozen()
         if not self._dc_flushed:
-            self._dc_apply_pending()  # the last step()'s updates of parameters this forward did not read
-            self._dc_flush()
+            self._dc_release()  # the last step()'s updates this forward did not read, then every block
         if not self._dc_synchronized:
+            self._dc_accept_final_writes()
             self._dc_check_writes(range(len(self._dc_params)), "step()")
+        dropped, replaced = self._dc_replaced_gradients()
         if grad_scaler is not None and self._dc_scaled_skip(grad_scaler):
             return loss
         if self._dc_config.check_finite:
@@ -468,10 +500,13 @@ class _DistributedOptimizer:
         self._dc_npending = len(self._dc_params)
         self._dc_reduced = False
         self._dc_deferred = False
-        lazy = self._dc_may_defer()
+        lazy = self._dc_may_defer(replaced)
         self._dc_replan = False
         self._dc_synchronized = False
         if lazy:
+            for i in dropped:  # p.grad = None after backward(): no update this step, as in plain torch
+                self._dc_pending[i] = False
+            self._dc_npending -= len(dropped)
             self._dc_versions_checked = False
             self._dc_apply(self._dc_eager)
             self._dc_defer()
@@ -512,9 +547,60 @@ class _DistributedOptimizer:
         self._dc_base.step(self)
         return loss
 
-    def _dc_may_defer(self) -> bool:
+    def _dc_assigned_gradients(self) -> bool:
+        """Whether some ``p.grad`` was assigned by user code since the last ``step()`` (not our own)."""
+        return any(p.grad is not None and p.grad is not w for p, w in zip(self._dc_params, self._dc_watched))
+
+    def _dc_replaced_gradients(self) -> tuple[list, list]:
+        """Note [Replaced gradients]: the tensors whose gradient user code set to ``None`` after
+        ``backward()``, and those whose gradient it replaced by another tensor."""
+        dropped, replaced = [], []
+        for i, (p, w) in enumerate(zip(self._dc_params, self._dc_watched)):
+            g = p.grad
+            if g is w or not self._dc_marked[i] or i in self._dc_rows:
+                continue
+            if g is None:
+                dropped.append(i)
+            elif not is_slot(g, self._dc_slots[i]):
+                replaced.append(i)
+        return dropped, replaced
+
+    def _dc_check_groups(self) -> None:
+        """Parameters added to (or removed from) the wrapped optimizer after wrapping: their gradients would
+        not be reduced, or their updates not made. Refused at the next ``step()``, before anything is applied."""
+        groups = self.param_groups
+        if _group_ids(groups) == self._dc_group_ids:
+            return
+        known = {id(p): name for name, p in zip(self._dc_names, self._dc_params)}
+        known.update((id(p), name) for name, p in self._dc_frozen)
+        now = {id(p) for g in groups for p in g["params"]}
+        for gi, g in enumerate(groups):
+            for p in g["params"]:
+                if id(p) not in known:
+                    raise DCreditError(
+                        f"param_groups[{gi}] of the wrapped optimizer holds a parameter of shape {tuple(p.shape)} "
+                        "that it did not hold when dcredit_opt.DistributedOptimizer was built (add_param_group() "
+                        "on the wrapped optimizer, or a list changed in place): its gradient is not reduced, so its "
+                        "update would use this rank's gradient alone. Nothing was applied. Add every parameter "
+                        "group before wrapping, or build a new DistributedOptimizer over the whole optimizer "
+                        "(it takes over from this one)")
+        gone = [name for pid, name in known.items() if pid not in now]
+        raise DCreditError(
+            f"the wrapped optimizer's parameter groups changed after dcredit_opt.DistributedOptimizer was built "
+            f"({'parameter ' + repr(gone[0]) + ' was removed' if gone else 'parameters moved between groups'}): "
+            "the updates would no longer match synchronous training. Nothing was applied. Change the groups "
+            "before wrapping, or build a new DistributedOptimizer over the changed optimizer")
+
+    def _dc_may_defer(self, replaced=()) -> bool:
         """Whether this step()'s updates may wait for their first read (Note [Lazy step])."""
         if not (self._dc_plan.overlap_forward and self._dc_config.overlap_forward and self._dc_learned):
+            return False
+        if replaced:
+            # The user's tensor may change after step() (it is theirs): the wrapped step uses it now.
+            self._dc_tell("replaced", f"dcredit_opt: p.grad of '{self._dc_names[replaced[0]]}' was replaced by "
+                                      "another tensor after backward(); a step that uses such gradients applies "
+                                      "every update in step(), without overlap (Note [Replaced gradients]). "
+                                      "Said once.")
             return False
         if self._dc_synchronized or self._dc_recorder is not None or self._dc_replan:
             # the user asked for every gradient now; or profiling, or a plan switch: nothing may wait
@@ -535,7 +621,8 @@ class _DistributedOptimizer:
         # would examine every call here while updates are pending; Note [Guard cost] in reads.py).
         with self._dc_guard.paused():
             for i, p in enumerate(self._dc_params):
-                if self._dc_pending[i] and is_slot(p.grad, self._dc_slots[i]):
+                g = p.grad
+                if self._dc_pending[i] and (g is self._dc_watched[i] or is_slot(g, self._dc_slots[i])):
                     # The slot holds the reduced gradient a pending update still needs.
                     p.grad = None if set_to_none else torch.zeros_like(p)
         self._dc_base.zero_grad(self, set_to_none=set_to_none)
@@ -549,8 +636,10 @@ class _DistributedOptimizer:
         return self._dc_base.load_state_dict(self, state_dict)
 
     def add_param_group(self, param_group):
-        raise ValueError("add_param_group() on a DistributedOptimizer is not supported: add the group to the "
-                         "wrapped optimizer before calling dcredit_opt.DistributedOptimizer")
+        raise DCreditError("add_param_group() on a DistributedOptimizer is not supported: its gradients would not "
+                           "be reduced. Add the group to the wrapped optimizer before calling "
+                           "dcredit_opt.DistributedOptimizer, or build a new DistributedOptimizer over the whole "
+                           "optimizer (it takes over from this one)")
 
     def _dc_require_open(self, call: str) -> None:
         if getattr(self, "_dc_closed", False):
@@ -638,6 +727,9 @@ class _DistributedOptimizer:
         for r in self._dc_rows.values():
             r.remove()
         self._dc_grad_hooks, self._dc_module_hooks = [], []
+        for p, w, slot in zip(self._dc_params, self._dc_watched, self._dc_slots):
+            if p.grad is w:
+                p.grad = slot  # final now: nothing of ours watches it any more
         self._dc_backend.close()
 
 

@@ -278,7 +278,20 @@ _dynamo_compiling = torch.compiler.is_dynamo_compiling
 # What the guard lets pass. data_ptr() and untyped_storage() are reads to it: custom kernels and the pickler
 # (torch.save) take the values from there. The tracer does not count them: a checkpoint saved after every
 # step() (state_dict() applies what is pending first) must not turn the lazy step off.
-_GUARD_NOT_READS = _NOT_READS - {"data_ptr", "untyped_storage"}
+# Nor are aliases that autograd records (``p.view(-1)`` in ``parameters_to_vector``, ``p.T``): the graph made
+# from the old value would show as a stale read at the apply (Note [Graph reads]), though no value was read;
+# the update is applied before the alias is made instead.
+_GUARD_NOT_READS = _NOT_READS - {"data_ptr", "untyped_storage", "view", "view_as"}
+_GRAPH_ALIAS_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+_GET = "__get__"
+
+
+def _guard_reads(func) -> bool:
+    """Whether the guard takes ``func`` for a read of its tensor arguments."""
+    name = getattr(func, "__name__", "")
+    if name == _GET:
+        return getattr(getattr(func, "__self__", None), "__name__", "") in _GRAPH_ALIAS_ATTRIBUTES
+    return name not in _GUARD_NOT_READS or func == _SET_DATA
 
 
 class PendingReadGuard(TorchFunctionMode):
@@ -335,8 +348,7 @@ class PendingReadGuard(TorchFunctionMode):
         # the common case (no parameter among the arguments) must cost little (Note [Guard cost]).
         # `p.data = x` replaces what it reads; `==`, not `is`: every lookup of a slot wrapper's __set__ makes a
         # new (equal) method object.
-        if self.armed and not _dynamo_compiling() and (
-                getattr(func, "__name__", "") not in _GUARD_NOT_READS or func == _SET_DATA):
+        if self.armed and not _dynamo_compiling() and _guard_reads(func):
             opt = self._keeper()
             if opt is None or not opt._dc_npending:
                 self.armed = False

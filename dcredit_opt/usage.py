@@ -132,7 +132,9 @@ class GlobalUsage:
         """``p.grad = None`` for the tensors of ``indices`` no rank used (Note [Global usage]); returns them."""
         unused = self._dc_unused_everywhere(indices)
         for i in unused:
-            self._dc_params[i].grad = None
+            p = self._dc_params[i]
+            if p.grad is self._dc_watched[i] or p.grad is self._dc_slots[i]:  # not one the user assigned
+                p.grad = None
         return unused
 
 

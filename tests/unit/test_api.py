@@ -104,7 +104,7 @@ def test_wrapping_twice_and_adding_groups_are_refused():
     wrapped = dc.DistributedOptimizer(opt, named_parameters=model.named_parameters(), config=FIXED)
     with pytest.raises(ValueError, match="already"):
         dc.DistributedOptimizer(wrapped, named_parameters=model.named_parameters())
-    with pytest.raises(ValueError, match="add_param_group"):
+    with pytest.raises(dc.DCreditError, match="add_param_group"):
         wrapped.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
     assert isinstance(wrapped, torch.optim.SGD)
 

@@ -159,7 +159,7 @@ def test_set_backward_passes_per_step():
     wrapped._dc_close()
 
 
-def test_horovods_state_initialisation_steps_on_zero_gradients_and_refuses_others():
+def test_horovods_state_initialisation_steps_on_zero_gradients_and_reduces_others():
     # hvd.broadcast_optimizer_state on a fresh optimizer: zero gradients, then opt.step().
     model, opt = model_and_opt(momentum=0.9)
     wrapped = dc.DistributedOptimizer(opt, model.named_parameters(), config=CONFIG)
@@ -169,8 +169,14 @@ def test_horovods_state_initialisation_steps_on_zero_gradients_and_refuses_other
     wrapped.step()
     assert len(wrapped.state_dict()["state"]) == 4, "the state was not created"
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    # A gradient set by hand (from torch.autograd.grad, say) is reduced at step(), as Horovod's synchronize()
+    # reduces every p.grad whose hook did not fire; at a world of one the average is the gradient itself.
     for p in model.parameters():
-        p.grad = torch.ones_like(p)  # a gradient set by hand was never reduced
+        p.grad = torch.ones_like(p)
+    wrapped.step()
+    wrapped.synchronize()
+    assert all(torch.allclose(p, a - 0.1) for a, p in zip(before, model.parameters()))
+    # Nothing computed or assigned since: refused.
     with pytest.raises(dc.DCreditError, match="no gradient was computed"):
         wrapped.step()
     wrapped._dc_close()

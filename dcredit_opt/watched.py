@@ -1,0 +1,121 @@
+"""What ``p.grad`` is while its reduction may still run: the slot, seen through a subclass that waits at a read.
+
+Note [Gradient reads]
+---------------------
+After ``backward()``, ``p.grad`` means what DDP gives: the averaged gradient
+(DESIGN invariant 10). Ours is still being reduced then: blocks travel until
+``step()`` and, with the lazy step, into the next forward. So after its
+hook ``p.grad`` is not the slot itself but a :class:`WatchedGradient`: an
+alias of the slot's memory (same storage, same version counter) whose class
+is a ``torch.Tensor`` subclass. Its ``__torch_function__`` sees every torch
+operation that user code applies to it, on any thread, with no mode on any
+stack. An operation that reads values or makes an alias (anything but
+metadata: ``.shape``, ``.dtype``, ``size()``, ``.grad``...) first waits for
+that gradient's reduction, releasing the rest of the iteration's blocks
+first as ``step()`` would (``_dc_gradient_read`` in ``gradients.py``);
+then it runs on the plain tensor and returns plain tensors. So
+``p.grad.norm()``, ``clip_grad_norm_``, ``scaler.unscale_`` and
+``p.grad = p.grad * 0.5`` see the averaged gradient, and an in-place
+change lands on it and is what ``step()`` uses. A ``p.grad`` replaced after
+``backward()`` (a new tensor, or ``None``) is what ``step()`` uses for that
+parameter (Note [Replaced gradients] in ``optimizer.py``).
+
+Our own code hands the plain slot to the collectives and to the wrapped
+optimizer's step, so neither pays for the subclass; a watched gradient's
+only cost is one Python call per operation that user code applies to it.
+Inside a backward (a user's hook that runs after ours), a read of a
+gradient already handed to the scheduler cannot wait (the rest of the
+iteration's blocks are not released yet): it raises a ``DCreditError``.
+Assigning ``p.grad.data`` (``model.to()`` after wrapping does) would
+detach the alias from its slot: refused too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import DCreditError
+
+# Functions that read metadata only, never values, and make no alias.
+_METADATA = frozenset({
+    "size", "dim", "numel", "nelement", "ndimension", "stride", "storage_offset", "is_contiguous",
+    "element_size", "is_floating_point", "is_complex", "requires_grad_", "register_hook", "__len__", "__hash__",
+    "get_device", "is_shared", "is_pinned", "_is_view", "__sizeof__",
+})
+# Attributes whose getter reads values or makes an alias; every other attribute (shape, dtype, device,
+# grad, is_sparse, _version...) is metadata.
+_ALIAS_ATTRIBUTES = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
+# Copies and pickles of a watched gradient are plain tensors: what they carry is values, not our watch.
+_PLAIN_COPIES = frozenset({"__deepcopy__", "__reduce_ex__", "__reduce__", "__getstate__"})
+
+
+class WatchedGradient(torch.Tensor):
+    """``p.grad`` after its hook: the slot's memory; any read first waits for its reduction (Note [Gradient
+    reads]). ``_dc_index`` is the tensor's index in its optimizer, ``_dc_keeper`` reaches that optimizer."""
+
+    @staticmethod
+    def of(slot: torch.Tensor, index: int, keeper) -> WatchedGradient:
+        watched = slot.as_subclass(WatchedGradient)  # an alias: same memory and version counter as the slot
+        watched._dc_index = index
+        watched._dc_keeper = keeper
+        return watched
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        name = getattr(func, "__name__", "")
+        if name == "__get__":
+            reads = getattr(getattr(func, "__self__", None), "__name__", "") in _ALIAS_ATTRIBUTES
+        elif name == "__set__":
+            attribute = getattr(getattr(func, "__self__", None), "__name__", "")
+            if attribute == "data":
+                _refuse_data_assignment(args)
+            reads = False
+        else:
+            reads = name not in _METADATA
+        if reads:
+            _wait_for(args, kwargs)
+        if name in _PLAIN_COPIES and args and isinstance(args[0], WatchedGradient):
+            args = (plain(args[0]), *args[1:])
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """A plain ``torch.Tensor`` alias of ``t`` (``t`` itself when it is one)."""
+    if type(t) is torch.Tensor:
+        return t
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.as_subclass(torch.Tensor)
+
+
+def _wait_for(args, kwargs) -> None:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, WatchedGradient):
+            _read(a)
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, WatchedGradient):
+                    _read(b)
+
+
+def _read(watched: WatchedGradient) -> None:
+    keeper = getattr(watched, "_dc_keeper", None)
+    opt = keeper() if keeper is not None else None
+    if opt is not None:
+        opt._dc_gradient_read(watched._dc_index)
+
+
+def _refuse_data_assignment(args) -> None:
+    target = args[0] if args else None
+    keeper = getattr(target, "_dc_keeper", None)
+    opt = keeper() if keeper is not None else None
+    if opt is None or getattr(opt, "_dc_closed", False):
+        return
+    name = opt._dc_names[target._dc_index]
+    raise DCreditError(
+        f"p.grad.data of parameter '{name}' was assigned (model.to(), .cuda(), .half() after wrapping do that): "
+        "dcredit_opt keeps that gradient in its own buffer, laid out for the parameter's dtype and device when "
+        "the optimizer was wrapped. Cast or move the model first, then build the DistributedOptimizer "
+        "(or call optimizer.zero_grad() before casting, so that no gradient exists)")
