@@ -803,16 +803,6 @@ def rows_second_backward(job: Job) -> dict:
     return _expect_error(job, model, ref, opt, ropt, body, loss)
 
 
-def p12_clip_without_synchronize(job: Job) -> dict:
-    model, ref, opt, ropt = job.make(Net, _sgd)
-
-    def clip(step):
-        if step == 3:
-            nn.utils.clip_grad_norm_(model.parameters(), 0.1)
-
-    return _expect_error(job, model, ref, opt, ropt, _standard_body(job, model, opt, before_step=clip))
-
-
 def p13_unscale_without_synchronize(job: Job) -> dict:
     model, ref, opt, ropt = job.make(Net, _sgd)
     scaler = torch.amp.GradScaler("cpu")
@@ -890,7 +880,6 @@ def p8_shutdown_after_lazy_step(job: Job) -> dict:
 
 RAISE = {
     "P11_model_zero_grad_set_to_none_false": p11_model_zero_grad_keep,
-    "P12_clip_grad_norm_without_synchronize": p12_clip_without_synchronize,
     "P13_unscale_without_synchronize": p13_unscale_without_synchronize,
     "P14_frozen_at_wrap_unfrozen_later": p14_unfrozen_later,
     "P3e_stale_read_on_thread": p3e_stale_read_on_thread("thread"),

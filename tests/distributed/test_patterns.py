@@ -16,6 +16,7 @@ import pytest
 
 from tests import timing
 
+from . import gradient_patterns as gp
 from . import pattern_workers as pw
 from . import spawn
 from .test_backends import LAUNCHES, _tool
@@ -29,6 +30,7 @@ GROUPS = {
     "work": (pw.patterns, [*pw.WORK, *pw.PROFILED], 180),
     "raise": (pw.patterns, [*pw.RAISE, *pw.LAST], 120),
     "compile": (pw.compile_patterns, list(pw.COMPILE), 400),
+    "gradients": (gp.patterns, list(gp.GRADIENT_PATTERNS), 240),
 }
 OTHER_BACKEND_TIMEOUT_S = 180
 OTHER_BACKENDS = ["P2_branch_on_rank1_while_profiling", "P3a_parameterlist_in_parent",
@@ -74,7 +76,7 @@ def _per_rank(group: str, name: str) -> list:
 # Patterns whose updates wait for their first read (the lazy step); the others step eagerly by design: a custom
 # optimizer, a step hook, GradScaler.step (reduces first), synchronize() every step, every weight read by an EMA.
 EAGER_BY_DESIGN = {"P6_custom_optimizer_global_clip", "P7_step_post_hook", "P13p_plain_grad_scaler_with_inf",
-                   "horovod_amp_recipe", "ema_after_step"}
+                   "horovod_amp_recipe", "ema_after_step", *gp.EAGER_BY_DESIGN}
 # Parameters read in a parent's forward: their updates must wait for that forward, not be applied in step().
 READ_BY_PARENT = {"P3a_parameterlist_in_parent", "P3b_child_weight_via_F_linear", "P3c_bare_weight_via_F_linear",
                   "bare_parameter_of_parent", "tied_weights"}
@@ -162,7 +164,6 @@ NET_PARAMS = ("inp.weight", "inp.bias", "mid.weight", "mid.bias", "norm.weight",
 # name -> (parameter names one of which the message must quote, phrases of the fix it must contain)
 RAISES = {
     "P11_model_zero_grad_set_to_none_false": (NET_PARAMS, ["set_to_none=True"]),
-    "P12_clip_grad_norm_without_synchronize": (NET_PARAMS, ["optimizer.synchronize()", "skip_synchronize"]),
     "P13_unscale_without_synchronize": (NET_PARAMS + ("",), ["synchronize()"]),
     "P14_frozen_at_wrap_unfrozen_later": (("mid.weight",), ["after unfreezing"]),
     "P3e_stale_read_on_thread": (("a.weight",), ["synchronize()"]),
@@ -182,12 +183,19 @@ KNOWN_GAPS = {
 }
 
 
+# Issue C2: refused at the next step() or backward, before anything is applied or launched.
+GRADIENT_RAISES = {
+    "group_added_to_wrapped_optimizer": (("",), ["add_param_group", "before wrapping", "Nothing was applied"]),
+    "model_cast_to_bf16_after_wrapping": (NET_PARAMS, ["Cast or move the model first", "Nothing was launched"]),
+}
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=KNOWN_GAPS[n], strict=True))
-                                  if n in KNOWN_GAPS else n for n in RAISES])
+                                  if n in KNOWN_GAPS else n for n in [*RAISES, *GRADIENT_RAISES]])
 def test_pattern_raises_dcredit_error_naming_parameter_and_fix(name):
-    params, fixes = RAISES[name]
-    per_rank = _per_rank("raise", name)
+    params, fixes = RAISES[name] if name in RAISES else GRADIENT_RAISES[name]
+    per_rank = _per_rank("raise" if name in RAISES else "gradients", name)
     for rank, r in enumerate(per_rank):
         assert r["raised"] is not None, (
             f"{name}: rank {rank} raised nothing in {pw.STEPS + 2} steps; its result against the synchronous "
@@ -231,6 +239,15 @@ def test_dropping_a_closed_optimizer_does_not_hang():
                              "(see the stacks: `del opt, model` in drop_closed_optimizers)") from e
 
 
+# ---- C2: gradients read, changed or replaced between backward() and step() (Note [Gradient reads]) ----------
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(gp.GRADIENT_WORK))
+def test_gradient_pattern_equals_synchronous_reference(name):
+    check_equal(name, _per_rank("gradients", name))
+
+
 # ---- P9: torch.compile ----------------------------------------------------------------------------
 
 
@@ -259,5 +276,6 @@ def test_patterns_on_other_backends(launch, name):
 
 
 def test_every_pattern_is_checked():
-    checked = {*pw.WORK, *pw.PROFILED, *RAISES, *pw.LAST, *pw.COMPILE}
-    assert checked == {*pw.PATTERNS, *pw.COMPILE}, re.escape(str(checked ^ {*pw.PATTERNS, *pw.COMPILE}))
+    checked = {*pw.WORK, *pw.PROFILED, *RAISES, *pw.LAST, *pw.COMPILE, *gp.GRADIENT_WORK, *GRADIENT_RAISES}
+    every = {*pw.PATTERNS, *pw.COMPILE, *gp.GRADIENT_PATTERNS}
+    assert checked == every, re.escape(str(checked ^ every))

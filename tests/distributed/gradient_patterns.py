@@ -1,0 +1,289 @@
+"""What each rank runs for the gradient patterns of test_patterns.py (issue C2): gradients read, changed or
+replaced between ``backward()`` and ``step()``, gradients assigned by hand, groups added and models cast
+after wrapping, whole-model saves and unwrapped teachers.
+
+Each pattern runs lazily (the lazy step on from step 2, small blocks) and eagerly (``lazy_step='off'``),
+and rank 1 sleeps a few milliseconds at random points, so that rank 0 reads its gradients while their
+blocks are still travelling (Note [Gradient reads]). The reference is the one of ``pattern_workers.py``:
+synchronous data parallelism by hand, with the same change applied to the averaged gradients.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import random
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dcredit_opt as dc
+
+from . import pattern_workers as pw
+from .workers import Net, batch
+
+STEPS = pw.STEPS
+
+
+class Skew:
+    """Rank 1 sleeps 0-20 ms at each call (seeded): rank 0 then meets blocks still on the wire."""
+
+    def __init__(self, rank: int, seed: int = 0):
+        self.rank = rank
+        self.random = random.Random(1000 * seed + rank)
+
+    def __call__(self) -> None:
+        if self.rank == 1:
+            time.sleep(self.random.uniform(0.0, 0.02))
+
+
+def _train(job: pw.Job, lazy: bool, model_fn, change, seed: int = 0, opt_fn=pw._sgd, steps: int = STEPS):
+    """The standard loop with ``change(model, step, reference)`` between backward and step on both the
+    model (reference=False) and the reference (reference=True, after averaging)."""
+    config = job.config(lazy_step="auto" if lazy else "off")
+    model, ref, opt, ropt = job.make(model_fn, opt_fn, config=config, seed=seed)
+    skew = Skew(job.rank, seed)
+    for step in range(steps):
+        opt.zero_grad()
+        pw.mse(model, step, job.rank).backward()
+        skew()
+        change(model, step, False)
+        skew()
+        job.step(opt)
+        pw.reference_grads(ref, lambda r, step=step: pw.mse(ref, step, r), job.world)
+        change(ref, step, True)
+        ropt.step()
+    return model, ref, opt
+
+
+def _both(fn):
+    """``fn(job, lazy)`` as two patterns: ``<name>_lazy`` and ``<name>_eager``."""
+    return {"lazy": lambda job: fn(job, True), "eager": lambda job: fn(job, False)}
+
+
+def grad_scaled(job, lazy):
+    """``p.grad = p.grad * 0.5`` on even steps (a new tensor computed from the gradient just reduced)."""
+    def change(m, step, reference):
+        if step % 2 == 0:
+            for p in m.parameters():
+                p.grad = p.grad * 0.5
+
+    return job.result(*_train(job, lazy, Net, change))
+
+
+def grad_noise(job, lazy):
+    """``p.grad = p.grad + noise`` on odd steps, the same noise on every rank (seeded by step)."""
+    def change(m, step, reference):
+        if step % 2 == 1:
+            g = torch.Generator().manual_seed(step)
+            for p in m.parameters():
+                p.grad = p.grad + 1e-3 * torch.randn(p.shape, generator=g)
+
+    return job.result(*_train(job, lazy, Net, change))
+
+
+def grad_none(job, lazy):
+    """``p.grad = None`` for one layer after backward on steps 2 and 4: that layer is not updated then."""
+    def change(m, step, reference):
+        if step in (2, 4):
+            m.mid.weight.grad = None
+            m.out.bias.grad = None
+
+    return job.result(*_train(job, lazy, Net, change))
+
+
+def grad_clip(job, lazy):
+    """``clip_grad_norm_`` between backward and step, no synchronize(): it clips the averaged gradients."""
+    def change(m, step, reference):
+        nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+
+    return job.result(*_train(job, lazy, Net, change))
+
+
+def grad_norm_read(job, lazy):
+    """A gradient norm logged between backward and step (values only): the norm of the averaged gradient."""
+    norms = {False: [], True: []}
+
+    def change(m, step, reference):
+        norms[reference].append(float(torch.norm(torch.stack([p.grad.norm() for p in m.parameters()]))))
+
+    out = job.result(*_train(job, lazy, Net, change))
+    out["norm_diff"] = max(abs(a - b) for a, b in zip(norms[False], norms[True]))
+    return out
+
+
+def grad_scaled_in_place(job, lazy):
+    """``p.grad.mul_(0.5)`` and ``p.grad.add_(...)`` between backward and step: applied to the averaged
+    gradient, and what step() uses."""
+    def change(m, step, reference):
+        for p in m.parameters():
+            p.grad.mul_(0.5).add_(1e-3)
+
+    return job.result(*_train(job, lazy, Net, change))
+
+
+def autograd_grad_assigned(job, lazy):
+    """Gradients from ``torch.autograd.grad``, assigned to ``p.grad`` by hand, then ``step()``: reduced there,
+    as Horovod's synchronize() does."""
+    config = job.config(lazy_step="auto" if lazy else "off")
+    model, ref, opt, ropt = job.make(Net, pw._sgd, config=config)
+    skew = Skew(job.rank)
+    for step in range(STEPS):
+        opt.zero_grad()
+        params = list(model.parameters())
+        grads = torch.autograd.grad(pw.mse(model, step, job.rank), params)
+        skew()
+        for p, g in zip(params, grads):
+            p.grad = g
+        job.step(opt)
+        pw.reference_grads(ref, lambda r, step=step: pw.mse(ref, step, r), job.world)
+        ropt.step()
+    return job.result(model, ref, opt)
+
+
+def parameters_to_vector_after_step(job, lazy):
+    """``parameters_to_vector(model.parameters())`` with autograd on, right after ``step()``: ``view(-1)`` then
+    ``cat``; no false stale-read alarm, and the vector holds the updated weights."""
+    worst = [0.0]
+    config = job.config(lazy_step="auto" if lazy else "off")
+    model, ref, opt, ropt = job.make(Net, pw._sgd, config=config)
+    for step in range(STEPS):
+        opt.zero_grad()
+        pw.mse(model, step, job.rank).backward()
+        job.step(opt)
+        pw.reference_grads(ref, lambda r, step=step: pw.mse(ref, step, r), job.world)
+        ropt.step()
+        if step >= 2:  # from the third step on: the first iteration after step() is the learned one
+            v = nn.utils.parameters_to_vector(model.parameters())
+            worst[0] = max(worst[0], float((v.detach() - nn.utils.parameters_to_vector(ref.parameters())).abs().max()))
+    return job.result(model, ref, opt, vector_diff=worst[0])
+
+
+def whole_model_saved(job, lazy):
+    """``torch.save(model)`` (the whole module) after every step, and an unwrapped teacher whose forward runs
+    right after ``step()``: both pickle at every step, and the saved weights are the synchronous ones."""
+    config = job.config(lazy_step="auto" if lazy else "off")
+    model, ref, opt, ropt = job.make(Net, pw._sgd, config=config)
+    torch.manual_seed(1)
+    teacher = Net()
+    worst = [0.0]
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(step, job.rank)
+        with torch.no_grad():
+            soft = teacher(x)
+        (F.mse_loss(model(x), y) + 0.1 * F.mse_loss(model(x), soft)).backward()
+        job.step(opt)
+
+        def loss_of(r, step=step):
+            xr, yr = batch(step, r)
+            with torch.no_grad():
+                soft_r = teacher(xr)
+            return F.mse_loss(ref(xr), yr) + 0.1 * F.mse_loss(ref(xr), soft_r)
+
+        pw.reference_grads(ref, loss_of, job.world)
+        ropt.step()
+        if step == 0:
+            continue  # after the first step() the tracer learns where each weight is first read: a save then
+            # would count as the first read of every weight, outside any forward (eager for good)
+        for m in (model, teacher):
+            buf = io.BytesIO()
+            torch.save(m, buf)
+            buf.seek(0)
+            loaded = torch.load(buf, weights_only=False)
+            if m is model:
+                worst[0] = max(worst[0], pw.state_diff(loaded.state_dict(), ref.state_dict()))
+        copy.deepcopy(model)
+    hooks = len(teacher._forward_pre_hooks) + len(teacher._state_dict_pre_hooks) + \
+        len(teacher._load_state_dict_pre_hooks)
+    return job.result(model, ref, opt, save_diff=worst[0], teacher_has_no_hooks=hooks == 0)
+
+
+GRADIENT_WORK = {f"{name}_{kind}": run for name, fn in {
+    "grad_replaced_scaled": grad_scaled,
+    "grad_replaced_noise": grad_noise,
+    "grad_set_to_none_after_backward": grad_none,
+    "clip_grad_norm_without_synchronize": grad_clip,
+    "grad_norm_read_before_step": grad_norm_read,
+    "grad_changed_in_place_before_step": grad_scaled_in_place,
+    "autograd_grad_assigned_by_hand": autograd_grad_assigned,
+    "parameters_to_vector_after_step": parameters_to_vector_after_step,
+    "whole_model_saved_with_teacher": whole_model_saved,
+}.items() for kind, run in _both(fn).items()}
+
+# Steps that use a replaced gradient are eager by design (Note [Replaced gradients]); with
+# autograd.grad no hook fires, so the tracer never learns reads and every step is eager.
+EAGER_BY_DESIGN = {name for name in GRADIENT_WORK if name.endswith("_eager")} | {
+    "autograd_grad_assigned_by_hand_lazy"}
+
+
+# ---- refused with DCreditError -----------------------------------------------------------------
+
+
+def group_added_after_wrapping(job: pw.Job) -> dict:
+    """``inner.add_param_group(...)`` on the wrapped torch optimizer after wrapping (the group list is
+    shared): refused at the next step(), before anything is applied."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 7))
+    extra = nn.Linear(16, 7)
+    ref = copy.deepcopy(model)
+    inner = pw._sgd(model.parameters())
+    opt = job.wrap(inner, model)
+    ropt = pw._sgd(ref.parameters())
+
+    def body(step, where):
+        opt.zero_grad()
+        if step == 3:
+            where[0] = "add_param_group() of step 3"
+            inner.add_param_group({"params": list(extra.parameters())})
+        where[0] = f"forward/backward of step {step}"
+        x, y = batch(step, job.rank)
+        (F.mse_loss(model(x), y) + F.mse_loss(extra(x), y)).backward()
+        where[0] = f"step() of step {step}"
+        job.step(opt)
+
+    def loss(m, step, rank):
+        x, y = batch(step, rank)
+        return F.mse_loss(m(x), y)
+
+    return pw._expect_error(job, model, ref, opt, ropt, body, loss)
+
+
+def model_cast_after_wrapping(job: pw.Job) -> dict:
+    """``model.to(torch.bfloat16)`` after wrapping (at step 3): refused at the next backward, naming the
+    parameter; nothing launched."""
+    model, ref, opt, ropt = job.make(Net, pw._sgd)
+
+    def loss(m, step, rank):
+        x, y = batch(step, rank)
+        dtype = next(m.parameters()).dtype
+        return F.mse_loss(m(x.to(dtype)).float(), y)
+
+    def body(step, where):
+        opt.zero_grad()
+        if step == 3:
+            where[0] = "model.to(torch.bfloat16) of step 3"
+            model.to(torch.bfloat16)
+        where[0] = f"forward/backward of step {step}"
+        loss(model, step, job.rank).backward()
+        where[0] = f"step() of step {step}"
+        job.step(opt)
+
+    return pw._expect_error(job, model, ref, opt, ropt, body, loss)
+
+
+GRADIENT_RAISE = {
+    "group_added_to_wrapped_optimizer": group_added_after_wrapping,
+    "model_cast_to_bf16_after_wrapping": model_cast_after_wrapping,
+}
+
+GRADIENT_PATTERNS = {**GRADIENT_WORK, **GRADIENT_RAISE}
+
+
+def patterns(names: list, backend: str = "auto") -> dict:
+    """Each named pattern in turn on this rank; ``{name: result}``."""
+    pw._join(False)
+    torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    return {name: pw._run_one(name, GRADIENT_PATTERNS[name], backend) for name in names}
