@@ -204,6 +204,8 @@ class GradientHooks:
         """At ``step()``: a gradient that user code read after its reduction had ended (Note [Gradient
         reads]) may have been changed by it since (``clip_grad_norm_``): that change is what the step uses,
         so its slot's version counts from here."""
+        if True not in self._dc_final:
+            return
         for i, final in enumerate(self._dc_final):
             if final:
                 self._dc_versions[i] = self._dc_slots[i]._version

@@ -176,12 +176,13 @@ class LazyStep:
             if slots[i]._version != versions[i]:
                 raise DCreditError(
                     f"the gradient of '{self._dc_names[i]}' was changed in place while dcredit_opt was still "
-                    f"reducing it (seen in {where}): by clip_grad_norm_, GradScaler.unscale_, "
-                    "model.zero_grad(set_to_none=False) or other code writing p.grad between loss.backward() and "
-                    "the next forward. No pending update was applied. Reduce first, then change the gradients: "
-                    "optimizer.synchronize(); <clip/unscale>; `with optimizer.skip_synchronize(): "
-                    "optimizer.step()` (the Horovod recipe). To clear gradients use optimizer.zero_grad() or "
-                    "model.zero_grad() with set_to_none=True")
+                    f"reducing it or its update still waited for it (seen in {where}): by "
+                    "model.zero_grad(set_to_none=False) or other code writing p.grad between step() and the next "
+                    "forward, or by code that wrote it through another tensor than p.grad. No pending update was "
+                    "applied. Change gradients between loss.backward() and step() through p.grad, or reduce first: "
+                    "optimizer.synchronize(); <change>; `with optimizer.skip_synchronize(): optimizer.step()` (the "
+                    "Horovod recipe). To clear gradients use optimizer.zero_grad() or model.zero_grad() with "
+                    "set_to_none=True")
 
     def _dc_check_graph_reads(self, todo) -> None:
         """Raise if autograd read a pending parameter since the lazy ``step()``: that read saw the old value."""

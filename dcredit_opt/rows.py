@@ -74,7 +74,8 @@ class EmbeddingRows:
         self.gathered: list | None = None  # after the exchange: every rank's (indices, rows), in rank order
         self.hooks = []
         # Hidden from Dynamo, like every hook of ours (Note [Compiled models] in lazy.py): run eagerly.
-        swap_in, swap_out = torch.compiler.disable(self._swap_in), torch.compiler.disable(self._swap_out)
+        swap_in = _RowsHook(torch.compiler.disable(self._swap_in))
+        swap_out = _RowsHook(torch.compiler.disable(self._swap_out))
         for module in modules:
             self.hooks.append(module.register_forward_pre_hook(swap_in))
             self.hooks.append(module.register_forward_hook(swap_out, always_call=True))
@@ -135,6 +136,34 @@ class EmbeddingRows:
         for h in self.hooks:
             h.remove()
         self.hooks = []
+
+
+class _RowsHook:
+    """A forward hook of an embedding on the rows path. The model may be pickled whole or deep-copied
+    while it carries one (Note [Pickled hooks] in lazy.py): the copy gets a hook that does nothing."""
+
+    __slots__ = ("_run",)
+
+    def __init__(self, run):
+        self._run = run
+
+    def __call__(self, *args):
+        return self._run(*args)
+
+    def __reduce__(self):
+        return _NoRowsHook, ()
+
+
+class _NoRowsHook:
+    """What a copied model carries in place of a :class:`_RowsHook`."""
+
+    __slots__ = ()
+
+    def __call__(self, *args):
+        return None
+
+    def __reduce__(self):
+        return _NoRowsHook, ()
 
 
 def row_bytes(values: torch.Tensor) -> int:

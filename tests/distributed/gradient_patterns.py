@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import dcredit_opt as dc
 
 from . import pattern_workers as pw
 from .workers import Net, batch
@@ -201,6 +200,26 @@ def whole_model_saved(job, lazy):
     return job.result(model, ref, opt, save_diff=worst[0], teacher_has_no_hooks=hooks == 0)
 
 
+def whole_model_saved_on_rows_path(job, lazy):
+    """``torch.save(model)`` and ``copy.deepcopy(model)`` after every step of a model whose embedding is
+    reduced as rows (Note [Embedding rows]): its embedding carries our swap hooks then."""
+    config = job.config(lazy_step="auto" if lazy else "off")
+    model, ref, opt, ropt = job.make(pw.EmbedNet, pw._adam, config=config)
+    worst = [0.0]
+
+    def save(step):
+        if step == 0:
+            return  # the first iteration after step() is where the tracer learns the reads
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        worst[0] = max(worst[0], pw.state_diff(torch.load(buf, weights_only=False).state_dict(), ref.state_dict()))
+        copy.deepcopy(model)
+
+    job.train(model, ref, opt, ropt, pw.tied_loss, after_step=save)
+    return job.result(model, ref, opt, save_diff=worst[0], rows_path=bool(opt._dc_rows))
+
+
 GRADIENT_WORK = {f"{name}_{kind}": run for name, fn in {
     "grad_replaced_scaled": grad_scaled,
     "grad_replaced_noise": grad_noise,
@@ -211,6 +230,7 @@ GRADIENT_WORK = {f"{name}_{kind}": run for name, fn in {
     "autograd_grad_assigned_by_hand": autograd_grad_assigned,
     "parameters_to_vector_after_step": parameters_to_vector_after_step,
     "whole_model_saved_with_teacher": whole_model_saved,
+    "whole_model_saved_on_embedding_rows_path": whole_model_saved_on_rows_path,
 }.items() for kind, run in _both(fn).items()}
 
 # Steps that use a replaced gradient are eager by design (Note [Replaced gradients]); with
