@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
 from . import pattern_workers as pw
 from .workers import Net, batch
 
