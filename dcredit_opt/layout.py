@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from .planner.plan import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Plan, PlanError, stages_of
+from .planner.plan import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Plan, PlanError, split_evenly, stages_of
 
 __all__ = ["ALL_GATHER", "ALL_REDUCE", "REDUCE_SCATTER", "Layout", "build_layout", "fixed_plan"]
 
@@ -87,16 +87,11 @@ def fixed_plan(numels: Sequence[int], itemsizes: Sequence[int], block_bytes: int
         raise PlanError(f"block_bytes must be positive, got {block_bytes}")
     if window == 0 or window < -1:
         raise PlanError(f"window must be positive or -1 (all), got {window}")
-    partition = []
-    for n, size in zip(numels, itemsizes):
-        elems = max(1, block_bytes // int(size))
-        full, rest = divmod(int(n), elems)
-        partition.append((elems,) * full + ((rest,) if rest else ()))
     T = len(numels)
     return Plan(
         numels=tuple(int(n) for n in numels),
         order=tuple(reversed(range(T))),
-        partition=tuple(partition),
+        partition=tuple(split_evenly(int(n), max(1, block_bytes // int(size))) for n, size in zip(numels, itemsizes)),
         phase1_windows=(window,) * T,
         phase2_windows=(window if window > 0 else 1 << 30,),
         credit_bytes=credit_bytes,

@@ -322,29 +322,6 @@ def validate(plan: Plan, numels: Sequence[int] | None = None, max_channels: int 
         raise PlanError(f"plan 'policy' is {plan.policy!r}; known policies: {', '.join(POLICY_NAMES)}")
 
 
-def uniform_plan(numels: Sequence[int], block_elems: int, window: int = ALL, *,
-                 phase2_window: int = 1, channels: int = 1, credit_bytes: int = 0,
-                 overlap_forward: bool = True, policy: str = "custom") -> Plan:
-    """Every tensor cut into ``ceil(numel / block_elems)`` blocks, the same window at every event.
-
-    Ready order is assumed to be the reverse of the forward order (backward).
-    """
-    if block_elems <= 0:
-        raise PlanError(f"block size must be positive, got {block_elems} elements")
-    numels = tuple(int(n) for n in numels)
-    return Plan(
-        numels=numels,
-        order=tuple(reversed(range(len(numels)))),
-        partition=tuple(split_evenly(n, block_elems) for n in numels),
-        phase1_windows=tuple(window for _ in numels),
-        phase2_windows=(phase2_window,),
-        credit_bytes=credit_bytes,
-        channels=channels,
-        overlap_forward=overlap_forward,
-        policy=policy,
-    )
-
-
 def split_evenly(numel: int, block_elems: int) -> tuple[int, ...]:
     """``numel`` as ``ceil(numel / block_elems)`` blocks of ``block_elems`` (the last one shorter).
 
