@@ -116,15 +116,3 @@ def overlap_aware_merges(profile: Profile) -> list[list[int]]:
     groups.reverse()
     return groups
 
-
-def comm_end(profile: Profile, groups: list[list[int]]) -> float:
-    """The model's end of communication for ``groups`` (runs in ready order), sent one after another."""
-    alpha, beta = profile.alpha_s, profile.beta_s_per_byte
-    position = {t: i for i, t in enumerate(profile.order())}
-    events = event_times(profile)
-    free = 0.0  # no collective: communication ends before backward starts
-    for group in groups:
-        free = max(events[position[group[-1]]], free) + alpha + beta * sum(profile.tensors[t].nbytes
-                                                                              for t in group)
-    return free
-

@@ -1,4 +1,4 @@
-"""Made-up profiles: for tests, for the planning benchmark, for simulated scale.
+"""Made-up profiles: a model-shaped one, for the planning benchmark and the search's tests.
 
 Nothing here is measured; a real profile comes from ``dcredit_opt.profiler``.
 """
@@ -7,39 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .profile import Profile, TensorProfile, bytes_of
-
-
-def random_profile(seed: int, num_tensors: int, *, max_numel: int = 64, numel_multiple: int = 1,
-                   allow_empty: bool = False, dtypes: tuple[str, ...] = ("float32",),
-                   shuffle_ready: bool = False, comm_to_compute: float | None = None) -> Profile:
-    """A small random profile, reproducible from ``seed``.
-
-    Every numel is a multiple of ``numel_multiple`` (so that blocks of that
-    many elements are all equal), at most ``max_numel``; ``allow_empty`` lets
-    some be 0. Times are uniform in [0, 1) s. ``alpha`` and ``beta`` are drawn
-    so that communicating everything costs about ``comm_to_compute`` times
-    the compute (random in [0.1, 4) when ``None``), with alpha up to half of
-    one tensor's backward.
-    """
-    rng = np.random.default_rng(seed)
-    units = max(1, max_numel // numel_multiple)
-    low = 0 if allow_empty else 1
-    numels = [int(rng.integers(low, units + 1)) * numel_multiple for _ in range(num_tensors)]
-    tensors = [
-        TensorProfile(f"t{i}", numels[i], str(rng.choice(dtypes)), i,
-                      float(rng.uniform(0, 1)), float(rng.uniform(0, 1)))
-        for i in range(num_tensors)
-    ]
-    compute = sum(t.fwd_s + t.bwd_s for t in tensors)
-    total = sum(t.numel * bytes_of(t.dtype) for t in tensors)
-    ratio = float(rng.uniform(0.1, 4.0)) if comm_to_compute is None else comm_to_compute
-    alpha = float(rng.uniform(0, 0.5))
-    beta = ratio * compute / total if total else 0.0
-    ready = None
-    if shuffle_ready:
-        ready = [int(x) for x in rng.permutation(num_tensors)]
-    return Profile(tuple(tensors), alpha, beta, 2, ready)
+from .profile import Profile, TensorProfile
 
 
 def model_like_profile(num_tensors: int, *, seed: int = 0, total_params: int = 100_000_000,

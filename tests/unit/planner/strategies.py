@@ -1,13 +1,14 @@
-"""Hypothesis strategies shared by the planner tests: profiles and arbitrary valid plans."""
+"""Shared by the planner tests: Hypothesis strategies (profiles, arbitrary valid plans) and a seeded random profile."""
 
 from __future__ import annotations
 
 import itertools
 
+import numpy as np
 from hypothesis import strategies as st
 
 from dcredit_opt.planner.plan import ALL, Plan, validate
-from dcredit_opt.planner.profile import RING_STAGE_RATIOS, Profile, TensorProfile
+from dcredit_opt.planner.profile import RING_STAGE_RATIOS, Profile, TensorProfile, bytes_of
 
 times = st.floats(min_value=0.0, max_value=2.0, allow_nan=False, allow_infinity=False)
 
@@ -81,3 +82,35 @@ def plans_for(draw, profile: Profile) -> Plan:
 def profile_and_plan(draw, **kwargs) -> tuple[Profile, Plan]:
     profile = draw(profiles(**kwargs))
     return profile, draw(plans_for(profile))
+
+
+def random_profile(seed: int, num_tensors: int, *, max_numel: int = 64, numel_multiple: int = 1,
+                   allow_empty: bool = False, dtypes: tuple[str, ...] = ("float32",),
+                   shuffle_ready: bool = False, comm_to_compute: float | None = None) -> Profile:
+    """A small random profile, reproducible from ``seed``.
+
+    Every numel is a multiple of ``numel_multiple`` (so that blocks of that
+    many elements are all equal), at most ``max_numel``; ``allow_empty`` lets
+    some be 0. Times are uniform in [0, 1) s. ``alpha`` and ``beta`` are drawn
+    so that communicating everything costs about ``comm_to_compute`` times
+    the compute (random in [0.1, 4) when ``None``), with alpha up to half of
+    one tensor's backward.
+    """
+    rng = np.random.default_rng(seed)
+    units = max(1, max_numel // numel_multiple)
+    low = 0 if allow_empty else 1
+    numels = [int(rng.integers(low, units + 1)) * numel_multiple for _ in range(num_tensors)]
+    tensors = [
+        TensorProfile(f"t{i}", numels[i], str(rng.choice(dtypes)), i,
+                      float(rng.uniform(0, 1)), float(rng.uniform(0, 1)))
+        for i in range(num_tensors)
+    ]
+    compute = sum(t.fwd_s + t.bwd_s for t in tensors)
+    total = sum(t.numel * bytes_of(t.dtype) for t in tensors)
+    ratio = float(rng.uniform(0.1, 4.0)) if comm_to_compute is None else comm_to_compute
+    alpha = float(rng.uniform(0, 0.5))
+    beta = ratio * compute / total if total else 0.0
+    ready = None
+    if shuffle_ready:
+        ready = [int(x) for x in rng.permutation(num_tensors)]
+    return Profile(tuple(tensors), alpha, beta, 2, ready)

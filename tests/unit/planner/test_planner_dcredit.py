@@ -23,9 +23,8 @@ from dcredit_opt.planner.dcredit import (
 from dcredit_opt.planner.plan import ALL, Plan, validate
 from dcredit_opt.planner.profile import Profile, TensorProfile
 from dcredit_opt.planner.simulate import ready_times, simulate
-from dcredit_opt.planner.synthetic import random_profile
 
-from .strategies import profiles
+from .strategies import profiles, random_profile
 
 S = 16  # block bytes in the small cases: 4 float32 elements
 

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 
 from dcredit_opt.planner import policies
-from dcredit_opt.planner.oasr import comm_end, overlap_aware_merges
+from dcredit_opt.planner.oasr import overlap_aware_merges
 from dcredit_opt.planner.plan import ALL, Plan
 from dcredit_opt.planner.profile import Profile, TensorProfile
-from dcredit_opt.planner.simulate import simulate
+from dcredit_opt.planner.simulate import event_times, simulate
 
 from .strategies import profiles
 
@@ -21,6 +21,18 @@ P4 = Profile(
     tensors=tuple(TensorProfile(f"t{i}", n, "float32", i, 0.1, b)
                   for i, (n, b) in enumerate(zip((256, 1024, 64, 512), (0.1, 0.2, 0.3, 0.4)))),
     alpha_s=0.15, beta_s_per_byte=1e-4, world_size=2)
+
+
+def comm_end(profile: Profile, groups: list[list[int]]) -> float:
+    """The model's end of communication for ``groups`` (runs in ready order), sent one after another."""
+    alpha, beta = profile.alpha_s, profile.beta_s_per_byte
+    position = {t: i for i, t in enumerate(profile.order())}
+    events = event_times(profile)
+    free = 0.0  # no collective: communication ends before backward starts
+    for group in groups:
+        free = max(events[position[group[-1]]], free) + alpha + beta * sum(profile.tensors[t].nbytes
+                                                                              for t in group)
+    return free
 
 
 def test_oasr_by_hand_differs_from_mgwfbp():

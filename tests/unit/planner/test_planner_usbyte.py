@@ -12,10 +12,9 @@ from dcredit_opt.planner import policies
 from dcredit_opt.planner.plan import Plan, validate
 from dcredit_opt.planner.profile import Profile, TensorProfile
 from dcredit_opt.planner.simulate import simulate
-from dcredit_opt.planner.synthetic import random_profile
 from dcredit_opt.planner.usbyte import _Model, search_order, unit_grid, usbyte
 
-from .strategies import profiles
+from .strategies import profiles, random_profile
 
 # test_planner_policies.P4: ready at 0.4 (t3, 512 elements), 0.7 (t2, 64), 0.9 (t1, 1024),
 # 1.0 (t0, 256); float32; alpha 0.15 s, beta 1e-4 s/B.
