@@ -48,6 +48,7 @@ import functools
 import math
 from collections.abc import Callable, Iterator, Sequence
 
+from . import policies
 from .dcredit import (
     dcredit_windows,
     optimal_phase2_windows,
@@ -91,8 +92,6 @@ def _candidates(profile: Profile, block_sizes: Sequence[int], credits: Sequence[
                 update_s: float, overlap_forward: bool,
                 channel_fifo: bool = False) -> Iterator[tuple[str, int, Callable[[], Plan]]]:
     """Every candidate as ``(name, work units, make)``, in the order they are tried; ``make()`` builds it."""
-    from . import policies  # policies uses this module through planning; import late
-
     T = profile.num_tensors
     whole = tuple((t.numel,) if t.numel else () for t in profile.tensors)
     kw = {"channels": channels, "overlap_forward": overlap_forward}
