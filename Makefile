@@ -9,7 +9,7 @@ STAMP := $(VENV)/.dcredit-deps-$(TORCH_VERSION)
 SOURCES := $(wildcard csrc/core/*.cc csrc/core/*.h csrc/torch/*.cc csrc/torch/*.h) setup.py
 EXT_STAMP := $(VENV)/.dcredit-ext
 
-.PHONY: install test test-unit test-distributed test-cpp demo bench horovod lint format sanitize clean
+.PHONY: install test test-unit test-distributed test-cpp demo bench horovod lint sanitize clean
 
 install: $(EXT_STAMP)
 
