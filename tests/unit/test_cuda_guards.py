@@ -80,7 +80,14 @@ def test_nccl_with_cpu_parameters_is_refused_with_the_way_out():
     ("gloo", (CPU,), None), ("cpu:gloo,cuda:nccl", (CPU,), None), ("gloo", (CUDA1,), None),
     ("nccl", (CUDA1,), CUDA1), ("some-third-party-backend", (CPU,), None)])
 def test_groups_that_carry_the_device_pass(backend, devs, control):
-    devices.check_group(*fake(*devs), backend, control)
+    names, params = fake(*devs)
+    devices.check_group(names, params, backend, control)
+    # What the check guards holds in each accepted case: the group carries the parameters' device (a backend
+    # we do not know is trusted), and the control plane, where it is a GPU, is the parameters' own.
+    device = devices.device_of(names, params)
+    carried = devices.device_types(backend)
+    assert carried is None or device.type in carried, (backend, device)
+    assert control is None or control == device, (control, device)
 
 
 def test_nccl_on_another_gpu_than_the_current_one_asks_for_set_device():
@@ -157,7 +164,8 @@ def test_event_api_is_a_no_op_on_cpu_blocks():
         engine.shutdown()
 
 
-def test_engines_without_tensors_accept_the_event_flag():
+@pytest.mark.parametrize("record", [True, False])
+def test_engines_without_tensors_accept_the_event_flag(record):
     C = _ext.load()
     engine = C.Engine.noop(30.0)
     try:
@@ -165,9 +173,15 @@ def test_engines_without_tensors_accept_the_event_flag():
                         block_tensors=[[0]], phase1_windows=[-1], phase2_windows=[1], credit_bytes=0, channels=1,
                         buffers=[], postscale=1.0)
         engine.start_iteration()
-        engine.mark_ready(0, record_event=True)
-        engine.flush(record_event=True)
+        assert not engine.tensor_done(0)
+        engine.mark_ready(0, record_event=record)
+        engine.flush(record_event=record)
         engine.wait_all(30.0)
+        # The flag changed nothing: the one block was released, launched on channel 0 and completed, and the
+        # engine is idle with no error.
+        assert engine.tensor_done(0) and engine.idle() and engine.error() is None
+        ((block, channel, _, _, _, release_ns, launch_ns, end_ns),) = engine.trace()
+        assert (block, channel) == (0, 0) and 0 < release_ns <= launch_ns <= end_ns
     finally:
         engine.shutdown()
 
