@@ -96,8 +96,8 @@ class TorchDistBackend:
     def __init__(self, channels: int, timeout_s: float):
         self._groups = runtime.channel_groups(channels)  # this backend's own (see the module docstring)
         self._tally_group = runtime.channel_groups(1, backend="gloo")[0]  # Note [Global usage] in usage.py
-        self._tally = None
-        self._delayed = None  # the background sum of delayed gradients in flight (planner/deft.py)
+        self._tally = _SideSum("a tally")
+        self._delayed = _SideSum("a delayed sum")  # the background sum of delayed gradients (planner/deft.py)
         self._timeout_s = float(timeout_s)
         self.engine = _ext.load().Engine.torch(self._groups, float(timeout_s))
         if runtime.kind() == "horovod":  # registered after hvd.init(), so it runs before Horovod's own exit
@@ -141,14 +141,11 @@ class TorchDistBackend:
     def start_tally(self, counts) -> None:
         """Start summing the CPU tensor ``counts`` over ranks, in place, on a Gloo group of its own (Note
         [Global usage] in usage.py). One at a time: ``wait_tally`` before the next."""
-        assert self._tally is None, "a tally is already in flight"
-        self._tally = dist.all_reduce(counts, group=self._tally_group, async_op=True)
+        self._tally.start(counts, self._tally_group)
 
     def wait_tally(self, timeout_s: float) -> None:
         """Wait for the tally in flight, if any."""
-        work, self._tally = self._tally, None
-        if work is not None:
-            work.wait(datetime.timedelta(seconds=timeout_s))
+        self._tally.wait(timeout_s)
 
     exchanges_rows = True  # Note [Embedding rows] in rows.py
 
@@ -183,22 +180,19 @@ class TorchDistBackend:
     def start_delayed(self, flat) -> None:
         """Start summing the CPU tensor ``flat`` over ranks, in place, on the side group, after whatever is
         queued there (Note [Delayed updates] in planner/deft.py). One at a time: ``wait_delayed`` first."""
-        assert self._delayed is None, "a delayed sum is already in flight"
-        self._delayed = dist.all_reduce(flat, group=self._tally_group, async_op=True)
+        self._delayed.start(flat, self._tally_group)
 
     def wait_delayed(self, timeout_s: float) -> None:
         """Wait for the delayed sum in flight, if any."""
-        work, self._delayed = self._delayed, None
-        if work is not None:
-            work.wait(datetime.timedelta(seconds=timeout_s))
+        self._delayed.wait(timeout_s)
 
     def close(self) -> None:
         """Stop the engine, then destroy the groups: the engine's dispatch thread is gone, and the
         optimizer has drained what was in flight."""
         self.engine.shutdown()
-        if self._delayed is not None:  # queued before the next tally on the side group: wait for it too
+        if self._delayed.in_flight:  # queued before the next tally on the side group: wait for it too
             self._wait_at_close(self.wait_delayed, "the last background sum of delayed gradients")
-        if self._tally is not None:
+        if self._tally.in_flight:
             # A slower peer may start its last tally well after our blocks are done: destroying the group
             # first would fail that peer's tally.
             self._wait_at_close(self.wait_tally, "the last sum of which gradients each rank computed")
@@ -213,6 +207,29 @@ class TorchDistBackend:
             wait(grace)
         except RuntimeError as e:
             log.warning("dcredit_opt: %s did not finish within %g s: %s", what, grace, e)
+
+
+class _SideSum:
+    """One slot: at most one sum over ranks in flight on the side group (the tally, or DeFT's delayed sum)."""
+
+    def __init__(self, what: str):
+        self._what = what
+        self._work = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._work is not None
+
+    def start(self, tensor, group) -> None:
+        """Start summing ``tensor`` over ``group``'s ranks, in place."""
+        assert self._work is None, f"{self._what} is already in flight"
+        self._work = dist.all_reduce(tensor, group=group, async_op=True)
+
+    def wait(self, timeout_s: float) -> None:
+        """Wait for the sum in flight, if any; the slot is free afterwards, even if the wait raised."""
+        work, self._work = self._work, None
+        if work is not None:
+            work.wait(datetime.timedelta(seconds=timeout_s))
 
 
 def _abort_failed_horovod_mpi_job(engine, hvd) -> None:
