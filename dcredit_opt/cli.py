@@ -3,6 +3,10 @@
     python -m dcredit_opt profile --model mymodels.py:make --out mine.json
     python -m dcredit_opt plan --profile mine.json --policy dcredit
     python -m dcredit_opt simulate --profile vgg --workers 16,64,256 --plot scale.png
+    python -m dcredit_opt config > docs/configuration.md
+
+``config`` prints every ``Config`` field (type, default, environment
+variable, docstring) as Markdown: the repository's docs/configuration.md.
 
 ``--profile`` takes a profile JSON file or the name of a shipped profile
 (``vgg``, ``resnet18``, ``gpt``: measured on the models in the repository's
@@ -23,6 +27,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+from .config import reference_markdown
 from .planner import policies
 from .planner.cost import scale_to_workers
 from .planner.plan import ALL, blocks_of
@@ -114,8 +119,9 @@ def parser() -> argparse.ArgumentParser:
         epilog=_examples("profile --model mymodels.py:make --out mine.json",
                          "plan --profile mine.json --policy all",
                          "simulate --profile vgg --workers 16,64,256,1024",
+                         "config > docs/configuration.md",
                          "<command> --help"))
-    sub = p.add_subparsers(dest="command", required=True, metavar="{profile,plan,simulate}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{profile,plan,simulate,config}")
     raw = argparse.RawDescriptionHelpFormatter
 
     pr = sub.add_parser(
@@ -184,12 +190,21 @@ def parser() -> argparse.ArgumentParser:
     sm.add_argument("--markdown", action="store_true", help="print the table as markdown")
     sm.add_argument("--timeline", metavar="JSON",
                     help="write a Chrome trace of the first policy at the first worker count")
+
+    sub.add_parser(
+        "config", formatter_class=raw, help="print every Config field: type, default, environment variable, meaning",
+        description=_para("Print the reference of dcredit_opt.Config as Markdown, read from its field docstrings: "
+                          "the repository's docs/configuration.md is this output."),
+        epilog=_examples("config", "config > docs/configuration.md"))
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
+        if args.command == "config":
+            print(reference_markdown(), end="")
+            return 0
         if args.command == "plan":
             return _plan(args)
         if args.command == "simulate":

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
+import itertools
 import logging
 import os
 from collections.abc import Mapping
@@ -26,11 +29,14 @@ class Config:
     """
 
     policy: str = "dcredit"
-    """Planner policy used once the job has profiled itself (``profile_iters``).
-    One of wfbp, ddp, mgwfbp, oasr, bytescheduler, usbyte, dear, dcredit, or "fixed" to keep
-    the fixed plan below for the whole job; or "deft", which trains differently from synchronous
-    data parallelism (some updates one iteration late, Note [Delayed updates] in planner/deft.py)
-    and therefore also needs ``accept_delayed_updates=True``."""
+    """Planner policy used once the job has profiled itself (``profile_iters``). One of "dcredit" (D-Credit's
+    search: its own windows and every baseline's plan, the fastest in the calibrated simulator),
+    "bytescheduler" (tuned block size x credit), "usbyte" (US-Byte: gap-filling unequal messages, searched
+    order, tuned with ByteScheduler's budget), "oasr" (OASR-WFBP: overlap-aware optimal merges), "mgwfbp",
+    "dear" (DeAR: each fusion group reduce-scattered in backward and all-gathered during the next forward,
+    its fusion threshold tuned), "ddp", "wfbp", or "fixed" to keep the fixed plan below for the whole job;
+    or "deft", which trains differently from synchronous data parallelism (some updates one iteration late,
+    Note [Delayed updates] in planner/deft.py) and therefore also needs ``accept_delayed_updates=True``."""
 
     backend: str = "auto"
     """Who carries the collectives: "torch" (torch.distributed: Gloo, NCCL), "horovod",
@@ -39,22 +45,23 @@ class Config:
     Horovod on CPUs and Horovod's operations on GPUs: ``backends.detect()``)."""
 
     block_bytes: int = DEFAULT_BLOCK_BYTES
-    """Block size of the fixed plan (before or without profiling), in bytes."""
+    """Block size of the fixed plan (used before profiling, and for the whole job with ``policy="fixed"`` or
+    ``profile_iters=0``), in bytes."""
 
     window: int = 2
     """Fixed plan: blocks released per gradient-ready event and per phase-2 group
     (the credit window, in blocks). -1 releases every ready block at once."""
 
     credit_bytes: int = 0
-    """Bytes allowed in flight at once; 0 means the window (in blocks) is the only limit."""
+    """Fixed plan: bytes allowed in flight at once; 0 means the window (in blocks) is the only limit."""
 
     channels: int = 2
     """Process groups (communicators) that blocks rotate over, so that a window of
     k blocks really runs k collectives at once."""
 
     overlap_forward: bool = True
-    """Phase 2: ``step()`` returns before every gradient is reduced, and each layer's
-    next forward waits only for its own parameters. Off: ``step()`` waits (WFBP-style)."""
+    """Phase 2, the lazy step (docs/lazy-step.md): ``step()`` returns before every gradient is reduced,
+    and each layer's next forward waits only for its own parameters. Off: ``step()`` waits (WFBP-style)."""
 
     lazy_step: str = "auto"
     """When phase 2 is on, who may have their update deferred to the first read in the next
@@ -63,14 +70,17 @@ class Config:
     step() treats each parameter on its own) or "off" (every update applied in step())."""
 
     profile_iters: int = 5
-    """Iterations measured at the start of the job before rank 0 plans; 0 keeps the
-    fixed plan."""
+    """Iterations measured at the start of the job before rank 0 plans and every rank switches to
+    the plan; 0 keeps the fixed plan."""
 
     timeout_s: float = 30.0
-    """Longest wait for any collective or gradient before raising, in seconds."""
+    """Longest wait for any collective or gradient before raising, in seconds: a dead or stalled peer
+    makes every other rank raise, naming itself, the block (and its tensors) and the phase."""
 
     timeline_path: str | None = None
-    """Write a Chrome/Perfetto trace of blocks and windows here (one file per rank)."""
+    """Write a Chrome/Perfetto trace of blocks and windows here, one file per rank: a ``{rank}`` in the
+    path is replaced by the rank, otherwise (with more than one rank) ``.rank<r>.json`` is appended
+    (docs/usage.md, "Timeline"). Empty in ``DCREDIT_TIMELINE_PATH`` means None."""
 
     embedding_rows: bool = True
     """Reduce the gradient of a weight that ``nn.Embedding`` modules look rows up in as the rows each batch
@@ -80,11 +90,11 @@ class Config:
     accept_delayed_updates: bool = False
     """Required with ``policy="deft"``, and only there: you accept that the parameters DeFT delays are
     updated with the previous iteration's gradients, so training no longer equals synchronous data
-    parallelism (the README's DeFT section says what that trades)."""
+    parallelism (docs/usage.md, "DeFT", says what that trades)."""
 
     check_finite: bool = False
-    """Raise DCreditError from ``step()`` if a reduced gradient holds NaN or Inf, before any
-    update (the step is skipped). Costs one pass over the gradients, and that ``step()``
+    """Raise DCreditError from ``step()``, naming the parameter, if a reduced gradient holds NaN or Inf,
+    before any update (the step is skipped). Costs one pass over the gradients, and that ``step()``
     waits for every block instead of overlapping them with the next forward."""
 
     def __post_init__(self) -> None:
@@ -173,14 +183,18 @@ class Config:
 # Unknown DCREDIT_* variables of this process already warned about.
 _WARNED: set = set()
 
+# How a DCREDIT_* variable spells a bool field's True and False (any case).
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
 
 def _parse(var: str, raw: str, annotation: str):
     text = raw.strip()
     try:
         if annotation == "bool":
-            if text.lower() in ("1", "true", "yes", "on"):
+            if text.lower() in TRUE_WORDS:
                 return True
-            if text.lower() in ("0", "false", "no", "off"):
+            if text.lower() in FALSE_WORDS:
                 return False
             raise ValueError
         if annotation == "int":
@@ -192,3 +206,56 @@ def _parse(var: str, raw: str, annotation: str):
         return text
     except ValueError:
         raise ValueError(f"environment variable {var}={raw!r} is not a valid {annotation}") from None
+
+
+# ---- the reference: docs/configuration.md ---------------------------------------------------------------------
+
+
+def field_docs() -> dict[str, str]:
+    """Each field's docstring (the string right after its annotation, STYLE's one per field), read from the source."""
+    body = ast.parse(inspect.getsource(Config)).body[0].body
+    return {stmt.target.id: inspect.cleandoc(after.value.value) for stmt, after in itertools.pairwise(body)
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+            and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)}
+
+
+def _default(value) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= MiB and value % MiB == 0:
+        return f"`{value}` ({value // MiB} MiB)"
+    return f'`"{value}"`' if isinstance(value, str) else f"`{value!r}`"
+
+
+def reference_markdown() -> str:
+    """Every field of ``Config`` as Markdown: its type, default, environment variable and docstring.
+
+    ``docs/configuration.md`` is this text (``python -m dcredit_opt config > docs/configuration.md``), and a
+    unit test keeps it so: change a field's docstring here, then regenerate.
+    """
+    docs = field_docs()
+    fields = dataclasses.fields(Config)
+    lines = [
+        "# Configuration",
+        "",
+        "<!-- Generated from dcredit_opt/config.py by `python -m dcredit_opt config > docs/configuration.md`;",
+        "     edit the docstrings there, then regenerate (tests/unit/test_config.py checks this file is current). -->",
+        "",
+        "`dcredit_opt.Config` holds every setting of one optimizer: `dc.DistributedOptimizer(...,",
+        "config=dc.Config(policy=\"fixed\", channels=4))`. Each field can also be set with an environment",
+        "variable `DCREDIT_<FIELD>` (upper case), read in one place, `Config.from_env()` (defaults, then the",
+        "environment, then its keyword arguments): by each `DistributedOptimizer` built without `config=`, and",
+        "for `backend` by `dc.init()`; a `Config` you pass is used as it is.",
+        f"A bool reads {', '.join(TRUE_WORDS)} or {', '.join(FALSE_WORDS)} (any case). An unknown `DCREDIT_*`",
+        "variable is reported once per process, naming the known ones; a bad value raises `ValueError` naming",
+        "its variable, as a bad argument names its field.",
+        "",
+        "| field | type | default | environment variable |",
+        "|---|---|---|---|",
+    ]
+    for f in fields:
+        cell = f.type.replace("|", "\\|")  # a pipe inside a table cell is escaped
+        lines.append(f"| [`{f.name}`](#{f.name}) | `{cell}` | {_default(f.default)} | `DCREDIT_{f.name.upper()}` |")
+    for f in fields:
+        summary = f"`{f.type}`, default {_default(f.default)}, environment `DCREDIT_{f.name.upper()}`."
+        lines += ["", f"## {f.name}", "", summary, "", docs[f.name]]
+    return "\n".join(lines) + "\n"

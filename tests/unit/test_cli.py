@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from dcredit_opt import cli
+from dcredit_opt.config import reference_markdown
 from dcredit_opt.model_profile import forward
 from dcredit_opt.planner.cost import ring_allreduce
 from dcredit_opt.planner.profile import Profile
@@ -75,7 +76,7 @@ def model_file(tmp_path) -> Path:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("command", [[], ["profile"], ["plan"], ["simulate"]])
+@pytest.mark.parametrize("command", [[], ["profile"], ["plan"], ["simulate"], ["config"]])
 def test_every_command_has_help_with_examples(capsys, command):
     code, out, _ = run_cli(capsys, *command, "--help")
     assert code == 0
@@ -91,6 +92,13 @@ def test_policy_help_lists_every_policy_and_all(capsys, command):
     text = " ".join(out.split())  # argparse wraps lines wherever the width falls
     for name in cli.POLICY_ORDER:
         assert f"{name} (" in text, f"--help does not describe {name}"
+
+
+@pytest.mark.timeout(60)
+def test_config_prints_the_configuration_reference(capsys):
+    code, out, err = run_cli(capsys, "config")
+    assert code == 0 and not err
+    assert out == reference_markdown() and out.startswith("# Configuration\n")
 
 
 @pytest.mark.timeout(60)

@@ -11,11 +11,15 @@ import itertools
 import logging
 import math
 import textwrap
+from pathlib import Path
 
 import pytest
 
 import dcredit_opt
 from dcredit_opt import Config
+from dcredit_opt.config import field_docs, reference_markdown
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 # The field list, frozen (torchtitan does the same for its options): adding,
 # removing, renaming or retyping a field must change this test too, so the
@@ -69,6 +73,19 @@ def test_every_field_has_a_default_and_a_docstring():
                   if isinstance(stmt, ast.AnnAssign) and isinstance(after, ast.Expr)
                   and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)}
     assert documented == {name for name, _ in FIELDS}
+
+
+@pytest.mark.timeout(60)
+def test_the_configuration_doc_is_generated_and_current():
+    """docs/configuration.md is ``python -m dcredit_opt config``'s output, so it cannot drift from the fields."""
+    assert DOC.read_text() == reference_markdown(), (
+        "docs/configuration.md is stale: run `python -m dcredit_opt config > docs/configuration.md`")
+    docs = field_docs()
+    assert list(docs) == [name for name, _ in FIELDS]
+    text = DOC.read_text()
+    for name, kind in FIELDS:  # every field, its variable and its whole docstring
+        section = text.split(f"\n## {name}\n", 1)[1].split("\n## ", 1)[0]
+        assert f"`{kind}`" in section and f"`DCREDIT_{name.upper()}`" in section and docs[name] in section, name
 
 
 @pytest.mark.parametrize(("field", "value"), [
