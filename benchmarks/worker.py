@@ -189,7 +189,7 @@ def run_dc_under_horovod(args, model, batch, rank, world):
     import dcredit_opt as dc
 
     backend = "horovod" if "-ops" in args.scheme else "auto"  # "auto" under Horovod on CPUs: our channels
-    # The README's Horovod recipe: fusion off (but in -fused, which measures what fusion does to our blocks);
+    # docs/horovod.md's recipe: fusion off (but in -fused, which measures what fusion does to our blocks);
     # with our channels carrying the blocks, a 20 ms cycle (Note [Horovod cycle time] in
     # dcredit_opt/launchers.py). Blocks on Horovod's operations keep its default cycle.
     hvd, close_horovod = _join_horovod(rank, world, fusion_off=not args.scheme.endswith("-fused"),
@@ -244,9 +244,9 @@ def _join_horovod(rank, world, fusion_off: bool = False, quiet_cycle: bool = Fal
         "HOROVOD_CROSS_SIZE": str(world),
     })
     if fusion_off:
-        os.environ["HOROVOD_FUSION_THRESHOLD"] = "0"  # as the README asks of Horovod users
+        os.environ["HOROVOD_FUSION_THRESHOLD"] = "0"  # as docs/horovod.md asks of Horovod users
     if quiet_cycle:
-        os.environ["HOROVOD_CYCLE_TIME"] = "20"  # horovodrun --cycle-time-ms 20, as the README asks
+        os.environ["HOROVOD_CYCLE_TIME"] = "20"  # horovodrun --cycle-time-ms 20, as docs/horovod.md asks
     hvd.init()
 
     def close():
@@ -266,7 +266,7 @@ def run_dc(args, model, batch, rank, world):
     policy = args.scheme.removeprefix("dc-").removesuffix("-fp16").removesuffix("-dense")
     compression = dc.Compression.fp16 if args.scheme.endswith("-fp16") else dc.Compression.none
     overrides = {"embedding_rows": False} if args.scheme.endswith("-dense") else {}
-    if policy == "deft":  # the benchmark accepts what DeFT changes (README): its row is marked as such
+    if policy == "deft":  # the benchmark accepts what DeFT changes (docs/usage.md): its row is marked as such
         overrides["accept_delayed_updates"] = True
     # DCREDIT_* variables (a timeline path, a timeout) pass through; the
     # scheme decides the policy. The timeout also bounds joining the job and

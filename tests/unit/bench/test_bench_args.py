@@ -69,7 +69,7 @@ def test_harness_refuses_horovod_on_cuda(capsys, monkeypatch):
 
 
 def test_scheme_list_is_frozen():
-    # Adding a scheme means adding it to the README and the results: do it on purpose.
+    # Adding a scheme means adding it to benchmarks/README.md and the results: do it on purpose.
     assert worker.SCHEMES == (
         "compute", "comm", "ddp", "horovod",
         "dc-wfbp", "dc-mgwfbp", "dc-oasr", "dc-bytescheduler", "dc-usbyte", "dc-dear", "dc-dcredit",
