@@ -13,6 +13,8 @@ in ``_DistributedOptimizer._dc_setup``.
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
 from . import timeline
@@ -96,7 +98,7 @@ class GradientHooks:
         self._dc_flushed = False
         self._dc_life.flushed = False
         self._dc_synchronized = False
-        self._dc_marked = [False] * len(self._dc_params)
+        clear(self._dc_marked)
         self._dc_final = [False] * len(self._dc_params)
 
     def _dc_check_casts(self) -> None:
@@ -221,6 +223,24 @@ class GradientHooks:
                 self._dc_engine.wait_all(float(self._dc_config.timeout_s))
         except (RuntimeError, TimeoutError) as e:
             raise at_rank(e, where) from e
+
+
+# Note [Gradient state]
+# ~~~~~~~~~~~~~~~~~~~~~
+# What the gradient hooks record per tensor and iteration (backward passes
+# counted, handed to the scheduler, had a gradient on this rank, the slot's
+# version at the hand-over) lives in flat memory, not in Python lists: arrays
+# that are indexed like lists, never resized and cleared in place, so that
+# their memory stays where it is for the whole life of the optimizer and code
+# outside Python (a hook in the extension) can write it directly.
+def per_tensor(n: int, fmt: str) -> memoryview:
+    """``n`` zeros of struct format ``fmt`` in flat memory: indexed like a list, never resized, cleared in place."""
+    return memoryview(bytearray(n * struct.calcsize(fmt))).cast(fmt)
+
+
+def clear(values: memoryview) -> None:
+    """Every value of a :func:`per_tensor` array back to zero, in place."""
+    values.cast("B")[:] = bytes(values.nbytes)
 
 
 def slot_in(buffer: torch.Tensor, offset: int, p: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 
 from . import _ext, rows, runtime
 from .errors import DCreditError
+from .gradients import clear
 from .reads import FirstReadTracer
 from .runtime import at_rank
 from .timeline import profiled
@@ -213,7 +214,7 @@ class LazyStep:
         if all(bool(torch.isfinite(b).all()) for b in [*self._dc_buffers, *private]):
             return
         bad = next(i for i, slot in enumerate(self._dc_slots) if not bool(torch.isfinite(slot).all()))
-        self._dc_counts = [0] * len(self._dc_params)
+        clear(self._dc_counts)
         self._dc_open = False
         raise DCreditError(f"the reduced gradient of '{self._dc_names[bad]}' holds NaN or Inf (Config.check_finite "
                            "is on): step() skipped, no parameter or optimizer state was changed; the reduced "
@@ -241,7 +242,7 @@ class LazyStep:
             scaler.unscale_(self)
         if not sum(float(v.item()) for v in scaler._found_inf_per_device(self).values()):
             return False
-        self._dc_counts = [0] * len(self._dc_params)
+        clear(self._dc_counts)
         self._dc_open = False
         self._dc_synchronized = False
         return True

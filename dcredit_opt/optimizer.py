@@ -101,7 +101,7 @@ from .compression import block_wire_dtype, wire_dtype_of
 from .config import Config
 from .delayed import DelayedGradients
 from .errors import DCreditError
-from .gradients import GradientHooks, is_slot, slot_in, weak_count_hook, weak_grad_hook
+from .gradients import GradientHooks, clear, is_slot, per_tensor, slot_in, weak_count_hook, weak_grad_hook
 from .layout import build_layout, fixed_plan
 from .lazy import Keeper, LazyStep, copy_hyper, watch_module_hooks_when_compiled
 from .planner.plan import Plan, validate
@@ -290,8 +290,9 @@ class _DistributedOptimizer:
                                               sparse_as_dense=sparse_as_dense, compression=str(wire),
                                               groups=group_of)
         T = len(params)
-        self._dc_counts = [0] * T
-        self._dc_marked = [False] * T
+        # Per-tensor state that the gradient hooks write: flat memory, cleared in place (Note [Gradient state]).
+        self._dc_counts = per_tensor(T, "i")  # backward passes since the last step()
+        self._dc_marked = per_tensor(T, "B")  # handed to the scheduler in this iteration
         self._dc_final = [False] * T  # reduction waited for at a read of p.grad (Note [Gradient reads])
         self._dc_group_ids = _group_ids(self.param_groups)  # what was wrapped (Note [Replaced gradients])
         self._dc_pending = [False] * T
@@ -301,8 +302,8 @@ class _DistributedOptimizer:
         self._dc_synchronized = False
         self._dc_skip = False
         self._dc_snapshot = None
-        self._dc_versions = [0] * T  # each slot's version when its gradient was handed over
-        self._dc_used = [False] * T  # this iteration: had a gradient on this rank (Note [Global usage])
+        self._dc_versions = per_tensor(T, "q")  # each slot's version when its gradient was handed over
+        self._dc_used = per_tensor(T, "B")  # this iteration: had a gradient on this rank (Note [Global usage])
         self._dc_usage = None  # the last flushed iteration's _Usage
         self._dc_rows: dict[int, rows.EmbeddingRows] = {}  # Note [Embedding rows] in rows.py, once agreed
         self._dc_rows_proposal = [0] * T  # what this rank learned: 0, rows.TIED or rows.ROWS_ONLY per tensor
@@ -494,7 +495,7 @@ class _DistributedOptimizer:
         if self._dc_config.check_finite:
             self._dc_check_finite()
         self._dc_snapshot = [copy_hyper(g) for g in self.param_groups]
-        self._dc_counts = [0] * len(self._dc_params)
+        clear(self._dc_counts)
         self._dc_open = False
         self._dc_pending = [True] * len(self._dc_params)
         self._dc_npending = len(self._dc_params)

@@ -57,7 +57,7 @@ parameter's gradient accumulator (Note [Graph reads] in
 raise a ``DCreditError`` naming the parameter before anything is applied or
 launched. A read that neither sees (another thread or compiled code, without
 autograd; a collective or C++ extension handed ``p`` directly) is the
-remaining gap, stated in the README.
+remaining gap, stated in ``docs/lazy-step.md``.
 
 Note [Guard cost]
 -----------------

@@ -31,6 +31,7 @@ import weakref
 import torch
 
 from . import rows, runtime, timeline
+from .gradients import clear
 from .runtime import at_rank
 
 
@@ -74,9 +75,9 @@ class GlobalUsage:
         proposal = self._dc_rows_proposal
         counts = torch.tensor([*self._dc_used, *(k > 0 for k in proposal), *(k == rows.ROWS_ONLY for k in proposal)],
                               dtype=torch.int32)
-        usage = _Usage(self._dc_used, counts)
+        usage = _Usage(bytes(self._dc_used), counts)
         if runtime.size() == 1:
-            usage.everywhere = self._dc_used
+            usage.everywhere = usage.here
         else:
             last = self._dc_usage
             try:
@@ -87,7 +88,7 @@ class GlobalUsage:
             except (RuntimeError, TimeoutError) as e:
                 raise at_rank(e, "end of phase 1, summing which gradients each rank computed") from e
         self._dc_usage = usage
-        self._dc_used = [False] * len(self._dc_params)
+        clear(self._dc_used)
 
     def _dc_unused_everywhere(self, indices) -> list:
         """Of tensors ``indices``, those no rank computed a gradient for in the iteration being applied."""
