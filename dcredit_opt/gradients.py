@@ -17,7 +17,7 @@ import struct
 
 import torch
 
-from . import timeline
+from . import _ext, timeline
 from .errors import DCreditError
 from .runtime import at_rank
 
@@ -94,8 +94,7 @@ class GradientHooks:
             self._dc_engine.start_iteration()
         except (RuntimeError, TimeoutError) as e:
             raise at_rank(e, "phase 1 (start of backward)") from e
-        self._dc_open = True
-        self._dc_flushed = False
+        self._dc_set_open(True)
         self._dc_life.flushed = False
         self._dc_synchronized = False
         clear(self._dc_marked)
@@ -160,11 +159,28 @@ class GradientHooks:
             self._dc_engine.flush()
         except (RuntimeError, TimeoutError) as e:
             raise at_rank(e, "end of phase 1 (the flush in step() or synchronize())") from e
-        self._dc_flushed = True
+        self._dc_set_flushed(True)
         self._dc_life.flushed = True
         self._dc_start_tally()
         if self._dc_delayed is not None:
             self._dc_delayed.start(self._dc_backend)  # after the tally: it never waits behind this sum
+
+    def _dc_set_open(self, open_: bool) -> None:
+        """An iteration opens at its first gradient and closes at ``step()``; the C++ hooks take the fast path
+        only inside an open one that has not been flushed (Note [Gradient path] in csrc/torch/gradient_path.h)."""
+        self._dc_open = open_
+        self._dc_flushed = False
+        self._dc_path.set_open(open_)
+        self._dc_path.set_flushed(False)
+
+    def _dc_set_flushed(self, flushed: bool) -> None:
+        self._dc_flushed = flushed
+        self._dc_path.set_flushed(flushed)
+
+    def _dc_hook_failed(self, i: int, message: str) -> None:
+        """The C++ hook's scheduler failure at tensor ``i``, raised as the Python path raises it."""
+        error = _ext.load().SchedulerError(message)  # what the Python path's mark_ready raises
+        raise at_rank(error, f"phase 1 (backward), at the gradient of '{self._dc_names[i]}' (tensor {i})")
 
     def _dc_release(self) -> None:
         """End of backward, as ``step()`` and ``synchronize()`` take it: the last step()'s updates still
@@ -270,12 +286,32 @@ def is_slot(grad, slot) -> bool:
             and grad.data_ptr() == slot.data_ptr() and grad.shape == slot.shape)
 
 
-def weak_grad_hook(ref, i):
-    def hook(p):
-        opt = ref()
+class WeakSlowPath:
+    """The C++ hook's Python path (Note [Gradient path]): ``_dc_on_grad`` of a weakly held optimizer."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, ref):
+        self._ref = ref
+
+    def __call__(self, i: int) -> None:
+        opt = self._ref()
         if opt is not None:
-            opt._dc_on_grad(i, p)
-    return hook
+            opt._dc_on_grad(i, opt._dc_params[i])
+
+
+class WeakHookFailure:
+    """The C++ hook's scheduler failure, raised by a weakly held optimizer."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, ref):
+        self._ref = ref
+
+    def __call__(self, i: int, message: str) -> None:
+        opt = self._ref()
+        if opt is not None:
+            opt._dc_hook_failed(i, message)
 
 
 def weak_count_hook(ref, i):

@@ -83,6 +83,8 @@ class LazyStep:
         for i in todo:
             self._dc_pending[i] = False
         self._dc_npending -= len(todo)
+        if self._dc_deferred:  # their accumulators were dropped (Note [Graph reads]): the hook goes on the new ones
+            self._dc_path.refresh(todo)
         if not self._dc_npending:
             guard.remove()  # inside the guard's own handler it only disarms; it leaves at the next chance
             self._dc_keeper.strong = None  # nothing waits: a dropped optimizer may go
@@ -215,7 +217,7 @@ class LazyStep:
             return
         bad = next(i for i, slot in enumerate(self._dc_slots) if not bool(torch.isfinite(slot).all()))
         clear(self._dc_counts)
-        self._dc_open = False
+        self._dc_set_open(False)
         raise DCreditError(f"the reduced gradient of '{self._dc_names[bad]}' holds NaN or Inf (Config.check_finite "
                            "is on): step() skipped, no parameter or optimizer state was changed; the reduced "
                            "gradients stay in p.grad")
@@ -243,7 +245,7 @@ class LazyStep:
         if not sum(float(v.item()) for v in scaler._found_inf_per_device(self).values()):
             return False
         clear(self._dc_counts)
-        self._dc_open = False
+        self._dc_set_open(False)
         self._dc_synchronized = False
         return True
 

@@ -87,6 +87,7 @@ import weakref
 import torch
 
 from . import (
+    _ext,
     backends,
     checks,
     devices,
@@ -101,7 +102,16 @@ from .compression import block_wire_dtype, wire_dtype_of
 from .config import Config
 from .delayed import DelayedGradients
 from .errors import DCreditError
-from .gradients import GradientHooks, clear, is_slot, per_tensor, slot_in, weak_count_hook, weak_grad_hook
+from .gradients import (
+    GradientHooks,
+    WeakHookFailure,
+    WeakSlowPath,
+    clear,
+    is_slot,
+    per_tensor,
+    slot_in,
+    weak_count_hook,
+)
 from .layout import build_layout, fixed_plan
 from .lazy import Keeper, LazyStep, copy_hyper, watch_module_hooks_when_compiled
 from .planner.plan import Plan, validate
@@ -325,6 +335,13 @@ class _DistributedOptimizer:
         self._dc_told = set()  # notices already given
         self._dc_backend = backends.create(config.backend, config.channels, config.timeout_s)
         self._dc_engine = self._dc_backend.engine
+        me = weakref.ref(self)
+        # Note [Gradient path]: each gradient's hand-over, in C++; Python where it must.
+        self._dc_path = _ext.load().GradientPath(self._dc_engine, params, self._dc_counts, self._dc_marked,
+                                                 self._dc_used, self._dc_versions, WeakSlowPath(me),
+                                                 WeakHookFailure(me))
+        self._dc_path.set_passes_per_step(bpps)
+        self._dc_path.set_prescale(self._dc_prescale)
         if config.policy == "deft" and not self._dc_sums_delayed():
             self._dc_backend.close()
             raise DCreditError(f"Config(policy='deft') sums its delayed gradients on backend 'torch' only; this "
@@ -346,7 +363,6 @@ class _DistributedOptimizer:
         self._dc_set_plan(fixed_plan(
             [p.numel() for p in params], [p.element_size() for p in params], config.block_bytes,
             config.window, config.channels, config.credit_bytes, config.overlap_forward))
-        me = weakref.ref(self)
         atexit.register(_drain_at_exit, me)
         # Dropped without _dc_close() (del, garbage collection): what is in flight still
         # finishes before the channels go, or the peers would wait for blocks never launched.
@@ -355,8 +371,8 @@ class _DistributedOptimizer:
                                             float(config.timeout_s))
         self._dc_dropped.atexit = False  # at exit, _drain_at_exit drains and the runtime closes
         runtime.register_user(self)
-        self._dc_grad_hooks = [p.register_post_accumulate_grad_hook(weak_grad_hook(me, i))
-                               for i, p in enumerate(params)]
+        self._dc_path.install()
+        self._dc_grad_hooks = []
         # A gradient beyond backward_passes_per_step is refused before autograd
         # adds it to p.grad, which by then is our slot, possibly on the wire.
         self._dc_grad_hooks += [p.register_hook(weak_count_hook(me, i)) for i, p in enumerate(params)]
@@ -404,6 +420,7 @@ class _DistributedOptimizer:
         self._dc_plan, self._dc_layout, self._dc_buffers, self._dc_slots = plan, layout, buffers, slots
         # What p.grad is after each gradient's hook (Note [Gradient reads]).
         self._dc_watched = [WatchedGradient.of(slot, i, self._dc_keeper) for i, slot in enumerate(slots)]
+        self._dc_path.set_slots(slots, self._dc_watched)
         if self._dc_delayed is not None:  # the sum in flight was for the old plan's slots: not applied
             self._dc_delayed.drain(self._dc_backend, float(self._dc_config.timeout_s))
         self._dc_delayed = DelayedGradients(plan.delayed, slots) if plan.delayed else None
@@ -447,6 +464,7 @@ class _DistributedOptimizer:
             raise DCreditError(f"set_backward_passes_per_step({passes}) after a backward pass: call it right "
                                "after step(), before the next loss.backward()")
         self._dc_bpps = passes
+        self._dc_path.set_passes_per_step(passes)
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -496,7 +514,7 @@ class _DistributedOptimizer:
             self._dc_check_finite()
         self._dc_snapshot = [copy_hyper(g) for g in self.param_groups]
         clear(self._dc_counts)
-        self._dc_open = False
+        self._dc_set_open(False)
         self._dc_pending = [True] * len(self._dc_params)
         self._dc_npending = len(self._dc_params)
         self._dc_reduced = False
@@ -728,6 +746,7 @@ class _DistributedOptimizer:
         for r in self._dc_rows.values():
             r.remove()
         self._dc_grad_hooks, self._dc_module_hooks = [], []
+        self._dc_path.close()
         for p, w, slot in zip(self._dc_params, self._dc_watched, self._dc_slots):
             if p.grad is w:
                 p.grad = slot  # final now: nothing of ours watches it any more

@@ -13,6 +13,7 @@
 
 #include "../core/backends.h"
 #include "../core/scheduler.h"
+#include "gradient_path.h"
 #include "torch_backend.h"
 #include "torch_compat.h"
 
@@ -185,6 +186,44 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one (Note [Graph reads]).");
   m.def("first_graph_read", &FirstGraphRead, py::arg("tensors"),
         "Index of the first leaf read by a live graph made since forget_graph_reads(), or -1.");
+
+  // Note [Gradient path] in gradient_path.h. The per-tensor arrays are the optimizer's writable buffers
+  // (kept alive with the path); `slow(i)` and `failed(i, message)` are its Python fallbacks.
+  py::class_<GradientPath>(m, "GradientPath")
+      .def(py::init([](Engine& engine, std::vector<at::Tensor> params, const py::buffer& counts,
+                       const py::buffer& marked, const py::buffer& used, const py::buffer& versions,
+                       py::object slow, py::object failed) {
+             const size_t n = params.size();
+             auto pointer = [n](const py::buffer& b, ssize_t itemsize, const char* name) {
+               py::buffer_info info = b.request(/*writable=*/true);
+               if (info.itemsize != itemsize || info.ndim != 1 || static_cast<size_t>(info.shape[0]) != n ||
+                   info.strides[0] != itemsize) {
+                 throw std::invalid_argument(std::string("GradientPath: ") + name + " must be " +
+                                             std::to_string(n) + " contiguous items of " +
+                                             std::to_string(itemsize) + " bytes");
+               }
+               return info.ptr;
+             };
+             Engine* e = &engine;
+             return std::make_unique<GradientPath>(
+                 std::move(params), [e](int32_t t) { e->MarkReady(t, /*record_event=*/true); },
+                 static_cast<int32_t*>(pointer(counts, 4, "counts")),
+                 static_cast<uint8_t*>(pointer(marked, 1, "marked")), static_cast<uint8_t*>(pointer(used, 1, "used")),
+                 static_cast<int64_t*>(pointer(versions, 8, "versions")), std::move(slow), std::move(failed));
+           }),
+           py::arg("engine"), py::arg("params"), py::arg("counts"), py::arg("marked"), py::arg("used"),
+           py::arg("versions"), py::arg("slow"), py::arg("failed"), py::keep_alive<1, 2>(), py::keep_alive<1, 4>(),
+           py::keep_alive<1, 5>(), py::keep_alive<1, 6>(), py::keep_alive<1, 7>())
+      .def("set_slots", &GradientPath::SetSlots, py::arg("slots"), py::arg("watched"))
+      .def("set_open", &GradientPath::SetOpen, py::arg("open"))
+      .def("set_flushed", &GradientPath::SetFlushed, py::arg("flushed"))
+      .def("set_passes_per_step", &GradientPath::SetPassesPerStep, py::arg("passes"))
+      .def("set_prescale", &GradientPath::SetPrescale, py::arg("prescale"))
+      .def("install", &GradientPath::Install)
+      .def("refresh", &GradientPath::Refresh, py::arg("indices"))
+      .def("close", &GradientPath::Close)
+      .def("take_slow_count", &GradientPath::TakeSlowCount,
+           "Gradients that took the Python path since the last call.");
 
   py::class_<Engine>(m, "Engine")
       .def_static("torch", &Engine::Torch, py::arg("groups"), py::arg("timeout_s"),

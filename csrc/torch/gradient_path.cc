@@ -1,0 +1,226 @@
+// See Note [Gradient path] in gradient_path.h.
+#include "gradient_path.h"
+
+#include <torch/csrc/Exceptions.h>
+
+#include <atomic>
+#include <exception>
+#include <string>
+#include <utility>
+
+namespace dcredit {
+
+struct GradientPath::State {
+  std::mutex mu;
+  bool closed = false;
+  bool open = false;
+  bool flushed = false;
+  int32_t passes = 1;
+  double prescale = 1.0;
+  std::vector<at::Tensor> params;
+  std::vector<at::Tensor> slots;
+  std::vector<at::Tensor> watched;
+  std::function<void(int32_t)> mark_ready;
+  int32_t* counts = nullptr;
+  uint8_t* marked = nullptr;
+  uint8_t* used = nullptr;
+  int64_t* versions = nullptr;
+  PyObject* slow = nullptr;    // borrowed: GradientPath holds the reference until Close()
+  PyObject* failed = nullptr;  // idem
+  std::atomic<int64_t> slow_count{0};
+
+  // Runs on autograd's thread for tensor i's accumulator, after it has added
+  // the gradient to p.grad; the GIL is not held.
+  void OnGradient(int32_t i) {
+    std::unique_lock<std::mutex> lock(mu);
+    if (closed) return;
+    if (!(open && !flushed && passes == 1 && counts[i] == 0) || !Stage(i)) {
+      slow_count.fetch_add(1, std::memory_order_relaxed);
+      lock.unlock();
+      CallPython(slow, i, nullptr);
+      return;
+    }
+    marked[i] = 1;
+    counts[i] = 1;
+    try {
+      mark_ready(i);
+    } catch (const std::exception& e) {
+      const std::string message = e.what();
+      lock.unlock();
+      CallPython(failed, i, &message);
+    }
+  }
+
+  // The fast path's hand-over of tensor i's gradient into its slot; false
+  // (nothing changed) where the Python path must do it.
+  bool Stage(int32_t i) {
+    at::Tensor& grad = params[i].mutable_grad();
+    const at::Tensor& slot = slots[i];
+    const at::Tensor& alias = watched[i];
+    if (!grad.defined() || slot.numel() == 0) return false;
+    if (grad.unsafeGetTensorImpl() == alias.unsafeGetTensorImpl()) {
+      if (prescale != 1.0) slot.mul_(prescale);
+    } else {
+      if (grad.is_sparse() || grad.scalar_type() != slot.scalar_type() || grad.device() != slot.device() ||
+          !grad.sizes().equals(slot.sizes())) {
+        return false;
+      }
+      const bool aliases = grad.data_ptr() == slot.data_ptr();
+      if (prescale != 1.0) {
+        if (aliases) {
+          slot.mul_(prescale);
+        } else {
+          at::mul_out(const_cast<at::Tensor&>(slot), grad, prescale);
+        }
+      } else if (!aliases) {
+        const_cast<at::Tensor&>(slot).copy_(grad);
+      }
+      grad = alias;  // Note [Gradient reads]
+    }
+    used[i] = 1;
+    versions[i] = slot._version();  // from here on, only the collectives write the blocks
+    return true;
+  }
+
+  // Calls `fn(i)` or `fn(i, message)` with the GIL; a Python exception goes
+  // on as itself (a DCreditError stays one through autograd).
+  static void CallPython(PyObject* fn, int32_t i, const std::string* message) {
+    pybind11::gil_scoped_acquire gil;
+    if (fn == nullptr) return;
+    try {
+      pybind11::handle f(fn);
+      if (message == nullptr) {
+        f(i);
+      } else {
+        f(i, *message);
+      }
+    } catch (pybind11::error_already_set& e) {
+      e.restore();
+      python_error error;
+      error.persist();  // the Python exception itself, so that autograd re-raises it as it is
+      throw error;
+    }
+  }
+};
+
+namespace {
+
+class PostHook : public torch::autograd::FunctionPostHook {
+ public:
+  PostHook(std::shared_ptr<GradientPath::State> state, int32_t index) : state_(std::move(state)), index_(index) {}
+
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    state_->OnGradient(index_);
+    return outputs;
+  }
+
+ private:
+  std::shared_ptr<GradientPath::State> state_;
+  int32_t index_;
+};
+
+}  // namespace
+
+GradientPath::GradientPath(std::vector<at::Tensor> params, std::function<void(int32_t)> mark_ready,
+                           int32_t* counts, uint8_t* marked, uint8_t* used, int64_t* versions,
+                           pybind11::object slow, pybind11::object failed)
+    : state_(std::make_shared<State>()), slow_(std::move(slow)), failed_(std::move(failed)) {
+  State& s = *state_;
+  s.params = std::move(params);
+  s.mark_ready = std::move(mark_ready);
+  s.counts = counts;
+  s.marked = marked;
+  s.used = used;
+  s.versions = versions;
+  s.slow = slow_.ptr();
+  s.failed = failed_.ptr();
+  accumulators_.resize(s.params.size());
+  keys_.resize(s.params.size(), 0);
+}
+
+GradientPath::~GradientPath() { Close(); }
+
+void GradientPath::SetSlots(std::vector<at::Tensor> slots, std::vector<at::Tensor> watched) {
+  if (slots.size() != state_->params.size() || watched.size() != slots.size()) {
+    throw std::invalid_argument("set_slots: one slot and one watched alias per parameter");
+  }
+  std::lock_guard<std::mutex> lock(state_->mu);
+  state_->slots = std::move(slots);
+  state_->watched = std::move(watched);
+}
+
+void GradientPath::SetOpen(bool open) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  state_->open = open;
+}
+
+void GradientPath::SetFlushed(bool flushed) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  state_->flushed = flushed;
+}
+
+void GradientPath::SetPassesPerStep(int32_t passes) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  state_->passes = passes;
+}
+
+void GradientPath::SetPrescale(double prescale) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  state_->prescale = prescale;
+}
+
+void GradientPath::HookOnto(int32_t i) {
+  auto acc = torch::autograd::impl::grad_accumulator(state_->params[i]);
+  if (!acc || acc.get() == accumulators_[i].get()) return;
+  if (accumulators_[i]) accumulators_[i]->del_post_hook(keys_[i]);
+  keys_[i] = acc->add_post_hook(std::make_unique<PostHook>(state_, i));
+  accumulators_[i] = std::move(acc);
+}
+
+void GradientPath::Install() {
+  if (state_->closed) throw std::logic_error("install on a closed gradient path");
+  for (size_t i = 0; i < state_->params.size(); ++i) HookOnto(static_cast<int32_t>(i));
+}
+
+void GradientPath::Refresh(const std::vector<int64_t>& indices) {
+  if (state_->closed) return;
+  for (int64_t i : indices) {
+    if (i < 0 || i >= static_cast<int64_t>(state_->params.size())) {
+      throw std::out_of_range("refresh: tensor " + std::to_string(i) + " out of range");
+    }
+    HookOnto(static_cast<int32_t>(i));
+  }
+}
+
+void GradientPath::Close() {
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    if (state_->closed) return;
+    state_->closed = true;
+    state_->slow = nullptr;
+    state_->failed = nullptr;
+    state_->mark_ready = nullptr;
+    state_->counts = nullptr;
+    state_->marked = nullptr;
+    state_->used = nullptr;
+    state_->versions = nullptr;
+  }
+  for (size_t i = 0; i < accumulators_.size(); ++i) {
+    if (accumulators_[i]) accumulators_[i]->del_post_hook(keys_[i]);
+  }
+  accumulators_.clear();
+  std::vector<at::Tensor> params, slots, watched;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    params.swap(state_->params);
+    slots.swap(state_->slots);
+    watched.swap(state_->watched);
+  }
+  slow_ = pybind11::object();
+  failed_ = pybind11::object();
+}
+
+int64_t GradientPath::TakeSlowCount() { return state_->slow_count.exchange(0); }
+
+}  // namespace dcredit

@@ -1,0 +1,77 @@
+// The per-gradient path in C++: a post-hook on each parameter's gradient
+// accumulator that stages the gradient into its slot and marks it ready in
+// the scheduler, without the GIL. See Note [Gradient path].
+#pragma once
+
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace dcredit {
+
+// Note [Gradient path]
+// ~~~~~~~~~~~~~~~~~~~~
+// As DDP's reducer does, each parameter's AccumulateGrad node carries a C++
+// post-hook. In the steady state (the iteration is open, one backward pass
+// per step, this tensor's first gradient of the iteration, a dense gradient
+// of the slot's dtype, shape and device) it copies the gradient into its slot
+// (pre-scaled), points p.grad at the watched alias of the slot (Note
+// [Gradient reads]), records the hand-over in the optimizer's per-tensor
+// state (Note [Gradient state]: arrays it shares with Python), and marks the
+// tensor ready in the scheduler. Python runs only where it must: the first
+// gradient of an iteration (which opens it), a second backward pass, sparse
+// or otherwise unusual gradients; there the hook calls the optimizer's
+// Python method, which does the same work with every check.
+//
+// A lazy step makes a pending parameter's next graph use build a new
+// accumulator (Note [Graph reads]); once its update is applied, Refresh()
+// puts the hook on the accumulator that graphs will use from then on.
+//
+// The hooks outlive nothing they touch: each holds the shared State, which
+// Close() (the optimizer's close, or the Python object's end) marks closed
+// under its mutex before the engine, the tensors or the Python callables go;
+// a closed hook does nothing.
+class GradientPath {
+ public:
+  struct State;
+
+  // `counts` (int32), `marked`, `used` (uint8) and `versions` (int64) are the
+  // optimizer's per-tensor arrays (Python buffers kept alive by the caller
+  // until Close()). `slow(i)` runs the Python path for tensor i (with the GIL);
+  // `failed(i, message)` raises the Python error for a scheduler failure.
+  GradientPath(std::vector<at::Tensor> params, std::function<void(int32_t)> mark_ready, int32_t* counts,
+               uint8_t* marked, uint8_t* used, int64_t* versions, pybind11::object slow, pybind11::object failed);
+  ~GradientPath();
+
+  // The slots and their watched aliases of the current plan.
+  void SetSlots(std::vector<at::Tensor> slots, std::vector<at::Tensor> watched);
+  void SetOpen(bool open);
+  void SetFlushed(bool flushed);
+  void SetPassesPerStep(int32_t passes);
+  void SetPrescale(double prescale);
+  // Hooks on every parameter's current accumulator (creating it where none
+  // exists yet); again for `indices` whose accumulator changed since.
+  void Install();
+  void Refresh(const std::vector<int64_t>& indices);
+  // Hooks off, tensors and callables released; idempotent.
+  void Close();
+  // Gradients that took the Python path since the last call (a count, for tests and the log).
+  int64_t TakeSlowCount();
+
+ private:
+  void HookOnto(int32_t i);
+
+  std::shared_ptr<State> state_;
+  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<uintptr_t> keys_;
+  pybind11::object slow_;
+  pybind11::object failed_;
+};
+
+}  // namespace dcredit

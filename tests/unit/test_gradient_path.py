@@ -1,0 +1,178 @@
+"""Note [Gradient path] (csrc/torch/gradient_path.h), in a world of one: each gradient's hand-over runs in the
+C++ post-hook on its accumulator, Python only where it must, and training equals plain torch either way."""
+
+import pytest
+import torch
+from torch import nn
+
+import dcredit_opt as dc
+
+pytestmark = pytest.mark.timeout(120)
+
+LAZY = dc.Config(block_bytes=64, window=2, policy="fixed", lazy_step="on")
+EAGER = dc.Config(block_bytes=64, window=2, policy="fixed", lazy_step="off")
+
+
+def net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def batch(s):
+    return torch.randn(5, 4, generator=torch.Generator().manual_seed(s))
+
+
+def loss(model, s):
+    return model(batch(s)).pow(2).mean()
+
+
+def pair(config, **wrap):
+    """A wrapped model and a plain copy with its own plain SGD."""
+    model, ref = net(), net()
+    opt = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                  named_parameters=model.named_parameters(), config=config, **wrap)
+    return model, opt, ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+
+
+def plain(ref, ropt, s):
+    ropt.zero_grad()
+    loss(ref, s).backward()
+    ropt.step()
+
+
+def assert_same(model, ref):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(p.detach(), q.detach(), atol=1e-6), f"{name} differs from plain torch"
+
+
+@pytest.mark.parametrize("config", [LAZY, EAGER], ids=["lazy", "eager"])
+def test_steady_state_takes_python_once_per_iteration(config):
+    model, opt, ref, ropt = pair(config)
+    try:
+        for s in range(4):  # the plan, the first-read learning and the lazy step settle here
+            opt.zero_grad()
+            loss(model, s).backward()
+            opt.step()
+            plain(ref, ropt, s)
+        opt._dc_path.take_slow_count()
+        for s in range(4, 10):
+            opt.zero_grad()
+            loss(model, s).backward()
+            opt.step()
+            plain(ref, ropt, s)
+        # Only the gradient that opens each iteration goes through Python.
+        assert opt._dc_path.take_slow_count() == 6
+        opt.synchronize()
+        assert_same(model, ref)
+        assert all(type(p.grad).__name__ == "WatchedGradient" for p in model.parameters())
+    finally:
+        opt._dc_close()
+
+
+def test_two_backward_passes_per_step_take_the_python_path_and_equal_plain_torch():
+    model, opt, ref, ropt = pair(EAGER, backward_passes_per_step=2)
+    try:
+        n = len(list(model.parameters()))
+        opt._dc_path.take_slow_count()
+        for s in range(3):
+            opt.zero_grad()
+            ropt.zero_grad()
+            for k in range(2):
+                loss(model, 2 * s + k).backward()
+                loss(ref, 2 * s + k).backward()
+            opt.step()  # the passes' gradients summed, as autograd accumulates them (and Horovod reduces them)
+            ropt.step()
+        assert opt._dc_path.take_slow_count() == 3 * 2 * n
+        opt.synchronize()
+        assert_same(model, ref)
+    finally:
+        opt._dc_close()
+
+
+def test_gradients_of_another_layout_take_the_python_path():
+    """A gradient the hook cannot hand over as it is (a sparse one, reduced as dense) goes through Python."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = dc.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), named_parameters=emb.named_parameters(),
+                                  config=EAGER, sparse_as_dense=True)
+    try:
+        before = emb.weight.detach().clone()
+        opt._dc_path.take_slow_count()
+        emb(torch.tensor([1, 2, 2])).sum().backward()
+        opt.step()
+        assert opt._dc_path.take_slow_count() == 1
+        changed = (emb.weight.detach() != before).any(dim=1)
+        assert changed.tolist() == [i in (1, 2) for i in range(10)]
+    finally:
+        opt._dc_close()
+
+
+def test_user_post_accumulate_hooks_still_run_and_see_the_gradient():
+    model, opt, ref, ropt = pair(LAZY)
+    seen = []
+    first = next(model.parameters())
+    first.register_post_accumulate_grad_hook(lambda p: seen.append(float(p.grad.abs().sum())))
+    try:
+        for s in range(5):
+            opt.zero_grad()
+            loss(model, s).backward()
+            opt.step()
+            plain(ref, ropt, s)
+        assert len(seen) == 5 and all(v > 0 for v in seen)
+        opt.synchronize()
+        assert_same(model, ref)
+    finally:
+        opt._dc_close()
+
+
+def test_a_closed_optimizer_leaves_backward_alone():
+    model, opt, ref, ropt = pair(LAZY)
+    for s in range(3):
+        opt.zero_grad()
+        loss(model, s).backward()
+        opt.step()
+    opt._dc_close()
+    for p in model.parameters():
+        p.grad = None
+    loss(model, 3).backward()  # no hook of ours runs: plain gradients, no error
+    assert all(type(p.grad) is torch.Tensor for p in model.parameters())
+
+
+def test_a_scheduler_failure_in_the_hook_is_a_dcredit_error():
+    model, opt, ref, ropt = pair(EAGER)
+    try:
+        for s in range(2):
+            opt.zero_grad()
+            loss(model, s).backward()
+            opt.step()
+        opt.zero_grad()
+        out = loss(model, 2)
+        # The engine stops after the iteration opens: the next gradient's mark-ready in C++ fails.
+        first = [True]
+
+        def stop_engine(_):
+            if first[0]:
+                first[0] = False
+                opt._dc_engine.shutdown()
+
+        handle = list(model.parameters())[0].register_hook(stop_engine)  # the last gradient of the backward
+        with pytest.raises(dc.DCreditError, match="at the gradient of"):
+            out.backward()
+        handle.remove()
+    finally:
+        opt._dc_close()
+
+
+def test_path_rejects_state_arrays_of_the_wrong_size():
+    from dcredit_opt import _ext
+    from dcredit_opt.gradients import per_tensor
+
+    model, opt, ref, ropt = pair(EAGER)
+    try:
+        params = list(model.parameters())
+        with pytest.raises(ValueError, match="counts must be"):
+            _ext.load().GradientPath(opt._dc_engine, params, per_tensor(len(params) + 1, "i"),
+                                     per_tensor(len(params), "B"), per_tensor(len(params), "B"),
+                                     per_tensor(len(params), "q"), print, print)
+    finally:
+        opt._dc_close()
