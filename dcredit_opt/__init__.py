@@ -43,7 +43,7 @@ from .collectives import (
 )
 from .compression import Compression
 from .config import Config
-from .errors import DCreditError
+from .errors import CollectiveError, CollectiveTimeout, DCreditError, MismatchError
 from .functions import broadcast_optimizer_state, broadcast_parameters
 from .jobinfo import (
     ccl_built,
@@ -72,6 +72,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Average",
+    "CollectiveError",
+    "CollectiveTimeout",
     "Compression",
     "Config",
     "DCreditError",
@@ -80,6 +82,7 @@ __all__ = [
     "LaunchError",
     "Max",
     "Min",
+    "MismatchError",
     "MissingHorovodName",
     "Product",
     "ReduceOp",

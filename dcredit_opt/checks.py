@@ -16,6 +16,7 @@ import torch
 
 from . import runtime
 from .config import Config
+from .errors import MismatchError
 
 
 def named_tracked_params(optimizer, named_parameters):
@@ -85,7 +86,7 @@ def check_same_model_on_all_ranks(names, params) -> None:
     here = (f"'{names[first]}' with shape {tuple(params[first].shape)} and dtype {params[first].dtype}"
             if first < len(names) else "no parameter")
     counts = [int(g[0]) for g in gathered]
-    raise ValueError(f"the model differs between ranks: at parameter position {first}, rank {runtime.rank()} has "
+    raise MismatchError(f"the model differs between ranks: at parameter position {first}, rank {runtime.rank()} has "
                      f"{here}; ranks {differing} differ from rank 0 there (parameter counts per rank: {counts})")
 
 
@@ -116,7 +117,7 @@ def check_same_setup_on_all_ranks(config: Config, **arguments) -> None:
     if differ:
         described = "; ".join(f"{keys[j]} (ranks {[r for r in range(world) if table[r, j] != table[0, j]]} "
                               f"differ from rank 0)" for j in differ)
-        raise ValueError(f"the DistributedOptimizer settings differ between ranks: {described}. Rank "
+        raise MismatchError(f"the DistributedOptimizer settings differ between ranks: {described}. Rank "
                          f"{runtime.rank()} has {', '.join(f'{keys[j]}={settings[keys[j]]!r}' for j in differ)}")
 
 

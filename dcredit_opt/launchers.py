@@ -294,6 +294,9 @@ def rendezvous_gloo(rank: int, size: int, timeout_s: float, broadcast, over: str
     even where the host name resolves to nothing routable) unless
     ``MASTER_ADDR`` says where rank 0 is.
     """
+    from . import runtime
+
+    runtime._before_default_group()  # Note [Orderly exit] in runtime.py
     timeout = datetime.timedelta(seconds=timeout_s)
     message = np.zeros(_RENDEZVOUS_BYTES, dtype=np.uint8)
     store = None

@@ -28,15 +28,16 @@ MISSING = {
                               "DistributedOptimizer(..., sparse_as_dense=True) for sparse gradients",
     "join": "uneven inputs are not supported: every rank must run the same number of steps (e.g. "
             "DistributedSampler(..., drop_last=True)); a rank that stops early makes the others raise "
-            "TimeoutError after timeout_s",
+            "a DCreditError (CollectiveTimeout or CollectiveError) within timeout_s",
     "ProcessSet": _PROCESS_SETS,
     "add_process_set": _PROCESS_SETS,
     "remove_process_set": _PROCESS_SETS,
     "SyncBatchNorm": "use torch.nn.SyncBatchNorm (under torchrun), or horovod.torch.SyncBatchNorm",
     "elastic": "elastic training is not supported: restart the job from a checkpoint (torchrun --max-restarts)",
-    "HorovodInternalError": "dcredit_opt's collectives raise TimeoutError (a peer did not call in time), "
-                            "ValueError (the ranks disagree) or RuntimeError (the transport failed; in a Horovod "
-                            "job, Horovod's own HorovodInternalError, a RuntimeError): catch those",
+    "HorovodInternalError": "dcredit_opt's collectives raise DCreditError subclasses: CollectiveTimeout (a "
+                            "TimeoutError: a peer did not call in time), MismatchError (a ValueError: the ranks "
+                            "disagree) or CollectiveError (the transport failed; in a Horovod job, Horovod's own "
+                            "HorovodInternalError, a RuntimeError): catch DCreditError, or RuntimeError for both",
 }
 
 

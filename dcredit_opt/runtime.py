@@ -36,7 +36,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from .errors import LaunchError
+from .errors import CollectiveError, CollectiveTimeout, DCreditError, LaunchError
 
 log = logging.getLogger("dcredit_opt")
 
@@ -149,6 +149,7 @@ def _init_default_group(timeout_s: float) -> None:
                          slurm["MASTER_ADDR"], slurm["MASTER_PORT"])
     backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
+    _before_default_group()
     if not present:
         store = dist.HashStore()
         dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
@@ -162,16 +163,63 @@ def _init_default_group(timeout_s: float) -> None:
     if int(env["RANK"]) >= int(env["WORLD_SIZE"]):
         raise LaunchError(f"RANK={env['RANK']} is not below WORLD_SIZE={env['WORLD_SIZE']}: {_LAUNCH_HELP}")
     try:
-        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        store = _incarnation_store(timeout)
+        dist.init_process_group(backend, store=store, rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]),
+                                timeout=timeout)
     except Exception as e:  # the store raises several types for "nobody answered"
         raise LaunchError(
             f"could not join the job at MASTER_ADDR={env['MASTER_ADDR']} MASTER_PORT={env['MASTER_PORT']} "
             f"within {timeout_s:g} s ({type(e).__name__}: {e}); {_LAUNCH_HELP}") from e
 
 
+# Note [Incarnations]
+# ------------------
+# ``shutdown()`` then ``init()`` makes the default group again, and every
+# optimizer after it its channel groups again, on the same rendezvous store:
+# under torchrun that is the agent's store, which outlives our groups. c10d
+# keys a group's rendezvous by its name, and ``destroy_process_group()``
+# restarts the names from 0, so the second incarnation's groups would read
+# the first one's addresses (long closed ports) from the store: Gloo's
+# ``connectFullMesh`` then fails with "Connect timeout", on some ranks only,
+# depending on who wrote first (4 of 6 runs failed). So each incarnation's
+# groups live under a prefix of their own, ``dcredit_opt/<n>/``, ``n``
+# counted by the store itself: each rank adds 1 to one key when it makes
+# the default group, and ``n = (count - 1) // world_size``. Every rank gets
+# the same ``n``: no rank starts incarnation n + 1 before every rank has
+# added for n (its ``init_process_group`` for n needed every rank's address
+# under n's prefix). The store itself is made once per process (the env://
+# rendezvous) and kept, so rank 0 never reopens the server port while a
+# peer may still reach the old server; ``_release_store()`` drops it at exit.
+
+_store = None
+"""``(key, store)``: the env:// rendezvous store, for the job that ``key`` (the launcher's variables) names."""
+
+
+def _incarnation_store(timeout: datetime.timedelta):
+    """The store for a new default group: this process's rendezvous store under this incarnation's prefix (Note
+    [Incarnations]). Waits at most ``timeout`` for the rendezvous."""
+    global _store
+    env = os.environ
+    key = tuple(env.get(v) for v in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
+                                     "TORCHELASTIC_RESTART_COUNT"))
+    if _store is None or _store[0] != key:
+        store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+        _store = (key, store)
+    store = _store[1]
+    store.set_timeout(timeout)
+    count = store.add("dcredit_opt/incarnations", 1)
+    return dist.PrefixStore(f"dcredit_opt/{(count - 1) // int(env['WORLD_SIZE'])}/", store)
+
+
+def _release_store() -> None:
+    """Drop the rendezvous store (at exit, after the groups): rank 0's server thread ends now, in order."""
+    global _store
+    _store = None
+
+
 def _require() -> _World:
     if _world is None:
-        raise RuntimeError("dcredit_opt is not initialised: call dc.init() first")
+        raise DCreditError("dcredit_opt is not initialised: call dc.init() first")
     return _world
 
 
@@ -187,10 +235,28 @@ def size() -> int:
     return _require().size
 
 
-def at_rank(e: Exception, where: str) -> Exception:
-    """Engine error ``e`` again, same type, saying which rank saw it and where."""
+def at_rank(e: Exception, where: str) -> DCreditError:
+    """Error ``e`` of a collective again, saying which rank saw it and where, as a ``DCreditError``.
+
+    The engine's errors (``_C.SchedulerError``, ``_C.Timeout``) already are
+    ones and keep their type; another (torch.distributed's own, from a side
+    group, or a plain ``TimeoutError``) becomes a ``CollectiveTimeout`` when it
+    says the collective timed out, else a ``CollectiveError``.
+    """
     rank_ = f"rank {rank()} of {size()}" if is_initialized() else "a rank that has shut down"
-    return type(e)(f"{rank_}, {where}: {e}")
+    message = f"{rank_}, {where}: {e}"
+    if isinstance(e, DCreditError):
+        return type(e)(message)
+    if timed_out(e):
+        return CollectiveTimeout(message)
+    return CollectiveError(message)
+
+
+def timed_out(e: BaseException) -> bool:
+    """Whether ``e`` says a collective ran out of time: a ``TimeoutError``, or torch.distributed's error
+    for it (a ``DistBackendError``, a RuntimeError, whose message says "timed out" or "timeout")."""
+    text = str(e).lower()
+    return isinstance(e, TimeoutError) or "timed out" in text or "timeout" in text
 
 
 def local_rank() -> int:
@@ -210,7 +276,7 @@ def horovod():
     """``horovod.torch``, in a Horovod world."""
     world = _require()
     if world.kind != "horovod":
-        raise RuntimeError(f"this is a {world.kind} job, not a Horovod one: call hvd.init() before dc.init(), "
+        raise DCreditError(f"this is a {world.kind} job, not a Horovod one: call hvd.init() before dc.init(), "
                            "launch with horovodrun, or pass backend='horovod' to dc.init()")
     return world.hvd
 
@@ -263,8 +329,8 @@ def wait_polled(done, timeout_s: float, timeout_error) -> None:
 
 def _horovod_wait(hvd, handle, what: str, timeout_s: float, rank_: int, size_: int):
     """The result of Horovod operation ``handle`` (``hvd.synchronize``), polled with ``hvd.poll`` so that
-    the wait ends within ``timeout_s``: past it, ``TimeoutError`` naming ``what``."""
-    wait_polled(lambda: hvd.poll(handle), timeout_s, lambda: TimeoutError(
+    the wait ends within ``timeout_s``: past it, ``CollectiveTimeout`` (a TimeoutError) naming ``what``."""
+    wait_polled(lambda: hvd.poll(handle), timeout_s, lambda: CollectiveTimeout(
         f"rank {rank_} of {size_}: control-plane operation {what} did not complete within {timeout_s:g} s "
         "(init(timeout_s=...)): a peer is gone or did not reach the same call (every rank must make the "
         "same dcredit_opt calls in the same order); the operation is still pending in Horovod, so end "
@@ -273,14 +339,14 @@ def _horovod_wait(hvd, handle, what: str, timeout_s: float, rank_: int, size_: i
 
 
 def horovod_wait(hvd, handle, what: str, timeout_s: float):
-    """The result of Horovod operation ``handle``, waited for at most ``timeout_s`` (``TimeoutError`` naming
+    """The result of Horovod operation ``handle``, waited for at most ``timeout_s`` (``CollectiveTimeout`` naming
     ``what`` past it); for backends' own operations beside the blocks."""
     return _horovod_wait(hvd, handle, what, timeout_s, rank(), size())
 
 
 def all_gather(tensor: torch.Tensor, name: str) -> list:
     """Every rank's ``tensor`` (same shape and dtype on every rank), in rank order; waits at most
-    ``timeout_s`` (``TimeoutError`` past it)."""
+    ``timeout_s`` (``CollectiveTimeout``, a TimeoutError, past it)."""
     world = _require()
     if world.size == 1:
         return [tensor.clone()]
@@ -290,13 +356,16 @@ def all_gather(tensor: torch.Tensor, name: str) -> list:
         rows = _horovod_wait(world.hvd, handle, f"all_gather {op!r}", world.timeout_s, world.rank, world.size)
         return [row.reshape(tensor.shape) for row in rows.unbind(0)]
     gathered = [torch.empty_like(tensor) for _ in range(world.size)]
-    dist.all_gather(gathered, tensor)
+    try:
+        dist.all_gather(gathered, tensor)
+    except RuntimeError as e:  # torch's DistBackendError: a peer is gone, or the timeout passed
+        raise at_rank(e, f"control-plane all_gather {name!r}") from e
     return gathered
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str) -> None:
     """Overwrite the contiguous ``tensor`` (on ``control_device()``) with ``root_rank``'s, in place; waits at
-    most ``timeout_s`` (``TimeoutError`` past it)."""
+    most ``timeout_s`` (``CollectiveTimeout``, a TimeoutError, past it)."""
     world = _require()
     if world.size == 1:
         return
@@ -307,7 +376,10 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str) -> None:
             handle = world.hvd.broadcast_async_(tensor.view(-1).view(torch.uint8), root_rank, name=op)
             _horovod_wait(world.hvd, handle, f"broadcast_ {op!r}", world.timeout_s, world.rank, world.size)
         return
-    dist.broadcast(tensor, src=root_rank)
+    try:
+        dist.broadcast(tensor, src=root_rank)
+    except RuntimeError as e:
+        raise at_rank(e, f"control-plane broadcast {name!r} from rank {root_rank}") from e
 
 
 def channel_groups(count: int, backend: str | None = None) -> list:
@@ -333,11 +405,16 @@ def channel_groups(count: int, backend: str | None = None) -> list:
         raise LaunchError(f"backend 'torch' needs torch.distributed, which this {world.kind} job does not use: "
                           f"pass Config(backend='{world.kind}') or 'auto', or launch with torchrun")
     timeout = datetime.timedelta(seconds=world.timeout_s)
-    groups = [dist.new_group(ranks=list(range(world.size)), timeout=timeout, backend=backend) for _ in range(count)]
-    world.channel_groups.extend(groups)
-    device = torch.device("cpu") if backend == "gloo" else control_device()
-    for group in groups:
-        dist.all_reduce(torch.zeros(1, device=device), group=group)
+    groups = []
+    try:
+        for _ in range(count):
+            groups.append(dist.new_group(ranks=list(range(world.size)), timeout=timeout, backend=backend))
+            world.channel_groups.append(groups[-1])  # destroyed at shutdown() even if a later one fails
+        device = torch.device("cpu") if backend == "gloo" else control_device()
+        for group in groups:
+            dist.all_reduce(torch.zeros(1, device=device), group=group)
+    except RuntimeError as e:  # torch's DistBackendError: a peer is gone, or the timeout passed
+        raise at_rank(e, f"making this optimizer's process groups ({len(groups)} of {count} made)") from e
     return groups
 
 
@@ -435,12 +512,48 @@ def register_user(obj) -> None:
 _exit_registered = False
 
 
+# Note [Orderly exit]
+# -------------------
+# Whatever we made is gone when ``shutdown()`` returns, threads included:
+# each optimizer's engine (its dispatch thread joined, and its references to
+# its process groups dropped: ``Engine.shutdown``), its channel groups, then
+# the default group if we made it. Destroying a group ends its Gloo threads
+# only when the last reference to it goes; c10d's Python maps hold one, the
+# engine another, and so can a torch module imported while the group
+# exists: ``torch.distributed.nn.functional`` takes ``group.WORLD`` as a
+# default argument at import (``def all_reduce(..., group=group.WORLD)``),
+# and our optimizer's first use of ``torch._dynamo`` imports it. Pinned so,
+# the default group's threads outlived ``shutdown()`` into the interpreter's
+# teardown. There a Gloo thread could still hold the script's last
+# collective (it drops its reference to a finished work a moment after the
+# waiter wakes, which under load can be long): the interpreter freed the
+# script's tensors first, their Python objects stayed alive for that
+# reference, and when the thread dropped it, it needed the GIL of an
+# interpreter that was finalizing, which ended the thread by unwinding it
+# through C++ code that may not throw: "terminate called without an active
+# exception", SIGABRT after every rank had printed its result (5 in about
+# 250 runs under load). So ``_before_default_group()`` imports that module
+# while there is no default group (its defaults are then None), and the exit
+# handler below runs ``shutdown()`` before the interpreter's teardown, then
+# drops the rendezvous store (Note [Incarnations]) and with it rank 0's
+# store server thread.
+
+
+def _before_default_group() -> None:
+    """Import, while no default group exists, the torch modules that would pin it (Note [Orderly exit])."""
+    try:
+        import torch.distributed.nn.functional  # noqa: F401
+    except ImportError:  # a torch without it: nothing to pin the group either
+        pass
+
+
 def _leave_at_exit() -> None:
     """A script that ends without ``shutdown()`` leaves the job at exit, in order: optimizers (drained by
     their own exit handlers, registered later, so run first), their channels, then the default group we made,
     before the interpreter's teardown and before mpi4py's and Horovod's own exit handlers (registered earlier,
-    so run later). Left to the teardown, Gloo's and the store's threads may be destroyed while joinable and
-    abort the process ("terminate called without an active exception")."""
+    so run later). Left to the teardown, Gloo's and the store's threads may be destroyed while joinable, or
+    wake in a finalizing interpreter, and abort the process ("terminate called without an active
+    exception"; Note [Orderly exit])."""
     global _exit_registered
     if not _exit_registered:
         _exit_registered = True
@@ -452,11 +565,13 @@ def _shutdown_at_exit() -> None:
         shutdown()
     except Exception as e:  # noqa: BLE001 - the job is ending; say why, do not mask the exit status
         log.warning("dcredit_opt: leaving the job at exit failed: %s", e)
+    _release_store()
 
 
 def shutdown() -> None:
     """Leave the job: close every optimizer (and so its channels), destroy any channel groups still
-    left, and the default group if we created it.
+    left, and the default group if we created it; their threads have ended when it returns (Note [Orderly
+    exit]). ``init()`` may follow, and then new optimizers (Note [Incarnations]).
 
     Optimizers are closed first: after a lazy ``step()`` their last blocks are
     still travelling, and destroying the channels under them would cut off

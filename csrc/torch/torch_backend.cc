@@ -83,6 +83,12 @@ TorchBackend::TorchBackend(std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> g
 
 TorchBackend::~TorchBackend() = default;  // joins the waiter, if one started
 
+void TorchBackend::Close() {
+  std::lock_guard<std::mutex> lock(close_mu_);
+  waiter_.reset();  // drains what is queued (each wait bounded by its group's timeout), then joins
+  groups_.clear();
+}
+
 namespace {
 
 // Elements [offset, offset + numel) of flat `buf` as a tensor with no view base.

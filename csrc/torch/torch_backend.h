@@ -6,6 +6,7 @@
 
 #include <array>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "../core/scheduler.h"
@@ -47,6 +48,13 @@ class TorchBackend : public Backend {
 
   void Launch(int32_t block, int32_t channel, Done done) override;
 
+  // After the scheduler has shut down (its dispatch thread joined, so no
+  // Launch runs again): join the waiter, if one started, and drop our
+  // references to the process groups, so that destroying them on the Python
+  // side really ends their threads now (Note [Orderly exit] in runtime.py)
+  // rather than whenever this engine's Python object goes. Idempotent.
+  void Close();
+
  private:
   std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups_;
   std::vector<at::Tensor> views_;
@@ -67,6 +75,7 @@ class TorchBackend : public Backend {
   // waits for such works; both used by the dispatch thread only (Launch).
   std::array<bool, 3> futureless_{};
   std::unique_ptr<WorkWaiter> waiter_;
+  std::mutex close_mu_;  // Close() may come from two Python threads (a finalizer and shutdown())
 };
 
 }  // namespace dcredit

@@ -86,6 +86,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _ext, rows, runtime
+from ..errors import DCreditError
 
 log = logging.getLogger("dcredit_opt")
 
@@ -116,7 +117,8 @@ class TorchDistBackend:
         """Blocking ``allreduce(tensor)`` and ``barrier()`` on this backend's channel 0, for the profiler's sweep
         (nothing of ours is in flight then; another optimizer's blocks may be, on its own groups)."""
         group = self._groups[0]
-        return (lambda buf: dist.all_reduce(buf, group=group)), (lambda: dist.barrier(group=group))
+        return (_at_rank(lambda buf: dist.all_reduce(buf, group=group), "profiling, the all-reduce sweep"),
+                _at_rank(lambda: dist.barrier(group=group), "profiling, a barrier of the sweep"))
 
     def stage_collectives(self):
         """Blocking ``(reduce_scatter(buf), all_gather(buf))`` on channel 0, for the profiler's stage sweep
@@ -136,12 +138,20 @@ class TorchDistBackend:
         def all_gather(buf):
             all_gather_into(buf, buf[:buf.numel() // world].clone(), group=group)
 
-        return reduce_scatter, all_gather
+        return (_at_rank(reduce_scatter, "profiling, the reduce-scatter sweep"),
+                _at_rank(all_gather, "profiling, the all-gather sweep"))
+
+    def _side_group(self):
+        """The side group (Note [Global usage] in usage.py); after ``close()``, an error, never the default group
+        that ``group=None`` would name."""
+        if self._tally_group is None:
+            raise DCreditError("this optimizer's channels are closed (dc.shutdown() or the optimizer's close)")
+        return self._tally_group
 
     def start_tally(self, counts) -> None:
         """Start summing the CPU tensor ``counts`` over ranks, in place, on a Gloo group of its own (Note
         [Global usage] in usage.py). One at a time: ``wait_tally`` before the next."""
-        self._tally.start(counts, self._tally_group)
+        self._tally.start(counts, self._side_group())
 
     def wait_tally(self, timeout_s: float) -> None:
         """Wait for the tally in flight, if any."""
@@ -153,7 +163,7 @@ class TorchDistBackend:
         """Every rank's ``(ids, values)`` (int64 row indices, and those rows), in rank order, and whether any
         rank raised ``flag``; on the side group (whose timeout bounds each wait). Two all-gathers: the counts,
         then each rank's indices and rows packed as bytes, so that only two messages queue behind blocks."""
-        group = self._tally_group
+        group = self._side_group()
         world = dist.get_world_size(group)
         head = torch.tensor([ids.numel(), int(flag)], dtype=torch.int64)
         heads = [torch.empty_like(head) for _ in range(world)]
@@ -171,16 +181,16 @@ class TorchDistBackend:
     def allreduce_side(self, tensor, timeout_s: float) -> None:
         """Sum ``tensor`` over ranks in place, on the side group (a CPU copy for a GPU tensor)."""
         if tensor.device.type == "cpu":
-            dist.all_reduce(tensor, group=self._tally_group)
+            dist.all_reduce(tensor, group=self._side_group())
         else:
             host = tensor.cpu()
-            dist.all_reduce(host, group=self._tally_group)
+            dist.all_reduce(host, group=self._side_group())
             tensor.copy_(host)
 
     def start_delayed(self, flat) -> None:
         """Start summing the CPU tensor ``flat`` over ranks, in place, on the side group, after whatever is
         queued there (Note [Delayed updates] in planner/deft.py). One at a time: ``wait_delayed`` first."""
-        self._delayed.start(flat, self._tally_group)
+        self._delayed.start(flat, self._side_group())
 
     def wait_delayed(self, timeout_s: float) -> None:
         """Wait for the delayed sum in flight, if any."""
@@ -197,6 +207,7 @@ class TorchDistBackend:
             # first would fail that peer's tally.
             self._wait_at_close(self.wait_tally, "the last sum of which gradients each rank computed")
         groups, self._groups = self._groups + [self._tally_group], []
+        self._tally_group = None  # the engine let go of its groups (Engine.shutdown): now they can really go
         runtime.destroy_channel_groups(groups)
 
     def _wait_at_close(self, wait, what: str) -> None:
@@ -207,6 +218,18 @@ class TorchDistBackend:
             wait(grace)
         except RuntimeError as e:
             log.warning("dcredit_opt: %s did not finish within %g s: %s", what, grace, e)
+
+
+def _at_rank(collective, where: str):
+    """``collective``, raising torch.distributed's errors (a peer gone, the timeout) as ``DCreditError``s."""
+
+    def call(*args):
+        try:
+            return collective(*args)
+        except RuntimeError as e:
+            raise runtime.at_rank(e, f"{where} on channel 0") from e
+
+    return call
 
 
 class _SideSum:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .. import runtime
+from ..errors import CollectiveError, CollectiveTimeout, MismatchError
 from ..optimizer import ReduceOp
 
 # Horovod's reduce ops are ints (Average=0, Sum=1, Adasum=2, Min=3, Max=4, Product=5); Average and Sum are
@@ -77,13 +78,13 @@ class Handle:
                 except RuntimeError as e:
                     if time.monotonic() >= deadline - 0.05 or "timed out" in str(e).lower():
                         raise self._timeout(timeout_s) from e
-                    raise RuntimeError(f"rank {runtime.rank()} of {runtime.size()}: {self.what} failed: {e}") from e
+                    raise CollectiveError(f"rank {runtime.rank()} of {runtime.size()}: {self.what} failed: {e}") from e
         self._result = self._finish(out) if self._finish is not None else out
         self._done, self._works, self._parts, self._finish, self._hvd = True, [], [], None, None
         return self._result
 
-    def _timeout(self, timeout_s: float) -> TimeoutError:
-        return TimeoutError(
+    def _timeout(self, timeout_s: float) -> CollectiveTimeout:
+        return CollectiveTimeout(
             f"rank {runtime.rank()} of {runtime.size()}: {self.what} did not complete within {timeout_s:g} s "
             "(init(timeout_s=...)): a rank has not called it, or has failed. Every rank must call the same "
             "collectives in the same order; after this error the job's collectives cannot be trusted, so end it")
@@ -269,7 +270,7 @@ def agree(descriptor: list[int], what: str, name: str | None) -> list[list[int]]
     table = [r.tolist() for r in rows]
     problem = disagreement(table, what, name, runtime.rank())
     if problem:
-        raise ValueError(problem)
+        raise MismatchError(problem)
     return table
 
 

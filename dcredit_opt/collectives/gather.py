@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .. import objects, runtime
+from ..errors import CollectiveError
 from . import core
 from .allreduce import allreduce
 from .core import Handle, agree, describe, label, require_world
@@ -237,7 +238,7 @@ def _not_sent(what: str, failures: list[tuple[int, str]], root_rank: int | None 
     """The error for ranks whose peers' objects (``failures``: rank, error text) could not be sent."""
     parts = [f"rank {r}{' (the root)' if r == root_rank else ''}'s object could not be sent ({text})"
              for r, text in failures]
-    cls = TypeError if all(text.startswith("TypeError:") for _, text in failures) else RuntimeError
+    cls = TypeError if all(text.startswith("TypeError:") for _, text in failures) else CollectiveError
     return cls(f"rank {runtime.rank()} of {runtime.size()}: {what}: no object was received: " + "; ".join(parts))
 
 

@@ -100,18 +100,18 @@ def _check(name: str, per_rank: list) -> None:
             assert any(f"shape [{a}], but another rank sent a tensor of shape [{b}]" in got["err_shape"]
                        for a, b in ((2, 3), (3, 2))), got["err_shape"]
             continue
-        assert got["err_dtype"] == ("ValueError: allreduce 'mismatch.dtype': the ranks disagree on the dtype: "
+        assert got["err_dtype"] == ("MismatchError: allreduce 'mismatch.dtype': the ranks disagree on the dtype: "
                                     "rank 0 torch.float32, rank 1 torch.float64"), got["err_dtype"]
-        assert got["err_shape"] == ("ValueError: allreduce 'mismatch.shape': the ranks disagree on the shape: "
+        assert got["err_shape"] == ("MismatchError: allreduce 'mismatch.shape': the ranks disagree on the shape: "
                                     "rank 0 [2], rank 1 [3]"), got["err_shape"]
-        assert got["err_gather_shape"] == ("ValueError: allgather 'mismatch.gather': the ranks disagree on the "
+        assert got["err_gather_shape"] == ("MismatchError: allgather 'mismatch.gather': the ranks disagree on the "
                                            "shape: rank 0 [2], rank 1 [3]"), got["err_gather_shape"]
-        assert got["err_root"] == ("ValueError: broadcast 'mismatch.root': the ranks disagree on the root_rank: "
+        assert got["err_root"] == ("MismatchError: broadcast 'mismatch.root': the ranks disagree on the root_rank: "
                                    "rank 0 0, rank 1 1"), got["err_root"]
-        assert got["err_name"] == (f"ValueError: allreduce 'mismatch.name.{rank}': the ranks gave different names: "
+        assert got["err_name"] == (f"MismatchError: allreduce 'mismatch.name.{rank}': the ranks gave different names: "
                                    f"rank {rank} 'mismatch.name.{rank}', rank(s) [{1 - rank}] another; every rank "
                                    "must call the same collectives in the same order"), got["err_name"]
-        assert got["err_op"] == ("ValueError: allreduce: the ranks disagree on the op: rank 0 sum, rank 1 max"), \
+        assert got["err_op"] == ("MismatchError: allreduce: the ranks disagree on the op: rank 0 sum, rank 1 max"), \
             got["err_op"]
 
 
@@ -134,7 +134,7 @@ def test_a_peer_that_never_calls_is_a_timeout_error_not_a_hang(name):
     assert len(lines) == 1, output[-3000:]
     waited = float(lines[0].split()[2])
     assert (
-        f"s: TimeoutError: rank 0 of 2: allreduce 'never.answered' did not complete within {timeout_s:g} s "
+        f"s: CollectiveTimeout: rank 0 of 2: allreduce 'never.answered' did not complete within {timeout_s:g} s "
         "(init(timeout_s=...)): a rank has not called it, or has failed. Every rank must call the same collectives "
         "in the same order; after this error the job's collectives cannot be trusted, so end it") in lines[0], lines[0]
     assert timeout_s * 0.9 <= waited < timeout_s + timing.scaled(15), waited
