@@ -51,14 +51,13 @@ class LazyStep:
     def _dc_wait(self, todo) -> None:
         if self._dc_reduced:
             return  # a backward that started since has waited for every block
-        timeout = float(self._dc_config.timeout_s)
         with profiled("dcredit_opt::wait"):
-            for i in todo:
-                try:
-                    self._dc_engine.wait_tensor(i, timeout)
-                except (RuntimeError, TimeoutError) as e:
-                    raise at_rank(e, f"phase 2 (after step()), waiting for the reduced gradient of "
-                                    f"'{self._dc_names[i]}' (tensor {i}) to apply its update") from e
+            try:
+                self._dc_engine.wait_tensors(list(todo), float(self._dc_config.timeout_s))
+            except (RuntimeError, TimeoutError) as e:
+                i = next((i for i in todo if not self._dc_engine.tensor_done(i)), todo[0])
+                raise at_rank(e, f"phase 2 (after step()), waiting for the reduced gradient of "
+                                 f"'{self._dc_names[i]}' (tensor {i}) to apply its update") from e
 
     def _dc_apply(self, indices) -> None:
         """Wait for tensors ``indices`` and run the wrapped step on those still pending, with the
@@ -440,6 +439,9 @@ def _weak_apply_hook(keeper: Keeper) -> _ApplyHook:
 # (Note [Guarded reads] in reads.py).
 
 
+_is_compiling = torch.compiler.is_compiling
+
+
 class _ForwardHook:
     """Forward pre-hook at an apply point (Note [Lazy step]): reaches its optimizer through the keeper."""
 
@@ -456,6 +458,15 @@ class _ForwardHook:
             cls._run = staticmethod(torch.compiler.disable(_before_forward))
 
     def __call__(self, module, args):
+        # Note [Guard cost]'s counterpart for the apply points: once nothing is pending, a module's forward
+        # costs this check, not a call through the compiler-disabled wrapper (a compiled model still takes it).
+        if not _is_compiling():
+            opt = self.keeper()
+            if opt is None:
+                return
+            if not opt._dc_npending and opt._dc_timeline is None and opt._dc_recorder is None:
+                opt._dc_guard.leave_if_idle()
+                return
         self._run(self.keeper, module)
 
     def __reduce__(self):

@@ -310,11 +310,16 @@ class PendingReadGuard(TorchFunctionMode):
         super().__init__()
         self._keeper = keeper  # the optimizer: strongly while updates wait (lazy.Keeper)
         self._addresses = None
+        self._where = None  # the parameters' data pointers the address table was built from
         self.armed = False
 
     def arm(self, params) -> None:
         """From here on, a read of a pending parameter applies its update first (on the training thread)."""
-        self._addresses = Addresses(params)  # every time: a script may have replaced a parameter's .data
+        # Rebuilt only when some parameter's memory moved (a script may replace a parameter's .data):
+        # comparing the addresses costs far less than sorting them again at every step().
+        where = [p.data_ptr() for p in params]
+        if where != self._where:
+            self._addresses, self._where = Addresses(params), where
         stack = torch.overrides._get_current_function_mode_stack()
         if self not in stack:
             _drop_inert_guards()
