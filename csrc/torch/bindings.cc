@@ -66,6 +66,13 @@ class Engine {
 
   ~Engine() { scheduler_->Shutdown(); }
 
+  // Stops the scheduler (joins its dispatch thread), then lets go of the
+  // process groups (TorchBackend::Close). Idempotent.
+  void Shutdown() {
+    scheduler_->Shutdown();
+    if (torch_ != nullptr) torch_->Close();
+  }
+
   void SetPlan(int32_t num_tensors, std::vector<int32_t> order, const std::vector<int32_t>& segments,
                const std::vector<int64_t>& offsets, const std::vector<int64_t>& numels,
                const std::vector<int64_t>& bytes, const std::vector<int32_t>& priorities,
@@ -174,8 +181,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   using release = py::call_guard<py::gil_scoped_release>;
 
-  py::register_exception<SchedulerError>(m, "SchedulerError", PyExc_RuntimeError);
-  py::register_exception<TimeoutError>(m, "Timeout", PyExc_TimeoutError);
+  // Python bases from dcredit_opt/errors.py, so that the engine's errors are DCreditErrors (one type for users
+  // to catch) and keep their old built-in bases: CollectiveError is a RuntimeError, CollectiveTimeout also a
+  // TimeoutError.
+  py::module_ errors = py::module_::import("dcredit_opt.errors");
+  py::register_exception<SchedulerError>(m, "SchedulerError", errors.attr("CollectiveError"));
+  py::register_exception<TimeoutError>(m, "Timeout", errors.attr("CollectiveTimeout"));
 
   m.attr("RELEASE_ALL") = kReleaseAll;
   // Whether this build can reduce blocks on CUDA devices (see cuda_sync.h).
@@ -272,7 +283,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "idle", [](Engine& e) { return e.scheduler().Idle(); }, release())
       .def(
-          "shutdown", [](Engine& e) { e.scheduler().Shutdown(); }, release())
+          "shutdown", [](Engine& e) { e.Shutdown(); }, release())
       .def("error",
            [](Engine& e) -> py::object {
              Status s = e.scheduler().status();
