@@ -341,6 +341,7 @@ class _DistributedOptimizer:
                                                  self._dc_used, self._dc_versions, WeakSlowPath(me),
                                                  WeakHookFailure(me))
         self._dc_path.set_passes_per_step(bpps)
+        self._dc_python_handovers = 0
         self._dc_path.set_prescale(self._dc_prescale)
         if config.policy == "deft" and not self._dc_sums_delayed():
             self._dc_backend.close()
@@ -533,6 +534,7 @@ class _DistributedOptimizer:
                 self._dc_keeper.strong = self  # the model's hooks keep us until the updates are applied
         else:
             self._dc_step_now()
+        self._dc_tell_python_path()
         if not self._dc_learned and self._dc_tracer is None:
             self._dc_start_learning()
         if self._dc_recorder is not None:
@@ -540,6 +542,24 @@ class _DistributedOptimizer:
             if self._dc_recorder.done:
                 self._dc_finish_profiling()
         return loss
+
+    def _dc_tell_python_path(self) -> None:
+        """Note [Gradient path]: once per optimizer, say so when more than the gradient that opened the
+        iteration went through Python (where it must: several backward passes per step, other layouts)."""
+        slow = self._dc_path.take_slow_count()
+        self._dc_python_handovers += slow  # since wrapping (tests and benchmarks read it)
+        if slow <= 1 or "python path" in self._dc_told:
+            return
+        if self._dc_bpps > 1:
+            why = f"backward_passes_per_step={self._dc_bpps} (each pass's gradients are counted in Python)"
+        elif any(self._dc_sparse):
+            why = "sparse gradients, reduced as dense (sparse_as_dense=True)"
+        else:
+            why = ("gradients whose dtype, shape or device differ from their parameter's, or that came after "
+                   "the iteration's blocks were released")
+        self._dc_tell("python path", f"dcredit_opt: {slow} of {len(self._dc_params)} gradients of the last iteration "
+                                     f"were handed over in Python, not in the C++ hook, because of {why}; each "
+                                     "costs some microseconds more (Note [Gradient path]). Said once.")
 
     def _dc_zero_gradients_only(self) -> bool:
         """No backward since the last ``step()``, and every gradient present is zero (at least one is).
