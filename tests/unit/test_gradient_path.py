@@ -131,7 +131,7 @@ def test_user_post_accumulate_hooks_still_run_and_see_the_gradient():
 
 
 def test_a_closed_optimizer_leaves_backward_alone():
-    model, opt, ref, ropt = pair(LAZY)
+    model, opt, _, _ = pair(LAZY)
     for s in range(3):
         opt.zero_grad()
         loss(model, s).backward()
@@ -144,7 +144,7 @@ def test_a_closed_optimizer_leaves_backward_alone():
 
 
 def test_a_scheduler_failure_in_the_hook_is_a_dcredit_error():
-    model, opt, ref, ropt = pair(EAGER)
+    model, opt, _, _ = pair(EAGER)
     try:
         for s in range(2):
             opt.zero_grad()
@@ -160,7 +160,7 @@ def test_a_scheduler_failure_in_the_hook_is_a_dcredit_error():
                 first[0] = False
                 opt._dc_engine.shutdown()
 
-        handle = list(model.parameters())[0].register_hook(stop_engine)  # the last gradient of the backward
+        handle = next(iter(model.parameters())).register_hook(stop_engine)  # the last gradient of the backward
         with pytest.raises(dc.DCreditError, match="at the gradient of"):
             out.backward()
         handle.remove()
@@ -172,7 +172,7 @@ def test_path_rejects_state_arrays_of_the_wrong_size():
     from dcredit_opt import _ext
     from dcredit_opt.gradients import per_tensor
 
-    model, opt, ref, ropt = pair(EAGER)
+    model, opt, _, _ = pair(EAGER)
     try:
         params = list(model.parameters())
         with pytest.raises(ValueError, match="counts must be"):
