@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from . import runtime
+from .errors import MismatchError
 from .objects import TENSOR_DTYPES
 
 
@@ -91,9 +92,9 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
         raise TypeError(f"broadcast_optimizer_state: rank {root_rank} (the root) could not send its optimizer "
                         f"state: {desc['error']}")
     if desc["params"] != len(params) or len(desc["groups"]) != len(optimizer.param_groups):
-        raise ValueError(f"optimizer on rank {runtime.rank()} has {len(params)} parameters in "
-                         f"{len(optimizer.param_groups)} groups; rank {root_rank} has {desc['params']} in "
-                         f"{len(desc['groups'])}")
+        raise MismatchError(f"optimizer on rank {runtime.rank()} has {len(params)} parameters in "
+                            f"{len(optimizer.param_groups)} groups; rank {root_rank} has {desc['params']} in "
+                            f"{len(desc['groups'])}")
     for group, hyper in zip(optimizer.param_groups, desc["groups"]):
         group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in hyper.items()})
     for i, (p, entries) in enumerate(zip(params, desc["state"])):
@@ -104,8 +105,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
                 continue
             dtype = TENSOR_DTYPES.get(spec["dtype"])  # peer data never reaches getattr(torch, ...)
             if dtype is None:
-                raise ValueError(f"broadcast_optimizer_state: rank {root_rank} described state '{key}' of "
-                                 f"parameter {i} with dtype {spec['dtype']!r}, which is not a tensor dtype")
+                raise MismatchError(f"broadcast_optimizer_state: rank {root_rank} described state '{key}' of "
+                                    f"parameter {i} with dtype {spec['dtype']!r}, which is not a tensor dtype")
             current = st.get(key)
             if not (isinstance(current, torch.Tensor) and list(current.shape) == spec["tensor"]
                     and current.dtype == dtype):

@@ -190,6 +190,10 @@ def _init_default_group(timeout_s: float) -> None:
 # under n's prefix). The store itself is made once per process (the env://
 # rendezvous) and kept, so rank 0 never reopens the server port while a
 # peer may still reach the old server; ``_release_store()`` drops it at exit.
+# The cost: where rank 0 hosts the store (not under torchrun, whose agent
+# hosts it), a script that leaves us and then calls
+# ``init_process_group("env://")`` itself finds MASTER_PORT taken on rank 0;
+# ``dc.init()`` again, or another port, is the way back.
 
 _store = None
 """``(key, store)``: the env:// rendezvous store, for the job that ``key`` (the launcher's variables) names."""
