@@ -11,6 +11,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 namespace dcredit {
@@ -68,7 +69,9 @@ class GradientPath {
   void HookOnto(int32_t i);
 
   std::shared_ptr<State> state_;
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
+  // A shared_ptr before torch 2.13, an intrusive_ptr since (see torch_compat.h).
+  using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+  std::vector<NodePtr> accumulators_;
   std::vector<uintptr_t> keys_;
   pybind11::object slow_;
   pybind11::object failed_;
