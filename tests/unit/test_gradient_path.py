@@ -70,6 +70,34 @@ def test_steady_state_takes_python_once_per_iteration(config):
         opt._dc_close()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the hook runs on autograd's device "
+                                                           "thread there, and marks blocks ready on its stream)")
+def test_steady_state_on_a_gpu_takes_python_once_per_iteration_and_equals_plain_torch():
+    model, ref = net().cuda(), net().cuda()
+    opt = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                  named_parameters=model.named_parameters(), config=LAZY)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+
+    def gpu_loss(m, s):
+        return m(batch(s).cuda()).pow(2).mean()
+
+    try:
+        for s in range(10):
+            if s == 4:
+                before = opt._dc_python_handovers
+            opt.zero_grad()
+            gpu_loss(model, s).backward()
+            opt.step()
+            ropt.zero_grad()
+            gpu_loss(ref, s).backward()
+            ropt.step()
+        assert opt._dc_python_handovers - before == 6
+        opt.synchronize()
+        assert_same(model, ref)
+    finally:
+        opt._dc_close()
+
+
 def test_two_backward_passes_per_step_take_the_python_path_and_say_so(caplog):
     model, opt, ref, ropt = pair(EAGER, backward_passes_per_step=2)
     try:
