@@ -256,7 +256,7 @@ def close_before_peer_tally(backend: str, steps: int = 3, delay_s: float = 2.0) 
         else:
             opt.synchronize()
             opt._dc_close()
-        out[case] = {"tally_left": len(mpi._IN_FLIGHT_AT_CLOSE) if backend == "mpi" else int(chan._tally is not None),
+        out[case] = {"tally_left": len(mpi._IN_FLIGHT_AT_CLOSE) if backend == "mpi" else int(chan._tally.in_flight),
                      "close_s": time.monotonic() - began}
         del chan
         junk = [torch.randn(1000 + 37 * i) for i in range(2000)]  # reuse whatever the closes freed
