@@ -294,9 +294,7 @@ def rendezvous_gloo(rank: int, size: int, timeout_s: float, broadcast, over: str
     even where the host name resolves to nothing routable) unless
     ``MASTER_ADDR`` says where rank 0 is.
     """
-    from . import runtime
-
-    runtime._before_default_group()  # Note [Orderly exit] in runtime.py
+    before_default_group()
     timeout = datetime.timedelta(seconds=timeout_s)
     message = np.zeros(_RENDEZVOUS_BYTES, dtype=np.uint8)
     store = None
@@ -350,3 +348,12 @@ def _check_mpi_matches_launcher(MPI, size: int) -> None:
                           "different MPI than the mpiexec/mpirun that launched this job. Launch with the "
                           "mpiexec that belongs to mpi4py's MPI (with the mpich wheel: the mpiexec next to "
                           "this Python), or point mpi4py at the launcher's library (MPI4PY_LIBMPI)")
+
+
+def before_default_group() -> None:
+    """Import, while no default group exists, the torch modules that would pin it (Note [Orderly exit] in
+    runtime.py): every path that makes the default group calls this first."""
+    try:
+        import torch.distributed.nn.functional  # noqa: F401
+    except ImportError:  # a torch without it: nothing to pin the group either
+        pass

@@ -149,7 +149,9 @@ def _init_default_group(timeout_s: float) -> None:
                          slurm["MASTER_ADDR"], slurm["MASTER_PORT"])
     backend = "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
-    _before_default_group()
+    from .launchers import before_default_group
+
+    before_default_group()
     if not present:
         store = dist.HashStore()
         dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
@@ -536,19 +538,11 @@ _exit_registered = False
 # interpreter that was finalizing, which ended the thread by unwinding it
 # through C++ code that may not throw: "terminate called without an active
 # exception", SIGABRT after every rank had printed its result (5 in about
-# 250 runs under load). So ``_before_default_group()`` imports that module
+# 250 runs under load). So ``launchers.before_default_group()`` imports that module
 # while there is no default group (its defaults are then None), and the exit
 # handler below runs ``shutdown()`` before the interpreter's teardown, then
 # drops the rendezvous store (Note [Incarnations]) and with it rank 0's
 # store server thread.
-
-
-def _before_default_group() -> None:
-    """Import, while no default group exists, the torch modules that would pin it (Note [Orderly exit])."""
-    try:
-        import torch.distributed.nn.functional  # noqa: F401
-    except ImportError:  # a torch without it: nothing to pin the group either
-        pass
 
 
 def _leave_at_exit() -> None:
