@@ -282,15 +282,21 @@ _dynamo_compiling = torch.compiler.is_dynamo_compiling
 # from the old value would show as a stale read at the apply (Note [Graph reads]), though no value was read;
 # the update is applied before the alias is made instead.
 _GUARD_NOT_READS = _NOT_READS - {"data_ptr", "untyped_storage", "view", "view_as"}
-_GRAPH_ALIAS_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+GRAPH_ALIAS_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
 _GET = "__get__"
+
+
+def attribute_of(func) -> str:
+    """For a torch function that gets or sets a tensor attribute (``__get__``/``__set__`` of a descriptor),
+    the attribute's name; "" otherwise."""
+    return getattr(getattr(func, "__self__", None), "__name__", "")
 
 
 def _guard_reads(func) -> bool:
     """Whether the guard takes ``func`` for a read of its tensor arguments."""
     name = getattr(func, "__name__", "")
     if name == _GET:
-        return getattr(getattr(func, "__self__", None), "__name__", "") in _GRAPH_ALIAS_ATTRIBUTES
+        return attribute_of(func) in GRAPH_ALIAS_ATTRIBUTES
     return name not in _GUARD_NOT_READS or func == _SET_DATA
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from .errors import DCreditError
+from .reads import GRAPH_ALIAS_ATTRIBUTES, attribute_of
 
 # Functions that read metadata only, never values, and make no alias.
 _METADATA = frozenset({
@@ -44,7 +45,7 @@ _METADATA = frozenset({
 })
 # Attributes whose getter reads values or makes an alias; every other attribute (shape, dtype, device,
 # grad, is_sparse, _version...) is metadata.
-_ALIAS_ATTRIBUTES = frozenset({"data", "T", "mT", "H", "mH", "real", "imag"})
+_ALIAS_ATTRIBUTES = GRAPH_ALIAS_ATTRIBUTES | {"data"}
 # Copies and pickles of a watched gradient are plain tensors: what they carry is values, not our watch.
 _PLAIN_COPIES = frozenset({"__deepcopy__", "__reduce_ex__", "__reduce__", "__getstate__"})
 
@@ -66,10 +67,9 @@ class WatchedGradient(torch.Tensor):
             kwargs = {}
         name = getattr(func, "__name__", "")
         if name == "__get__":
-            reads = getattr(getattr(func, "__self__", None), "__name__", "") in _ALIAS_ATTRIBUTES
+            reads = attribute_of(func) in _ALIAS_ATTRIBUTES
         elif name == "__set__":
-            attribute = getattr(getattr(func, "__self__", None), "__name__", "")
-            if attribute == "data":
+            if attribute_of(func) == "data":
                 _refuse_data_assignment(args)
             reads = False
         else:

@@ -380,11 +380,11 @@ def test_same_sequence_under_real_concurrency(spec, seed):
 # ---- the rules, one at a time -------------------------------------------------
 
 
-def complete_in_order(engine, blocks, timeout_s: float = 10.0) -> None:
-    """Complete ``blocks`` one by one, each as soon as it has launched."""
+def complete_in_order(engine, blocks, timeout_s: float = 10.0, ok: bool = True, message: str = "") -> None:
+    """Complete ``blocks`` one by one, each as soon as it has launched (failed with ``message`` unless ``ok``)."""
     for b in blocks:
         deadline = time.monotonic() + timeout_s
-        while not engine.complete(b):
+        while not engine.complete(b, ok, message):
             assert time.monotonic() < deadline, f"block {b} never launched; in flight {engine.pending()}"
             time.sleep(0.0002)
 
@@ -491,10 +491,7 @@ def test_failed_completion_names_the_block_and_its_tensors():
         engine.start_iteration()
         engine.flush()
         complete_in_order(engine, [0])
-        deadline = time.monotonic() + 10
-        while not engine.complete(1, False, "boom"):
-            assert time.monotonic() < deadline
-            time.sleep(0.0002)
+        complete_in_order(engine, [1], ok=False, message="boom")
         with pytest.raises(C.SchedulerError, match=r"block 1 \(tensors 1,2.*boom"):
             engine.wait_all(10.0)
         with pytest.raises(C.SchedulerError, match="boom"):
