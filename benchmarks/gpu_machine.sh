@@ -43,6 +43,10 @@ cuda)
     timeout 200 $PY -m benchmarks.harness --device cuda --ranks 1 --network loopback --models vgg,gpt \
         --schemes compute,ddp,dc-dcredit --iters 40 --warmup 10 --rounds 2 --launch-timeout-s 60 \
         --results-dir "$out" --name 1gpu --no-progress 2>&1 | tail -45
+    # Where the host waits for the device in steady iterations (torch.profiler).
+    for way in dc ddp; do
+        timeout 90 $PY -m benchmarks.gpu_trace --model gpt --way $way --out "$out" 2>&1 | tail -8
+    done
     ;;
 ranks)
     build || exit 1
