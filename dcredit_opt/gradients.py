@@ -76,7 +76,9 @@ class GradientHooks:
             # Before this rank launches anything of the new iteration, so that every rank
             # whose forward read the same stale parameter stops here, at the same point.
             self._dc_check_graph_reads([i for i, waits in enumerate(self._dc_pending) if waits])
-        if self._dc_npending and not self._dc_reduced:
+        # Updates applied with a stream-ordered wait (Note [Stream-ordered waits]) may leave blocks
+        # still running on the device: the new iteration's gradients go into the same slots.
+        if (self._dc_npending or not self._dc_engine.idle()) and not self._dc_reduced:
             self._dc_wait_all("the start of backward, waiting for the last step()'s blocks")
             self._dc_reduced = True
         if self._dc_timeline is not None and self._dc_iteration:

@@ -48,12 +48,19 @@ class LazyStep:
         self._dc_npending = 0
         self._dc_keeper.strong = None
 
-    def _dc_wait(self, todo) -> None:
+    def _dc_wait(self, todo, on_stream: bool = False) -> None:
+        """Until the reduced gradients of ``todo`` are final. ``on_stream``: on a CUDA device, the current stream
+        waits for them and the host only until their blocks are enqueued (Note [Stream-ordered waits] in
+        csrc/core/final_gate.h), so only kernels on that stream, or what syncs with it, may read them."""
         if self._dc_reduced:
             return  # a backward that started since has waited for every block
+        engine, timeout = self._dc_engine, float(self._dc_config.timeout_s)
         with profiled("dcredit_opt::wait"):
             try:
-                self._dc_engine.wait_tensors(list(todo), float(self._dc_config.timeout_s))
+                if on_stream:
+                    engine.wait_tensors_on_stream(list(todo), timeout)
+                else:
+                    engine.wait_tensors(list(todo), timeout)
             except (RuntimeError, TimeoutError) as e:
                 i = next((i for i in todo if not self._dc_engine.tensor_done(i)), todo[0])
                 raise at_rank(e, f"phase 2 (after step()), waiting for the reduced gradient of "
@@ -69,7 +76,7 @@ class LazyStep:
         with guard.paused():  # the wrapped step reads the parameters it updates: not reads to guard
             if self._dc_deferred:
                 self._dc_check_graph_reads(todo)
-            self._dc_wait(todo)
+            self._dc_wait(todo, on_stream=True)  # the wrapped step's kernels go on the current stream
             if not self._dc_versions_checked:
                 # The first apply after a lazy step(): every pending slot, so that a write
                 # between step() and the next forward stops us before any update.

@@ -8,10 +8,12 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "../core/backends.h"
+#include "../core/final_gate.h"
 #include "../core/scheduler.h"
 #include "gradient_path.h"
 #include "torch_backend.h"
@@ -132,6 +134,16 @@ class Engine {
     scheduler_->Flush();
   }
 
+  // Note [Stream-ordered waits]: the current stream waits for `tensors`'
+  // reduced blocks; the host only until they are enqueued. Where that does
+  // not apply (CPU blocks, another backend, a failed block) the host waits
+  // until they are done, as wait_tensors. True if the wait was stream-ordered.
+  bool WaitTensorsOnStream(const std::vector<int32_t>& tensors, std::chrono::milliseconds timeout) {
+    if (torch_ != nullptr && torch_->WaitFinalOnStream(tensors, timeout)) return true;
+    for (int32_t t : tensors) scheduler_->WaitTensor(t, timeout);
+    return false;
+  }
+
   Scheduler& scheduler() { return *scheduler_; }
   ManualBackend& manual() {
     if (manual_ == nullptr) throw std::logic_error("not a manual engine");
@@ -236,6 +248,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("take_slow_count", &GradientPath::TakeSlowCount,
            "Gradients that took the Python path since the last call.");
 
+  // The state machine of Note [Stream-ordered waits], alone, for tests on any machine.
+  py::class_<FinalGate>(m, "FinalGate")
+      .def(py::init([](const std::vector<std::vector<int32_t>>& block_tensors, int32_t num_tensors) {
+             auto gate = std::make_unique<FinalGate>();
+             gate->Reset(BlocksOfTensors(block_tensors, num_tensors), static_cast<int32_t>(block_tensors.size()));
+             return gate;
+           }),
+           py::arg("block_tensors"), py::arg("num_tensors"))
+      .def("start_iteration", &FinalGate::StartIteration, release())
+      .def("mark_final", &FinalGate::MarkFinal, py::arg("block"), release())
+      .def("fail", &FinalGate::Fail, release())
+      .def("close", &FinalGate::Close, release())
+      .def(
+          "wait_final",
+          [](FinalGate& g, const std::vector<int32_t>& tensors, double timeout_s) -> std::optional<std::vector<int32_t>> {
+            std::vector<int32_t> blocks;
+            bool ok = false;
+            Rethrow([&] { ok = g.WaitFinal(tensors, ToMs(timeout_s), &blocks); });
+            if (!ok) return std::nullopt;
+            return blocks;
+          },
+          py::arg("tensors"), py::arg("timeout_s"), release(),
+          "The blocks to wait on once every block of `tensors` is final; None if a block failed or the gate closed.");
+
   py::class_<Engine>(m, "Engine")
       .def_static("torch", &Engine::Torch, py::arg("groups"), py::arg("timeout_s"),
                   "An engine whose blocks are all-reduced on `groups` (one per channel).")
@@ -274,6 +310,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::arg("tensors"), py::arg("timeout_s"), release(),
           "wait_tensor for each of `tensors` in turn, in one call (each wait bounded by `timeout_s`).")
+      .def(
+          "wait_tensors_on_stream",
+          [](Engine& e, const std::vector<int32_t>& tensors, double timeout_s) {
+            bool ordered = false;
+            Rethrow([&] { ordered = e.WaitTensorsOnStream(tensors, ToMs(timeout_s)); });
+            return ordered;
+          },
+          py::arg("tensors"), py::arg("timeout_s"), release(),
+          "Note [Stream-ordered waits]: on a CUDA device the calling thread's current stream waits for the reduced "
+          "blocks of `tensors` and the host only until they are enqueued (True); elsewhere as wait_tensors "
+          "(False).")
       .def(
           "wait_all", [](Engine& e, double timeout_s) { Rethrow([&] { e.scheduler().WaitAll(ToMs(timeout_s)); }); },
           py::arg("timeout_s"), release())

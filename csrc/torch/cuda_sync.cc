@@ -70,21 +70,26 @@ class CudaSync : public DeviceSync {
   explicit CudaSync(c10::Device device) : device_(device), launch_stream_(CreateStream(device)) {}
 
   ~CudaSync() override {
+    gate_.Close();
     // Work still queued on it (event waits) completes; the driver frees the
     // stream afterwards. At process exit the runtime may already be gone.
     (void)cudaStreamDestroy(launch_stream_.stream());
     (void)cudaGetLastError();
   }
 
-  void Reset(int32_t num_tensors) override {
+  void Reset(int32_t num_tensors, const std::vector<std::vector<int32_t>>& block_tensors) override {
+    const int32_t num_blocks = static_cast<int32_t>(block_tensors.size());
+    gate_.Reset(BlocksOfTensors(block_tensors, num_tensors), num_blocks);
     std::lock_guard<std::mutex> lock(mu_);
     // At most one event per tensor, plus one for the flush.
     events_ = std::vector<Event>(static_cast<size_t>(num_tensors) + 1);
     slot_of_.assign(num_tensors, -1);
     next_slot_ = 0;
+    final_events_ = std::vector<Event>(static_cast<size_t>(num_blocks));
   }
 
   void StartIteration() override {
+    gate_.StartIteration();
     std::lock_guard<std::mutex> lock(mu_);
     std::fill(slot_of_.begin(), slot_of_.end(), -1);
     next_slot_ = 0;
@@ -128,6 +133,28 @@ class CudaSync : public DeviceSync {
     return issue();
   }
 
+  void RecordFinal(int32_t block) override {
+    if (block < 0 || block >= static_cast<int32_t>(final_events_.size())) return;
+    c10::cuda::CUDAGuard guard(device_);
+    // Only this block's callback records its event, once per iteration; the
+    // gate's lock orders it before any wait on it.
+    final_events_[block].Record(c10::cuda::getCurrentCUDAStream(device_.index()).stream());
+    gate_.MarkFinal(block);
+  }
+
+  void FailFinal() override { gate_.Fail(); }
+
+  bool WaitFinalOnStream(const std::vector<int32_t>& tensors, std::chrono::milliseconds timeout) override {
+    std::vector<int32_t> blocks;
+    if (!gate_.WaitFinal(tensors, timeout, &blocks)) return false;
+    c10::cuda::CUDAGuard guard(device_);
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device_.index()).stream();
+    for (int32_t b : blocks) final_events_[b].Block(stream);
+    return true;
+  }
+
+  void Close() override { gate_.Close(); }
+
   void NotifyWhenDone(Backend::Done done) override {
     c10::cuda::CUDAGuard guard(device_);
     cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device_.index()).stream();
@@ -147,6 +174,9 @@ class CudaSync : public DeviceSync {
   std::vector<Event> events_;
   std::vector<int32_t> slot_of_;  // per tensor: its event this iteration, or -1
   int32_t next_slot_ = 0;
+  // Note [Stream-ordered waits]: per block, the event after its result.
+  std::vector<Event> final_events_;
+  FinalGate gate_;
 };
 
 }  // namespace

@@ -8,18 +8,22 @@
 #include <c10/core/Device.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "../core/final_gate.h"
 #include "../core/scheduler.h"
 
 namespace dcredit {
 
 // Note [CUDA streams]
 // ~~~~~~~~~~~~~~~~~~~
+// (What the lazy step waits for on the host is Note [Stream-ordered waits],
+// in csrc/core/final_gate.h.)
 // On a GPU, "the gradient is ready" (our hook ran on the host) and "the
 // gradient is written" (the kernels that compute it have run) are different
 // moments: the host enqueues work far ahead of the device. Three rules keep a
@@ -86,8 +90,9 @@ class DeviceSync {
   using Issue = std::function<c10::intrusive_ptr<c10d::Work>()>;
 
   virtual ~DeviceSync() = default;
-  // A new plan with `num_tensors` tensors; only between iterations.
-  virtual void Reset(int32_t num_tensors) = 0;
+  // A new plan: `block_tensors[b]` are the tensors block b covers; only
+  // between iterations.
+  virtual void Reset(int32_t num_tensors, const std::vector<std::vector<int32_t>>& block_tensors) = 0;
   // Forget the previous iteration's events.
   virtual void StartIteration() = 0;
   // The calling thread's current stream has enqueued everything that writes
@@ -101,6 +106,19 @@ class DeviceSync {
   // In a completion callback: calls `done` once the device has finished
   // everything enqueued so far on the callback's current stream.
   virtual void NotifyWhenDone(Backend::Done done) = 0;
+  // In a completion callback, after the block's last kernel (the post-scale)
+  // was enqueued on the callback's current stream: records the block's final
+  // event there (Note [Stream-ordered waits]).
+  virtual void RecordFinal(int32_t block) = 0;
+  // A block failed: stream-ordered waiters go back to the scheduler's wait.
+  virtual void FailFinal() = 0;
+  // Training thread: waits until every block of `tensors` has its final
+  // event, then makes the calling thread's current stream wait on them and
+  // returns true; false where the scheduler's own wait must decide (a block
+  // failed, the adapter closed). Throws SchedulerError on timeout.
+  virtual bool WaitFinalOnStream(const std::vector<int32_t>& tensors, std::chrono::milliseconds timeout) = 0;
+  // The backend is closing: waiters return false. Idempotent.
+  virtual void Close() = 0;
 };
 
 #ifdef DCREDIT_WITH_CUDA

@@ -87,6 +87,7 @@ void TorchBackend::Close() {
   std::lock_guard<std::mutex> lock(close_mu_);
   waiter_.reset();  // drains what is queued (each wait bounded by its group's timeout), then joins
   groups_.clear();
+  if (sync_) sync_->Close();
 }
 
 namespace {
@@ -182,7 +183,7 @@ void TorchBackend::SetBlocks(const std::vector<at::Tensor>& buffers, const std::
   if (device.is_cuda()) {
     // Kept across plans on the same device, so its launch stream is too.
     sync = (sync_ && device_ == device) ? sync_ : MakeCudaSync(device);
-    sync->Reset(num_tensors);
+    sync->Reset(num_tensors, block_tensors);
   }
   views_ = std::move(views);
   wires_ = std::move(wires);
@@ -205,6 +206,11 @@ void TorchBackend::RecordRest() {
 
 void TorchBackend::StartIteration() {
   if (sync_) sync_->StartIteration();
+}
+
+bool TorchBackend::WaitFinalOnStream(const std::vector<int32_t>& tensors, std::chrono::milliseconds timeout) {
+  std::shared_ptr<DeviceSync> sync = sync_;
+  return sync && sync->WaitFinalOnStream(tensors, timeout);
 }
 
 void TorchBackend::Launch(int32_t block, int32_t channel, Done done) {
@@ -252,8 +258,10 @@ void TorchBackend::Launch(int32_t block, int32_t channel, Done done) {
     // Gloo on the CPU (or the waiter's, Note [Works without a future]); for a
     // CUDA future, inline here or on that thread, with a current stream that
     // waits for the collective (Note [CUDA streams]).
-    WorkWaiter::Finish finish = [done, view, wire, travels, padded, post, sync, op](const std::string* error) mutable {
+    WorkWaiter::Finish finish = [done, view, wire, travels, padded, post, sync, op,
+                                 block](const std::string* error) mutable {
       if (error != nullptr) {
+        if (sync) sync->FailFinal();
         done(Status::Error(*error));
         return;
       }
@@ -261,7 +269,9 @@ void TorchBackend::Launch(int32_t block, int32_t channel, Done done) {
         if (op == BlockOp::kAllGather && padded.defined()) travels.copy_(padded.narrow(0, 0, travels.numel()));
         if (op != BlockOp::kReduceScatter && wire.defined()) view.copy_(wire);
         if (op != BlockOp::kReduceScatter && post != 1.0) view.mul_(post);
+        if (sync) sync->RecordFinal(block);  // Note [Stream-ordered waits]
       } catch (const std::exception& e) {
+        if (sync) sync->FailFinal();
         done(Status::Error(e.what()));
         return;
       }
@@ -294,6 +304,7 @@ void TorchBackend::Launch(int32_t block, int32_t channel, Done done) {
       waiter_->Push(std::move(work), std::move(finish));
     }
   } catch (const std::exception& e) {
+    if (sync_) sync_->FailFinal();
     done(Status::Error(std::string("launch failed: ") + e.what()));
   }
 }

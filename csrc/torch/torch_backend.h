@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <array>
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -45,6 +46,11 @@ class TorchBackend : public Backend {
   // The same for every tensor not recorded this iteration (the flush).
   void RecordRest();
   void StartIteration();
+  // Note [Stream-ordered waits]: on a CUDA device, waits until every block
+  // of `tensors` has its result enqueued, then makes the calling thread's
+  // current stream wait for them; true if it did. False on the CPU, or where
+  // the scheduler's own wait must decide (a failed block, a closed backend).
+  bool WaitFinalOnStream(const std::vector<int32_t>& tensors, std::chrono::milliseconds timeout);
 
   void Launch(int32_t block, int32_t channel, Done done) override;
 

@@ -98,6 +98,47 @@ def test_steady_state_on_a_gpu_takes_python_once_per_iteration_and_equals_plain_
         opt._dc_close()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Note [Stream-ordered waits]: the lazy "
+                                                           "step's wait on a device stream)")
+def test_on_a_gpu_the_lazy_step_waits_on_the_stream_not_on_the_host():
+    """Note [Stream-ordered waits]: the device is held up in backward (a long sleep before every gradient), so
+    the blocks finish late on the device. The next forward applies their updates without the host waiting for
+    that: when it returns, the device has not yet passed the sleep. The updates still land after the reduced
+    gradients, as plain torch's do. No credit window here: a block waiting for a slot in one waits for the
+    device to finish an earlier block (the window counts device completion), and the host with it."""
+    model, ref = net().cuda(), net().cuda()
+    config = dc.Config(block_bytes=64, window=-1, policy="fixed", lazy_step="on")
+    opt = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                  named_parameters=model.named_parameters(), config=config)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    try:
+        for s in range(8):
+            opt.zero_grad()
+            out = model(batch(s).cuda())
+            passed = torch.cuda.Event()
+            if s >= 4:  # the plan and the first-read learning have settled
+                def hold_up(grad, passed=passed):
+                    torch.cuda._sleep(2_000_000_000)  # about a second of device time
+                    passed.record()
+                    return grad
+                out.register_hook(hold_up)
+            out.pow(2).mean().backward()
+            opt.step()
+            ropt.zero_grad()
+            ref(batch(s).cuda()).pow(2).mean().backward()
+            ropt.step()
+            if s >= 4:
+                with torch.no_grad():
+                    model(batch(100 + s).cuda())  # applies every pending update at its first read
+                assert not opt._dc_npending
+                assert not passed.query(), "the forward waited on the host for blocks the device had not finished"
+            torch.cuda.synchronize()
+        opt.synchronize()
+        assert_same(model, ref)
+    finally:
+        opt._dc_close()
+
+
 def test_two_backward_passes_per_step_take_the_python_path_and_say_so(caplog):
     model, opt, ref, ropt = pair(EAGER, backward_passes_per_step=2)
     try:
