@@ -163,7 +163,7 @@ class LazyStep:
         order up to the first that is not: applied together with ``own`` (Note [Lazy step]). Tensors with
         embedding rows wait for their own module (their rows are gathered apart from the blocks)."""
         order, pending, rows_of = self._dc_read_order, self._dc_pending, self._dc_rows
-        done = self._dc_engine.tensor_done
+        done = self._dc_engine.tensor_final  # on a GPU: enqueued (Note [Stream-ordered waits])
         found = []
         k = self._dc_ahead
         while k < len(order):

@@ -87,6 +87,16 @@ class FinalGate {
     cv_.notify_all();
   }
 
+  // Whether every block covering `tensor` is final now (false for a tensor out of range, or after a failure).
+  bool IsFinal(int32_t tensor) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failed_ || closed_ || tensor < 0 || tensor >= static_cast<int32_t>(tensor_blocks_.size())) return false;
+    for (int32_t b : tensor_blocks_[tensor]) {
+      if (!final_[b]) return false;
+    }
+    return true;
+  }
+
   // Waits until every block covering `tensors` is final and returns true with
   // those blocks in `blocks` (each once); false at once if a block failed or
   // the gate is closed. Throws SchedulerError (a timeout) naming the first

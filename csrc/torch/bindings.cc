@@ -144,6 +144,11 @@ class Engine {
     return false;
   }
 
+  // Whether WaitTensorsOnStream({tensor}) would return without waiting.
+  bool TensorFinal(int32_t tensor) {
+    return (torch_ != nullptr && torch_->TensorFinal(tensor)) || scheduler_->TensorDone(tensor);
+  }
+
   Scheduler& scheduler() { return *scheduler_; }
   ManualBackend& manual() {
     if (manual_ == nullptr) throw std::logic_error("not a manual engine");
@@ -258,6 +263,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("block_tensors"), py::arg("num_tensors"))
       .def("start_iteration", &FinalGate::StartIteration, release())
       .def("mark_final", &FinalGate::MarkFinal, py::arg("block"), release())
+      .def("is_final", &FinalGate::IsFinal, py::arg("tensor"))
       .def("fail", &FinalGate::Fail, release())
       .def("close", &FinalGate::Close, release())
       .def(
@@ -327,6 +333,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "tensor_done", [](Engine& e, int32_t t) { return e.scheduler().TensorDone(t); }, py::arg("tensor"),
           release())
+      .def("tensor_final", &Engine::TensorFinal, py::arg("tensor"),
+           "Whether wait_tensors_on_stream([tensor]) would return without waiting: its blocks are done, or on a "
+           "CUDA device their results are enqueued (Note [Stream-ordered waits]).")
       .def(
           "idle", [](Engine& e) { return e.scheduler().Idle(); }, release())
       .def(

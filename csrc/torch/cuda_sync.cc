@@ -153,6 +153,8 @@ class CudaSync : public DeviceSync {
     return true;
   }
 
+  bool TensorFinal(int32_t tensor) override { return gate_.IsFinal(tensor); }
+
   void Close() override { gate_.Close(); }
 
   void NotifyWhenDone(Backend::Done done) override {

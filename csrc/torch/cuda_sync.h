@@ -117,6 +117,8 @@ class DeviceSync {
   // returns true; false where the scheduler's own wait must decide (a block
   // failed, the adapter closed). Throws SchedulerError on timeout.
   virtual bool WaitFinalOnStream(const std::vector<int32_t>& tensors, std::chrono::milliseconds timeout) = 0;
+  // Whether every block of `tensor` has its final event now (no wait).
+  virtual bool TensorFinal(int32_t tensor) = 0;
   // The backend is closing: waiters return false. Idempotent.
   virtual void Close() = 0;
 };

@@ -208,6 +208,11 @@ void TorchBackend::StartIteration() {
   if (sync_) sync_->StartIteration();
 }
 
+bool TorchBackend::TensorFinal(int32_t tensor) {
+  std::shared_ptr<DeviceSync> sync = sync_;
+  return sync && sync->TensorFinal(tensor);
+}
+
 bool TorchBackend::WaitFinalOnStream(const std::vector<int32_t>& tensors, std::chrono::milliseconds timeout) {
   std::shared_ptr<DeviceSync> sync = sync_;
   return sync && sync->WaitFinalOnStream(tensors, timeout);

@@ -51,6 +51,8 @@ class TorchBackend : public Backend {
   // current stream wait for them; true if it did. False on the CPU, or where
   // the scheduler's own wait must decide (a failed block, a closed backend).
   bool WaitFinalOnStream(const std::vector<int32_t>& tensors, std::chrono::milliseconds timeout);
+  // Whether WaitFinalOnStream would return at once for `tensor` (false on the CPU).
+  bool TensorFinal(int32_t tensor);
 
   void Launch(int32_t block, int32_t channel, Done done) override;
 

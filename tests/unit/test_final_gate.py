@@ -27,7 +27,9 @@ def test_a_tensor_waits_for_every_block_that_covers_it_and_gets_each_block_once(
     g.mark_final(0)
     with pytest.raises(CollectiveTimeout, match="tensor 0 not enqueued"):
         g.wait_final([0], 0.05)  # block 1 is not final yet
+    assert not g.is_final(0)
     g.mark_final(1)
+    assert g.is_final(0) and not g.is_final(1)
     assert g.wait_final([0], 1.0) == [0, 1]
     with pytest.raises(CollectiveTimeout, match="tensor 1 not enqueued"):
         g.wait_final([0, 1], 0.05)
@@ -63,8 +65,10 @@ def test_a_failed_block_or_a_closed_gate_sends_the_waiter_back_to_the_scheduler(
         g.wait_final([2], 0.05)
     g.mark_final(3)
     assert g.wait_final([2], 1.0) == [3]
+    assert g.is_final(2)
     g.close()
     assert g.wait_final([0], 1.0) is None
+    assert not g.is_final(2)
 
 
 def test_a_new_iteration_clears_what_the_last_one_marked():
