@@ -1,6 +1,6 @@
 """Our host work per iteration where compute is small: a world of one, on the CPU.
 
-    .venv/bin/python -m benchmarks.host_cost [--rounds 4] [--iters 150]
+    .venv/bin/python -m benchmarks.host_cost [--model gpt|transformer|resnet50] [--rounds 4] [--iters 150]
 
 On a fast GPU an iteration of the benchmark's models takes milliseconds, and
 what the optimizer does on the host (the gradient hooks, the read guard,
@@ -8,7 +8,10 @@ the hand-off of blocks to the scheduler's thread, the wrapped step) decides
 the iteration time. Without a GPU this is its stand-in: a model with the
 GPT-like model's structure (its layers and heads, 77 parameters in 40
 modules) at width 64, vocabulary 512 and context 16, so that its compute
-takes a few milliseconds on one core.
+takes a few milliseconds on one core. Two more shapes with many small
+tensors: ``transformer``, the same blocks 12 deep with 4 heads (149
+parameter tensors), and ``resnet50``, ResNet-50's bottleneck stages at base
+width 8 on 32x32 images (161 parameter tensors, batch norm in every block).
 
 Three ways to train it, each in its own process, one at a time, the rounds
 interleaving them: ``plain`` (the SGD optimizer alone), ``ddp`` (DDP at a
@@ -38,19 +41,33 @@ WAYS = ("plain", "ddp", "dc")
 WARMUP = 30
 
 
-def run_one(way: str, iters: int) -> dict:
-    """In this process: train the small GPT-shaped model ``way`` and return its timings."""
+MODELS = ("gpt", "transformer", "resnet50")
+
+
+def _model_and_batch(name: str):
+    import torch
+
+    from benchmarks.models import GPT_HEADS, GPT_LAYERS, GPTLike, ResNet50Shaped
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    if name == "resnet50":
+        return ResNet50Shaped(width=8), torch.randn(2, 3, 32, 32, generator=gen), torch.randint(0, 10, (2,),
+                                                                                               generator=gen)
+    layers, heads = (GPT_LAYERS, GPT_HEADS) if name == "gpt" else (12, 4)
+    model = GPTLike(vocab=512, context=16, width=64, layers=layers, heads=heads)
+    return model, torch.randint(0, 512, (2, 16), generator=gen), torch.randint(0, 512, (2, 16), generator=gen)
+
+
+def run_one(way: str, iters: int, model_name: str = "gpt") -> dict:
+    """In this process: train the small model ``model_name`` the way ``way`` and return its timings."""
     import torch
     import torch.distributed as dist
 
-    from benchmarks.models import GPT_HEADS, GPT_LAYERS, GPTLike, loss_fn
+    from benchmarks.models import loss_fn
 
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = GPTLike(vocab=512, context=16, width=64, layers=GPT_LAYERS, heads=GPT_HEADS)
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randint(0, 512, (2, 16), generator=gen)
-    y = torch.randint(0, 512, (2, 16), generator=gen)
+    model, x, y = _model_and_batch(model_name)
     sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     net, opt, close = model, sgd, None
     if way != "plain":
@@ -87,9 +104,10 @@ def run_one(way: str, iters: int) -> dict:
     return {"way": way, "iter_s": walls, "train_cpu_s": cpu, "params": len(list(model.parameters()))}
 
 
-def _launch(way: str, iters: int, net: LoopbackNetwork) -> dict:
+def _launch(way: str, iters: int, net: LoopbackNetwork, model: str) -> dict:
     env = dict(os.environ, MASTER_ADDR=net.master_addr, MASTER_PORT=str(net.next_port()), OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "benchmarks.host_cost", "--one", way, "--iters", str(iters)],
+    out = subprocess.run([sys.executable, "-m", "benchmarks.host_cost", "--one", way, "--iters", str(iters),
+                          "--model", model],
                          env=env, capture_output=True, text=True, timeout=600, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"{way} failed:\n{out.stderr[-2000:]}")
@@ -100,10 +118,11 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--iters", type=int, default=150)
+    p.add_argument("--model", choices=MODELS, default="gpt")
     p.add_argument("--one", choices=WAYS, help=argparse.SUPPRESS)  # a child process
     args = p.parse_args(argv)
     if args.one:
-        print(json.dumps(run_one(args.one, args.iters)))
+        print(json.dumps(run_one(args.one, args.iters, args.model)))
         return
 
     from benchmarks.stats import speedup_interval
@@ -112,10 +131,11 @@ def main(argv: list[str] | None = None) -> None:
     net = LoopbackNetwork(1)
     for _ in range(args.rounds):
         for way in WAYS:
-            runs[way].append(_launch(way, args.iters, net))
+            runs[way].append(_launch(way, args.iters, net, args.model))
     params = runs["dc"][0]["params"]
     print(f"# host cost, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"{args.rounds} rounds x {args.iters} iterations, a world of one, GPT-shaped model ({params} parameters)")
+          f"{args.rounds} rounds x {args.iters} iterations, a world of one, {args.model}-shaped model "
+          f"({params} parameter tensors)")
     med = {}
     for way in WAYS:
         med[way] = statistics.median(t for r in runs[way] for t in r["iter_s"])

@@ -138,6 +138,51 @@ class ResNet18Like(nn.Module):
         return self.head(F.adaptive_avg_pool2d(out, 1).flatten(1))
 
 
+class Bottleneck(nn.Module):
+    """ResNet-50's block: 1x1 down, 3x3, 1x1 up (4x), each with batch norm; a projection where the shape changes."""
+
+    def __init__(self, cin: int, mid: int, stride: int):
+        super().__init__()
+        cout = 4 * mid
+        self.conv1 = nn.Conv2d(cin, mid, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(mid)
+        self.conv2 = nn.Conv2d(mid, mid, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(mid)
+        self.conv3 = nn.Conv2d(mid, cout, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(cout)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = F.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return F.relu(out + self.shortcut(x))
+
+
+class ResNet50Shaped(nn.Module):
+    """ResNet-50's structure (stages of 3, 4, 6, 3 bottlenecks: 161 parameter tensors) at a chosen base
+    width, for 32x32 inputs; ``width=64`` is ResNet-50's own."""
+
+    def __init__(self, width: int = 64, num_classes: int = NUM_CLASSES):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+        blocks: list[nn.Module] = []
+        cin = width
+        for k, (depth, stride) in enumerate(((3, 1), (4, 2), (6, 2), (3, 2))):
+            mid = width * 2**k
+            for j in range(depth):
+                blocks.append(Bottleneck(cin, mid, stride if j == 0 else 1))
+                cin = 4 * mid
+        self.blocks = nn.Sequential(*blocks)
+        self.head = nn.Linear(cin, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.blocks(self.stem(x))
+        return self.head(F.adaptive_avg_pool2d(out, 1).flatten(1))
+
+
 # --------------------------------------------------------------------------
 # GPT-like
 # --------------------------------------------------------------------------
