@@ -1,4 +1,6 @@
-"""How long planning takes: ``python -m dcredit_opt.planner.bench_planning [--tensors 1000]``.
+"""How long planning takes.
+
+    .venv/bin/python -m benchmarks.planning_cost [--tensors 1000]
 
 The planner runs once, on rank 0, after the profiling iterations; the
 target is under 50 ms for a 1,000-tensor model with D-Credit as the runtime
@@ -18,10 +20,11 @@ import statistics
 import sys
 import time
 
-from .dcredit import dcredit
-from .policies import POLICIES
-from .simulate import lower_bound, simulate
-from .synthetic import model_like_profile
+from dcredit_opt.planner.dcredit import dcredit
+from dcredit_opt.planner.policies import POLICIES
+from dcredit_opt.planner.simulate import lower_bound, simulate
+from dcredit_opt.planner.synthetic import model_like_profile
+from dcredit_opt.planning import CHANNEL_FIFO, make_plan
 
 
 def _time(fn, repeats: int) -> tuple[float, float, float, object]:
@@ -49,9 +52,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tune", action="store_true",
                         help="also time bytescheduler and usbyte (tuned over a grid: seconds to a minute)")
     args = parser.parse_args(argv)
-    # The runtime's own path, which sits above the planner; a tool may time it.
-    from ..planning import CHANNEL_FIFO, make_plan
-
     profile = model_like_profile(args.tensors)
     print(f"python {sys.version.split()[0]} on {platform.machine()} ({platform.processor() or 'cpu'}), "
           f"{args.tensors} tensors, {profile.total_bytes / 2**20:.0f} MiB, lower bound "

@@ -65,7 +65,8 @@ from .jobinfo import (
 )
 from .missing import MissingHorovodName
 from .missing import module_getattr as __getattr__  # noqa: F401 - Horovod names we lack: a clear error
-from .optimizer import Average, DistributedOptimizer, ReduceOp, Sum
+from .optimizer import DistributedOptimizer
+from .reduce_ops import Average, ReduceOp, Sum
 from .runtime import LaunchError, init, is_initialized, local_rank, rank, shutdown, size
 
 __version__ = "0.1.0"

@@ -10,14 +10,13 @@ import logging
 import os
 from collections.abc import Mapping
 
+from . import backends
+from .planner.dcredit import DEFAULT_BLOCK_BYTES
+from .planner.plan import POLICY_NAMES
+
 log = logging.getLogger("dcredit_opt")
 
 MiB = 1024 * 1024
-
-# 4 MiB blocks: large enough that a block's startup cost (alpha) is a few
-# percent of its transfer on a 1-10 Gbit/s link, small enough that a
-# high-priority gradient waits at most a few milliseconds behind one.
-DEFAULT_BLOCK_BYTES = 4 * MiB
 
 
 @dataclasses.dataclass
@@ -133,9 +132,9 @@ class Config:
             raise ValueError(f"Config.timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
         if self.lazy_step not in ("auto", "on", "off"):
             raise ValueError(f"Config.lazy_step {self.lazy_step!r} is unknown; known: auto, on, off")
-        if self.backend not in ("auto", "torch", "horovod", "mpi"):
-            raise ValueError(f"Config.backend {self.backend!r} is unknown; known: auto, torch, horovod, mpi")
-        known = ("fixed", "wfbp", "ddp", "mgwfbp", "oasr", "bytescheduler", "usbyte", "dear", "dcredit", "deft")
+        if self.backend not in ("auto", *backends.KNOWN):
+            raise ValueError(f"Config.backend {self.backend!r} is unknown; known: auto, {', '.join(backends.KNOWN)}")
+        known = ("fixed", *POLICY_NAMES)
         if self.policy not in known:
             raise ValueError(f"Config.policy {self.policy!r} is unknown; known policies: {', '.join(known)}")
         if self.policy == "deft" and not self.accept_delayed_updates:

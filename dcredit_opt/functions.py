@@ -50,21 +50,6 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable, root_ran
                             f"param.{key}")
 
 
-def broadcast_text(text: str | None, root_rank: int) -> str:
-    """``root_rank``'s ``text`` on every rank, as UTF-8 bytes in a uint8 tensor (no pickle)."""
-    dev = runtime.control_device()
-    if runtime.rank() == root_rank:
-        payload = torch.tensor(list(text.encode()), dtype=torch.uint8, device=dev)
-        length = torch.tensor([payload.numel()], dtype=torch.int64, device=dev)
-    else:
-        length = torch.zeros(1, dtype=torch.int64, device=dev)
-    runtime.broadcast_(length, root_rank, "text.length")
-    if runtime.rank() != root_rank:
-        payload = torch.empty(int(length.item()), dtype=torch.uint8, device=dev)
-    runtime.broadcast_(payload, root_rank, "text.payload")
-    return bytes(payload.cpu().tolist()).decode()
-
-
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
     """Give every rank ``root_rank``'s optimizer state and hyperparameters.
 
@@ -85,7 +70,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
         except TypeError as e:  # every rank must hear of it, or the others would wait for the state
             failure = e
             description = json.dumps({"error": f"{type(e).__name__}: {e}"})
-    desc = json.loads(broadcast_text(description, root_rank))
+    desc = json.loads(runtime.broadcast_text(description, root_rank))
     if failure is not None:
         raise failure
     if "error" in desc:

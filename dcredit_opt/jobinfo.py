@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import logging
 import os
 import socket
@@ -27,8 +28,7 @@ import torch
 import torch.distributed as dist
 
 from . import runtime, timeline
-from .collectives import allgather_object
-from .collectives.core import require_world
+from .runtime import require_world
 
 log = logging.getLogger("dcredit_opt")
 
@@ -82,7 +82,8 @@ def _layout(fn: str) -> Layout:
     if os.environ.get("WORLD_SIZE") == str(runtime.size()):
         found = torchrun_layout(os.environ)
     if found is None:
-        rows = allgather_object([socket.gethostname(), runtime.local_rank()], name="dcredit_opt.layout")
+        mine = json.dumps([socket.gethostname(), runtime.local_rank()])
+        rows = [json.loads(text) for text in runtime.all_gather_text(mine, "layout")]
         found = layout_of([h for h, _ in rows], [lr for _, lr in rows], runtime.rank())
     _layouts.clear()
     _layouts[id(world)] = (world, found)

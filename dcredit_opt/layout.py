@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from .planner.plan import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Plan, PlanError, split_evenly, stages_of
+from .planner.plan import Plan, PlanError, split_evenly, stages_of
 
-__all__ = ["ALL_GATHER", "ALL_REDUCE", "REDUCE_SCATTER", "Layout", "build_layout", "fixed_plan"]
+__all__ = ["Layout", "build_layout", "fixed_plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +31,8 @@ class Layout:
     block_priority: tuple[int, ...]
     block_tensors: tuple[tuple[int, ...], ...]
     # Note [Two-stage blocks] (``Plan.decoupled``): per block, its collective (ALL_REDUCE, REDUCE_SCATTER or
-    # ALL_GATHER), the block whose completion its launch waits for (-1: none), and whether it waits for the flush.
+    # ALL_GATHER of blockops.py), the block whose completion its launch waits for (-1: none), and whether it
+    # waits for the flush.
     block_op: tuple[int, ...] = ()
     block_after: tuple[int, ...] = ()
     block_at_flush: tuple[bool, ...] = ()

@@ -79,7 +79,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import enum
 import logging
 import warnings
 import weakref
@@ -118,19 +117,12 @@ from .planner.plan import Plan, validate
 from .planner.profile import RING_STAGE_RATIOS
 from .planning import DECOUPLING_POLICIES
 from .reads import PendingReadGuard
+from .reduce_ops import Average, ReduceOp, Sum
 from .usage import GlobalUsage
 from .watched import WatchedGradient
 
 log = logging.getLogger("dcredit_opt")
 
-
-class ReduceOp(enum.Enum):
-    AVERAGE = "average"
-    SUM = "sum"
-
-
-Average = ReduceOp.AVERAGE
-Sum = ReduceOp.SUM
 
 # Horovod's reduce ops are ints (horovod.torch.mpi_ops: Average=0, Sum=1, Adasum=2, Min=3, Max=4, Product=5);
 # a script passes them as op=hvd.Average. A gradient average or sum is what an optimizer takes.

@@ -21,9 +21,10 @@ an embedding reads is reduced in two parts:
   module's ``weight`` for its forward and swapped back after). Its gradient,
   the embedding's contribution alone, ends up in the stand-in's ``.grad``.
   At ``step()`` every rank sends its nonzero rows (indices and values) to
-  every other (an all-gather on the optimizer's side channel), and each rank
-  adds all ranks' rows, in rank order, to ``W``'s reduced gradient just
-  before ``W``'s update: every rank computes the same sum.
+  every other (an all-gather on the optimizer's side channel, packed as
+  bytes by ``backends/packed_rows.py``), and each rank adds all ranks'
+  rows, in rank order, to ``W``'s reduced gradient just before ``W``'s
+  update: every rank computes the same sum.
 - Everything else (a tied output layer, a regulariser): it reaches ``W``'s
   own gradient, whose accumulation no longer waits for the embedding. A
   tied weight keeps its blocks, now ready when the output layer's backward
@@ -49,7 +50,6 @@ or with ``Config(embedding_rows=False)``, embeddings reduce densely.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
@@ -164,32 +164,6 @@ class _NoRowsHook:
 
     def __reduce__(self):
         return _NoRowsHook, ()
-
-
-def row_bytes(values: torch.Tensor) -> int:
-    """Bytes of one row of ``values`` (rows along dimension 0)."""
-    return math.prod(values.shape[1:]) * values.element_size()
-
-
-def pack(ids: torch.Tensor, values: torch.Tensor, capacity: int) -> torch.Tensor:
-    """``ids`` (int64) and their rows as one CPU byte tensor with room for ``capacity`` rows: the ids first
-    (``capacity * 8`` bytes), then the rows. What a backend's all-gather carries for the exchange."""
-    width = row_bytes(values)
-    out = torch.zeros(capacity * (8 + width), dtype=torch.uint8)
-    n = ids.numel()
-    if n:
-        out[:n * 8] = ids.to(torch.int64).cpu().view(torch.uint8)
-        out[capacity * 8:capacity * 8 + n * width] = values.detach().cpu().contiguous().view(-1).view(torch.uint8)
-    return out
-
-
-def unpack(buf: torch.Tensor, count: int, capacity: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``count`` ids and rows that ``pack(..., capacity)`` put in ``buf``, on ``like``'s device and dtype."""
-    width = row_bytes(like)
-    # Copied out: ``buf`` may be one rank's part of a concatenation, at an offset no wider dtype can view.
-    ids = buf[:count * 8].clone().view(torch.int64)
-    rows = buf[capacity * 8:capacity * 8 + count * width].clone().view(like.dtype).reshape(count, *like.shape[1:])
-    return ids.to(like.device), rows.to(like.device)
 
 
 def without_tensors(plan: Plan, gone) -> Plan:

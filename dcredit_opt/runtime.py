@@ -278,6 +278,13 @@ def kind() -> str:
     return _require().kind
 
 
+def require_world(fn: str) -> str:
+    """:func:`kind`, for ``fn`` of the Horovod-style API: a ValueError naming ``fn`` before ``init()``."""
+    if not is_initialized():
+        raise ValueError(f"{fn}() called before init(): call hvd.init() (dcredit_opt.init()) first")
+    return kind()
+
+
 def horovod():
     """``horovod.torch``, in a Horovod world."""
     world = _require()
@@ -386,6 +393,33 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str) -> None:
         dist.broadcast(tensor, src=root_rank)
     except RuntimeError as e:
         raise at_rank(e, f"control-plane broadcast {name!r} from rank {root_rank}") from e
+
+
+def broadcast_text(text: str | None, root_rank: int) -> str:
+    """``root_rank``'s ``text`` on every rank, as UTF-8 bytes in a uint8 tensor (no pickle)."""
+    dev = control_device()
+    if rank() == root_rank:
+        payload = torch.tensor(list(text.encode()), dtype=torch.uint8, device=dev)
+        length = torch.tensor([payload.numel()], dtype=torch.int64, device=dev)
+    else:
+        length = torch.zeros(1, dtype=torch.int64, device=dev)
+    broadcast_(length, root_rank, "text.length")
+    if rank() != root_rank:
+        payload = torch.empty(int(length.item()), dtype=torch.uint8, device=dev)
+    broadcast_(payload, root_rank, "text.payload")
+    return bytes(payload.cpu().tolist()).decode()
+
+
+def all_gather_text(text: str, name: str) -> list[str]:
+    """Every rank's ``text``, in rank order, as UTF-8 bytes in uint8 tensors (no pickle): the lengths, then
+    the bytes, each rank's padded to the longest."""
+    dev = control_device()
+    payload = torch.tensor(list(text.encode()), dtype=torch.uint8, device=dev)
+    lengths = [int(n) for n in all_gather(torch.tensor([payload.numel()], dtype=torch.int64, device=dev),
+                                          f"{name}.length")]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=dev)
+    padded[:payload.numel()] = payload
+    return [bytes(row[:n].cpu().tolist()).decode() for row, n in zip(all_gather(padded, f"{name}.data"), lengths)]
 
 
 def channel_groups(count: int, backend: str | None = None) -> list:

@@ -29,8 +29,9 @@ import atexit
 
 import torch
 
-from .. import rows, runtime
-from ..layout import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
+from .. import runtime
+from ..blockops import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
+from . import packed_rows
 from .driven import DrivenBackend
 
 
@@ -122,14 +123,14 @@ class _HorovodTransport:
         any_flag = bool(heads[:, 1].any())
         if max(counts) == 0:
             return [], any_flag
-        width = rows.row_bytes(values)
+        width = packed_rows.row_bytes(values)
         room = [max(c, 1) for c in counts]
-        mine = rows.pack(ids, values, room[hvd.rank()])
+        mine = packed_rows.pack(ids, values, room[hvd.rank()])
         everything = self._wait(hvd.allgather_async(mine, name=f"{self._prefix}.rows.data"), "the embedding rows",
                                 timeout_s)
         out, start = [], 0
         for c, r in zip(counts, room):
-            out.append(rows.unpack(everything[start:start + r * (8 + width)], c, r, values))
+            out.append(packed_rows.unpack(everything[start:start + r * (8 + width)], c, r, values))
             start += r * (8 + width)
         return out, any_flag
 

@@ -22,10 +22,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .. import rows, runtime
+from .. import runtime
+from ..blockops import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from ..errors import LaunchError
 from ..launchers import import_mpi
-from ..layout import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
+from . import packed_rows
 from .driven import DrivenBackend
 
 # dtypes every MPI has a type for; float16/bfloat16 have none in the standard.
@@ -169,14 +170,15 @@ class _MPITransport:
         any_flag = bool(heads[:, 1].any())
         if max(counts) == 0:
             return [], any_flag
-        width = rows.row_bytes(values)
+        width = packed_rows.row_bytes(values)
         sizes = [c * (8 + width) for c in counts]
         displs = [sum(sizes[:r]) for r in range(len(sizes))]
         recv = np.empty(sum(sizes), dtype=np.uint8)
-        mine = rows.pack(ids, values, ids.numel()).numpy()
+        mine = packed_rows.pack(ids, values, ids.numel()).numpy()
         _wait(comm.Iallgatherv(mine, [recv, sizes, displs, MPI.BYTE]), timeout_s, "the embedding rows")
         everything = torch.from_numpy(recv)
-        return [rows.unpack(everything[d:d + n], c, c, values) for d, n, c in zip(displs, sizes, counts)], any_flag
+        gathered = [packed_rows.unpack(everything[d:d + n], c, c, values) for d, n, c in zip(displs, sizes, counts)]
+        return gathered, any_flag
 
     def allreduce_side(self, tensor, timeout_s: float) -> None:
         """Sum the CPU ``tensor`` over ranks in place on the tally communicator (float32 where MPI has no type)."""

@@ -85,8 +85,9 @@ import logging
 import torch
 import torch.distributed as dist
 
-from .. import _ext, rows, runtime
+from .. import _ext, runtime
 from ..errors import DCreditError
+from . import packed_rows
 
 log = logging.getLogger("dcredit_opt")
 
@@ -173,10 +174,10 @@ class TorchDistBackend:
         n = max(counts)
         if n == 0:
             return [], any_flag
-        packed = rows.pack(ids, values, n)  # every rank's padded to the longest: all_gather wants one size
+        packed = packed_rows.pack(ids, values, n)  # every rank's padded to the longest: all_gather wants one size
         everyone = [torch.empty_like(packed) for _ in range(world)]
         dist.all_gather(everyone, packed, group=group)
-        return [rows.unpack(buf, c, n, values) for buf, c in zip(everyone, counts)], any_flag
+        return [packed_rows.unpack(buf, c, n, values) for buf, c in zip(everyone, counts)], any_flag
 
     def allreduce_side(self, tensor, timeout_s: float) -> None:
         """Sum ``tensor`` over ranks in place, on the side group (a CPU copy for a GPU tensor)."""

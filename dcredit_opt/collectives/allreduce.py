@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 from .. import runtime
+from ..runtime import require_world
 from . import core
-from .core import DIST_OPS, Handle, agree, describe, label, require_world
+from .core import DIST_OPS, Handle, agree, describe, label
 
 # ---- allreduce ------------------------------------------------------------------------------
 

@@ -13,10 +13,11 @@ import torch.distributed as dist
 
 from .. import runtime
 from ..errors import CollectiveError, CollectiveTimeout, MismatchError
-from ..optimizer import ReduceOp
+from ..reduce_ops import ReduceOp
+from ..runtime import require_world
 
 # Horovod's reduce ops are ints (Average=0, Sum=1, Adasum=2, Min=3, Max=4, Product=5); Average and Sum are
-# also dcredit_opt's ReduceOp (optimizer.py). Adasum is refused (missing.py).
+# also dcredit_opt's ReduceOp (reduce_ops.py). Adasum is refused (missing.py).
 Min, Max, Product = 3, 4, 5
 _HOROVOD_OPS = {0: "average", 1: "sum", 3: "min", 4: "max", 5: "product"}
 _OP_CODES = {name: code for code, name in _HOROVOD_OPS.items()}
@@ -111,12 +112,6 @@ def _handle(handle, fn: str) -> Handle:
 
 
 # ---- arguments ---------------------------------------------------------------------------
-
-
-def require_world(fn: str) -> str:
-    if not runtime.is_initialized():
-        raise ValueError(f"{fn}() called before init(): call hvd.init() (dcredit_opt.init()) first")
-    return runtime.kind()
 
 
 def reduction(op, average, fn: str = "allreduce") -> str:

@@ -12,9 +12,10 @@ import torch.distributed as dist
 
 from .. import objects, runtime
 from ..errors import CollectiveError
+from ..runtime import require_world
 from . import core
 from .allreduce import allreduce
-from .core import Handle, agree, describe, label, require_world
+from .core import Handle, agree, describe, label
 
 # ---- allgather, broadcast -------------------------------------------------------------------
 

@@ -117,9 +117,10 @@ from .profile import Profile, bytes_of
 from .simulate import BlockTable, FlushSnapshot, block_table, ready_times
 
 DEFAULT_BLOCK_BYTES = 4 << 20
-"""4 MiB: large enough that one collective's launch overhead (tens of microseconds
-of CPU) is small beside its transfer on 1-100 Gbit/s links, small enough that a
-ResNet or BERT layer is cut into several blocks that windows can regroup."""
+"""4 MiB (also ``Config.block_bytes``'s default): large enough that one collective's launch overhead (tens of
+microseconds of CPU) and startup cost (alpha) are small beside its transfer on 1-100 Gbit/s links, small enough
+that a ResNet or BERT layer is cut into several blocks that windows can regroup, and that a high-priority
+gradient waits at most a few milliseconds behind one."""
 
 
 def packing_merges(profile: Profile, block_bytes: int) -> list[list[int]]:

@@ -64,6 +64,8 @@ import dataclasses
 import json
 from collections.abc import Sequence
 
+from ..blockops import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
+
 ALL = -1
 """A phase-1 window that releases every ready block at that event."""
 
@@ -77,8 +79,9 @@ POLICY_NAMES = (
     "dear",
     "dcredit",
     "deft",
-    "custom",
 )
+"""The planner's policies (``policies.py`` makes each one's plans): what ``Config.policy`` names, besides
+"fixed", and what a plan's ``policy`` says, besides "custom" (a plan no policy made)."""
 
 
 class PlanError(ValueError):
@@ -206,11 +209,6 @@ def blocks_of(plan: Plan) -> list[tuple[tuple[int, ...], int, int, int]]:
     return blocks
 
 
-ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = 0, 1, 2
-"""A stage's collective: the values of ``BlockOp`` in ``csrc/core/scheduler.h`` (what each costs:
-``Profile.stage_cost``)."""
-
-
 @dataclasses.dataclass(frozen=True)
 class Stage:
     """One collective of the launch layout: a block of :func:`blocks_of`, or one of a decoupled block's two."""
@@ -318,8 +316,9 @@ def validate(plan: Plan, numels: Sequence[int] | None = None, max_channels: int 
         raise PlanError(f"plan 'channels' is {plan.channels}; it must be >= 1")
     if max_channels is not None and plan.channels > max_channels:
         raise PlanError(f"plan 'channels' is {plan.channels} but the runtime has {max_channels}")
-    if plan.policy not in POLICY_NAMES:
-        raise PlanError(f"plan 'policy' is {plan.policy!r}; known policies: {', '.join(POLICY_NAMES)}")
+    known = (*POLICY_NAMES, "custom")
+    if plan.policy not in known:
+        raise PlanError(f"plan 'policy' is {plan.policy!r}; known policies: {', '.join(known)}")
 
 
 def split_evenly(numel: int, block_elems: int) -> tuple[int, ...]:

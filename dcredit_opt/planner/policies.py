@@ -341,7 +341,7 @@ POLICIES: dict[str, Callable[..., Plan]] = {
 RESULT_CHANGING: dict[str, Callable[..., Plan]] = {"deft": deft}
 """Policies whose plans do not train like synchronous data parallelism: never a baseline the D-Credit
 search adopts, never compared as if equal."""
-assert set(POLICIES) | set(RESULT_CHANGING) <= set(POLICY_NAMES), "every policy must be a name plan.validate accepts"
+assert set(POLICIES) | set(RESULT_CHANGING) == set(POLICY_NAMES), "plan.POLICY_NAMES names each policy, once"
 
 
 def make_plan(profile: Profile, policy: str, **kwargs) -> Plan:

@@ -143,7 +143,7 @@ class Profile:
         return sum(self.nbytes)
 
     def stage_cost(self, op: int) -> tuple[float, float]:
-        """``(alpha_s, beta_s_per_byte)`` of one collective: ``op`` is ``plan.ALL_REDUCE`` (0),
+        """``(alpha_s, beta_s_per_byte)`` of one collective: ``op`` is ``blockops.ALL_REDUCE`` (0),
         ``REDUCE_SCATTER`` (1) or ``ALL_GATHER`` (2)."""
         if op == 0:
             return self.alpha_s, self.beta_s_per_byte

@@ -102,7 +102,7 @@ class BlockTiming:
     """Position in the launch sequence (the runtime's ``seq``)."""
     channel: int
     op: int = 0
-    """The collective (``plan.ALL_REDUCE``, ``REDUCE_SCATTER`` or ``ALL_GATHER``)."""
+    """The collective (``blockops.ALL_REDUCE``, ``REDUCE_SCATTER`` or ``ALL_GATHER``)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,8 @@ import random
 import time
 
 import dcredit_opt as dc
-from dcredit_opt.layout import ALL_GATHER, REDUCE_SCATTER, fixed_plan
+from dcredit_opt.blockops import ALL_GATHER, REDUCE_SCATTER
+from dcredit_opt.layout import fixed_plan
 from dcredit_opt.planner import search
 from dcredit_opt.planner.dcredit import partition_by_bytes
 from dcredit_opt.planner.profile import Profile, TensorProfile

@@ -2,7 +2,9 @@
 
 Read from the source with ``ast`` (no import runs): which ``dcredit_opt``
 modules, and which outside packages, each module imports, at any depth of
-the file (imports inside functions count: they are still dependencies).
+the file (imports inside functions count: they are still dependencies). And
+the name lists several layers need: each written out once, in the lowest
+layer that needs it, and imported by the others.
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path) -> set[str]:
+TREES = {_module_name(p): (p, ast.parse(p.read_text(), filename=str(p))) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(path: Path, tree: ast.Module) -> set[str]:
     """Absolute names of every module ``path`` imports (``from . import x`` resolved against its package)."""
     here = _module_name(path)
     package = here if path.name == "__init__.py" else here.rpartition(".")[0]
     out = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -39,12 +44,21 @@ def _imports(path: Path) -> set[str]:
     return out
 
 
-MODULES = {_module_name(p): _imports(p) for p in sorted(PACKAGE.rglob("*.py"))}
+MODULES = {module: _imports(path, tree) for module, (path, tree) in TREES.items()}
+
+
+def _within(name: str, *places: str) -> bool:
+    """Whether ``name`` is one of ``places`` or inside one."""
+    return any(name == p or name.startswith(p + ".") for p in places)
 
 
 def _importers_of(target: str, within: str) -> list[str]:
-    return sorted(m for m, names in MODULES.items() if m.startswith(within)
-                  and any(n == target or n.startswith(target + ".") for n in names))
+    return sorted(m for m, names in MODULES.items() if m.startswith(within) and any(_within(n, target) for n in names))
+
+
+def _ours(names: set[str]) -> set[str]:
+    """The package's modules among ``names`` (``dcredit_opt`` alone is what ``from .. import x`` adds beside x)."""
+    return {n for n in names if _within(n, "dcredit_opt") and n != "dcredit_opt"}
 
 
 def test_the_module_map_was_read():
@@ -52,27 +66,64 @@ def test_the_module_map_was_read():
     assert "dcredit_opt.profiler" in MODULES["dcredit_opt.optimizer"]
 
 
-def _pure(name: str) -> bool:
-    """The planner, and ``planning.py`` (the runtime's door into it, itself made of planner calls only)."""
-    return name.startswith("dcredit_opt.planner") or name.split(".")[:2] == ["dcredit_opt", "planning"]
+PURE = ("dcredit_opt.planner", "dcredit_opt.blockops")
+"""The planner, and the block-op values it shares with the backends (a module that imports nothing)."""
+
+FRAMEWORKS = ("torch", "horovod", "mpi4py")
 
 
 def test_the_planner_is_pure():
-    """Pure functions of profiles: nothing of the runtime, no processes, no torch."""
+    """Pure functions of profiles: nothing of the runtime, no processes, no torch; not even ``planning.py``,
+    the runtime's door into the planner, which sits above it."""
     for module, names in MODULES.items():
-        if not _pure(module):
+        if not _within(module, "dcredit_opt.planner"):
             continue
-        ours = {n for n in names if n.startswith("dcredit_opt") and not _pure(n)}
+        ours = {n for n in _ours(names) if not _within(n, *PURE)}
         assert not ours, f"{module} imports {sorted(ours)} from above the planner"
-        assert not {n for n in names if n.split(".")[0] in ("torch", "horovod", "mpi4py")}, \
-            f"{module} imports a framework: {sorted(names)}"
+        assert not {n for n in names if _within(n, *FRAMEWORKS)}, f"{module} imports a framework: {sorted(names)}"
 
 
-@pytest.mark.parametrize("above", ["dcredit_opt.profiler", "dcredit_opt.optimizer", "dcredit_opt.lazy"])
-def test_backends_only_launch_collectives(above):
-    """A backend launches and completes collectives; measuring them (the profiler's sweep) and the optimizer
-    sit above it and call it, never the other way round."""
-    assert _importers_of(above, "dcredit_opt.backends") == []
+def test_planning_is_made_of_planner_calls():
+    """``planning.py`` turns the runtime's Config into planner calls: it imports the planner and nothing else of ours."""
+    names = MODULES["dcredit_opt.planning"]
+    assert {n for n in _ours(names) if not _within(n, *PURE)} == set()
+    assert not {n for n in names if _within(n, *FRAMEWORKS)}
+
+
+BELOW_BACKENDS = ("dcredit_opt._ext", "dcredit_opt.blockops", "dcredit_opt.errors", "dcredit_opt.launchers",
+                  "dcredit_opt.runtime")
+"""What a backend may import of ours: the extension, the block-op values, the errors, how each launcher joins
+a world, and the world itself."""
+
+
+def test_backends_import_only_what_is_below_them():
+    """A backend launches and completes collectives; the layout, the embedding rows, the planner, measuring
+    collectives (the profiler's sweep) and the optimizer sit above it and call it, never the other way round.
+    What a backend carries for a layer above (the rows' bytes, the block ops) lives beside or below it."""
+    for module, names in MODULES.items():
+        if _within(module, "dcredit_opt.backends"):
+            above = {n for n in _ours(names) if not _within(n, "dcredit_opt.backends", *BELOW_BACKENDS)}
+            assert not above, f"{module} imports {sorted(above)} from above the backends"
+
+
+FRONT = ("dcredit_opt.collectives", "dcredit_opt.functions", "dcredit_opt.jobinfo")
+"""Horovod's API, on whichever backend runs the job: what a script calls."""
+
+
+@pytest.mark.parametrize("front", FRONT)
+def test_the_horovod_api_is_only_the_packages_front(front):
+    """Only ``dcredit_opt/__init__.py`` imports the Horovod-style API; the modules under it (the profiler,
+    the job's set-up) use the runtime's own control plane (``runtime.py``) instead."""
+    importers = [m for m in _importers_of(front, "dcredit_opt") if not _within(m, front)]
+    assert importers == ["dcredit_opt"], f"{front} is imported by {importers}"
+
+
+def test_nothing_below_the_optimizer_imports_it():
+    """``optimizer.py``, the drop-in wrapper, is the runtime's top: the package's front and the tool that
+    builds one to profile a model import it; what both the optimizer and the collectives take (their
+    ``Average`` and ``Sum``) lives below both (``reduce_ops.py``)."""
+    above = ("dcredit_opt", "dcredit_opt.model_profile")
+    assert [m for m in _importers_of("dcredit_opt.optimizer", "dcredit_opt") if m not in above] == []
 
 
 def test_launchers_do_not_import_the_runtime():
@@ -84,3 +135,40 @@ def test_the_installed_package_stands_alone():
     """Nothing under dcredit_opt/ imports the repository's benchmarks or tests (they are not installed)."""
     for top in ("benchmarks", "tests"):
         assert _importers_of(top, "dcredit_opt") == []
+
+
+def _literal_lists(tree: ast.Module):
+    """Every tuple, list and set written out in ``tree``, as the strings in it."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            yield {e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
+
+
+def _copies_of(names) -> list[str]:
+    """The modules that write out every one of ``names`` in one literal."""
+    return sorted(m for m, (_, tree) in TREES.items() if any(set(names) <= strings for strings in _literal_lists(tree)))
+
+
+def test_each_name_list_is_written_once():
+    """The policies' names (the planner: ``Config`` takes them from it) and the backends' names (the backends:
+    ``Config`` again) are written out in one module each."""
+    from dcredit_opt.backends import KNOWN
+    from dcredit_opt.planner.plan import POLICY_NAMES
+
+    assert _copies_of(POLICY_NAMES) == ["dcredit_opt.planner.plan"]
+    assert _copies_of(KNOWN) == ["dcredit_opt.backends"]
+
+
+def test_each_constant_is_defined_once():
+    """A public constant (such as ``DEFAULT_BLOCK_BYTES``: the planner's, also ``Config``'s default) is
+    assigned in one module; the others import it."""
+    where: dict[str, list[str]] = {}
+    for module, (_, tree) in TREES.items():
+        for node in tree.body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, ast.AnnAssign) else []
+            for name in (n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)):
+                if name.isupper() and not name.startswith("_"):
+                    where.setdefault(name, []).append(module)
+    assert "DEFAULT_BLOCK_BYTES" in where
+    assert {name: modules for name, modules in where.items() if len(modules) > 1} == {}

@@ -285,7 +285,7 @@ def test_validate_names_the_bad_field(field, change, context):
 def test_decoupled_tensors_get_a_reduce_scatter_then_an_all_gather():
     """Note [Two-stage blocks]: each block of a decoupled tensor (or merge) becomes two blocks over the same
     elements, the all-gather right after its reduce-scatter, waiting for it and for the flush."""
-    from dcredit_opt.layout import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
+    from dcredit_opt.blockops import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 
     plan = Plan(numels=(6, 4, 5), order=(2, 1, 0), partition=((3, 3), (4,), (5,)), merges=((2, 1),),
                 decoupled=(0,))

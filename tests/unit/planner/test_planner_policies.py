@@ -9,7 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcredit_opt.planner import policies
-from dcredit_opt.planner.bench_planning import main as bench_main
 from dcredit_opt.planner.plan import ALL, POLICY_NAMES, Plan, validate
 from dcredit_opt.planner.policies import POLICIES, make_plan, tune_bytescheduler
 from dcredit_opt.planner.profile import Profile, TensorProfile
@@ -179,9 +178,3 @@ def test_every_policy_gives_a_valid_plan(p, name, block_bytes):
     assert plan.policy == name
     assert Plan.from_json(plan.to_json()) == plan
     assert simulate(plan, p).iteration_s >= lower_bound(p) - 1e-9
-
-
-def test_bench_planning_runs(capsys):
-    bench_main(["--tensors", "12", "--repeats", "1"])
-    out = capsys.readouterr().out
-    assert "dcredit" in out and "plan ms" in out
