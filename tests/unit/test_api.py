@@ -230,6 +230,9 @@ class _Unfinished:
     def tensor_done(self, i):
         return i not in self._unfinished and self._engine.tensor_done(i)
 
+    def tensor_final(self, i):
+        return i not in self._unfinished and self._engine.tensor_final(i)
+
     def __getattr__(self, name):
         return getattr(self._engine, name)
 

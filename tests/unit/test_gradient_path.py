@@ -111,10 +111,13 @@ def test_on_a_gpu_the_lazy_step_waits_on_the_stream_not_on_the_host():
     opt = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                   named_parameters=model.named_parameters(), config=config)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    # On the GPU beforehand: a copy from pageable host memory would wait, on the host, behind the sleep.
+    inputs = [batch(s).cuda() for s in range(8)] + [batch(100 + s).cuda() for s in range(8)]
+    torch.cuda.synchronize()
     try:
         for s in range(8):
             opt.zero_grad()
-            out = model(batch(s).cuda())
+            out = model(inputs[s])
             passed = torch.cuda.Event()
             if s >= 4:  # the plan and the first-read learning have settled
                 def hold_up(grad, passed=passed):
@@ -125,11 +128,11 @@ def test_on_a_gpu_the_lazy_step_waits_on_the_stream_not_on_the_host():
             out.pow(2).mean().backward()
             opt.step()
             ropt.zero_grad()
-            ref(batch(s).cuda()).pow(2).mean().backward()
+            ref(inputs[s]).pow(2).mean().backward()
             ropt.step()
             if s >= 4:
                 with torch.no_grad():
-                    model(batch(100 + s).cuda())  # applies every pending update at its first read
+                    model(inputs[8 + s])  # applies every pending update at its first read
                 assert not opt._dc_npending
                 assert not passed.query(), "the forward waited on the host for blocks the device had not finished"
             torch.cuda.synchronize()
