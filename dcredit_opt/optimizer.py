@@ -309,6 +309,7 @@ class _DistributedOptimizer:
         self._dc_usage = None  # the last flushed iteration's _Usage
         self._dc_rows: dict[int, rows.EmbeddingRows] = {}  # Note [Embedding rows] in rows.py, once agreed
         self._dc_rows_proposal = [0] * T  # what this rank learned: 0, rows.TIED or rows.ROWS_ONLY per tensor
+        self._dc_tally_tail = None  # (proposal, its part of the usage tally), rebuilt when the proposal changes
         self._dc_rows_modules: dict[int, list] = {}  # tensor -> weak references to the embeddings that read it
         self._dc_rows_agreed = False
         self._dc_replan = False  # this step() stages a plan: it must be eager
@@ -656,7 +657,8 @@ class _DistributedOptimizer:
                 if self._dc_pending[i] and (g is self._dc_watched[i] or is_slot(g, self._dc_slots[i])):
                     # The slot holds the reduced gradient a pending update still needs.
                     p.grad = None if set_to_none else torch.zeros_like(p)
-        self._dc_base.zero_grad(self, set_to_none=set_to_none)
+            # Reads and writes gradients only, never a parameter's values: the guard need not see it.
+            self._dc_base.zero_grad(self, set_to_none=set_to_none)
 
     def state_dict(self):
         self._dc_apply_pending()

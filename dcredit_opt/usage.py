@@ -72,10 +72,19 @@ class GlobalUsage:
                 self._dc_versions[i] = slot._version
     def _dc_start_tally(self) -> None:
         """Note [Global usage]: start summing over ranks which tensors had a gradient on each."""
-        proposal = self._dc_rows_proposal
-        counts = torch.tensor([*self._dc_used, *(k > 0 for k in proposal), *(k == rows.ROWS_ONLY for k in proposal)],
-                              dtype=torch.int32)
-        usage = _Usage(bytes(self._dc_used), counts)
+        proposal = tuple(self._dc_rows_proposal)
+        here = bytearray(self._dc_used)
+        T = len(here)
+        # Built from the bytes and a per-proposal tail, not element by element: this runs every iteration.
+        if self._dc_tally_tail is None or self._dc_tally_tail[0] != proposal:
+            tail = torch.tensor([*(k > 0 for k in proposal), *(k == rows.ROWS_ONLY for k in proposal)],
+                                dtype=torch.int32)
+            self._dc_tally_tail = (proposal, tail)
+        counts = torch.empty(3 * T, dtype=torch.int32)
+        if T:
+            counts[:T] = torch.frombuffer(here, dtype=torch.uint8)
+        counts[T:] = self._dc_tally_tail[1]
+        usage = _Usage(bytes(here), counts)
         if runtime.size() == 1:
             usage.everywhere = usage.here
         else:
