@@ -59,6 +59,7 @@ import numpy as np
 
 import dcredit_opt
 from dcredit_opt import planning
+from dcredit_opt.files import write_whole
 from dcredit_opt.planner.profile import RING_STAGE_RATIOS, Profile
 from dcredit_opt.planner.simulate import simulate
 
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     within = [abs(e) <= 0.10 for e in errors(fit[chosen][0], chosen)]
     lines += ["", (f"Under {name[chosen]}, {sum(within)} of {len(within)} comparable predictions are within 10 % "
                    "(the goal: all of them)."), ""]
-    Path(args.out).write_text("\n".join(lines))
+    write_whole(args.out, "\n".join(lines))
     print("\n".join(lines))
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from benchmarks.report import hardware, versions
 from benchmarks.stats import summarize
 from dcredit_opt import _ext
+from dcredit_opt.files import write_whole
 
 ALL = -1
 
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['blocks']} blocks = {r['tensors']} tensors x {r['blocks_per_tensor']}, window {r['window']}, "
               f"{r['repeats']} repeats; {1e9 / r['median_blocks_per_s']:.0f} ns/block)", flush=True)
     if args.out is not None:
-        args.out.write_text(json.dumps(record, indent=2) + "\n")
+        write_whole(args.out, json.dumps(record, indent=2) + "\n")
         print(f"# wrote {args.out}")
     return record
 

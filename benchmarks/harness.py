@@ -36,6 +36,7 @@ from benchmarks.models import MODELS
 from benchmarks.netem import MAX_RANKS, Network, open_network, parse_rate, rank_env
 from benchmarks.stats import Launch, median, schedule, table
 from benchmarks.worker import SCHEMES, uses_horovod
+from dcredit_opt.files import write_whole
 
 DEFAULT_SCHEMES = SCHEMES
 # After one rank fails, how long the others get to notice and exit on their
@@ -366,7 +367,7 @@ def main(argv: list[str] | None = None) -> dict:
     paths = report.output_paths(args.name, started.date(), args.results_dir)
     report.write_json(record, paths["json"])
     md = report.markdown_report(record)
-    paths["md"].write_text(md)
+    write_whole(paths["md"], md)
     report.plot(record, paths["png"])
     print(md)
     print("wrote " + ", ".join(str(p) for p in paths.values()))

@@ -19,6 +19,7 @@ from typing import Any
 
 from benchmarks import cpu_use, stats
 from benchmarks.stats import Row
+from dcredit_opt.files import write_whole
 
 SCHEMA_VERSION = 2  # 2: rows carry speedup_ci and ratio_to_floor, results floor_s
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -214,7 +215,7 @@ def write_json(record: dict, path: Path) -> None:
     if errors:
         raise ValueError("result record does not match its schema:\n  " + "\n  ".join(errors))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1) + "\n")
+    write_whole(path, json.dumps(record, indent=1) + "\n")
 
 
 # -- human-readable outputs ----------------------------------------------------------

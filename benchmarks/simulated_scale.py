@@ -23,6 +23,7 @@ from pathlib import Path
 
 import dcredit_opt
 from dcredit_opt import planning
+from dcredit_opt.files import write_whole
 from dcredit_opt.planner import policies
 from dcredit_opt.planner.cost import scale_to_workers
 from dcredit_opt.planner.profile import Profile
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plots", default=str(REPO / "benchmarks" / "results"), help="folder for the PNGs; '' for none")
     args = parser.parse_args(argv)
     results = {model: table(model) for model in MODELS}
-    Path(args.out).write_text(markdown(results))
+    write_whole(args.out, markdown(results))
     if args.plots:
         for model, rows in results.items():
             plot(model, rows, Path(args.plots) / f"simulated-scale-{model}.png")

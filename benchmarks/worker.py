@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from benchmarks import cpu_use
 from benchmarks.models import get_model, loss_fn, param_count
+from dcredit_opt.files import write_whole
 
 DC_POLICIES = ("wfbp", "mgwfbp", "oasr", "bytescheduler", "usbyte", "dear", "dcredit")
 # hvd-dcredit: an unchanged Horovod script with dc.DistributedOptimizer (blocks on our own C++ channels beside
@@ -313,10 +314,7 @@ def _write(path: str | None, record: dict) -> None:
     if path is None:
         print(json.dumps(record))
         return
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(record, f)
-    os.replace(tmp, path)  # the harness never sees a half-written file
+    write_whole(path, json.dumps(record))  # the harness never sees a half-written file
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,8 +24,9 @@ The training thread does as little as it can: a forward pre-hook appends one
 for the iteration before to a writer thread (one per file), which builds the
 events and appends them. The file is a JSON object whose closing ``]}`` is
 rewritten after every batch, so it is valid JSON after every batch, and so at
-any clean shutdown (a process killed in the middle of a batch leaves that
-batch cut short, with no closing ``]}``). ``step()`` waits for the batch
+any clean shutdown; each batch reaches the path by a rename (Note [Whole
+files] in files.py), so a reader never sees one half-written, and a process
+killed in the middle of a batch leaves the file as it was before it. ``step()`` waits for the batch
 handed over in the backward before its own (``settle``): the writer has had
 a whole iteration for it, so it is almost always done, and the file a script
 reads after ``step()`` lags the scheduler by at most one iteration. Waiting
@@ -51,6 +52,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 from torch.autograd.profiler import record_function
+
+from .files import AppendedWhole, write_whole
 
 log = logging.getLogger("dcredit_opt")
 
@@ -169,8 +172,7 @@ def forward_events(stamps: Sequence[tuple[int, int]], end_ns: int, names: Sequen
 
 
 def write(path: str, events: list[dict]) -> None:
-    with open(path, "w") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+    write_whole(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
 
 # ---- one rank's file --------------------------------------------------------------------------
@@ -199,7 +201,7 @@ class RankTimeline:
         self._slow = False  # settle() waited in vain once: it no longer waits
         self._batches = _Batches(_MAX_BATCHES)
         try:
-            writer = _Writer(open(path, "wb"), rank, max_events)  # noqa: SIM115 - the writer thread closes it
+            writer = _Writer(AppendedWhole(path), rank, max_events)  # the writer thread closes it
         except BaseException:
             _release(path)
             raise

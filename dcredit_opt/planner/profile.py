@@ -22,6 +22,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from ..files import write_whole
+
 PROFILE_VERSION = 1
 
 RING_STAGE_RATIOS = (0.5, 0.5, 0.5, 0.5)
@@ -201,8 +203,7 @@ class Profile:
         return cls.from_dict(data)
 
     def save(self, path: str | os.PathLike) -> None:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(self.to_json())
+        write_whole(path, self.to_json())  # Note [Whole files]
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Profile:

@@ -66,8 +66,9 @@ def test_the_module_map_was_read():
     assert "dcredit_opt.profiler" in MODULES["dcredit_opt.optimizer"]
 
 
-PURE = ("dcredit_opt.planner", "dcredit_opt.blockops")
-"""The planner, and the block-op values it shares with the backends (a module that imports nothing)."""
+PURE = ("dcredit_opt.planner", "dcredit_opt.blockops", "dcredit_opt.files")
+"""The planner, the block-op values it shares with the backends, and how files are written whole (modules
+that import nothing of ours)."""
 
 FRAMEWORKS = ("torch", "horovod", "mpi4py")
 
@@ -81,6 +82,12 @@ def test_the_planner_is_pure():
         ours = {n for n in _ours(names) if not _within(n, *PURE)}
         assert not ours, f"{module} imports {sorted(ours)} from above the planner"
         assert not {n for n in names if _within(n, *FRAMEWORKS)}, f"{module} imports a framework: {sorted(names)}"
+
+
+@pytest.mark.parametrize("low", ["dcredit_opt.blockops", "dcredit_opt.files"])
+def test_the_lowest_modules_import_nothing_of_ours(low):
+    assert not _ours(MODULES[low]), f"{low} imports {sorted(_ours(MODULES[low]))}"
+    assert not {n for n in MODULES[low] if _within(n, *FRAMEWORKS)}
 
 
 def test_planning_is_made_of_planner_calls():
