@@ -30,7 +30,7 @@ $(EXT_STAMP): $(STAMP) $(SOURCES)
 # The C++ core runs alone under ThreadSanitizer and ASan+UBSan first (about
 # 2 minutes; any report fails the build).
 test: install horovod sanitize
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q --durations=25
 
 test-unit: install
 	$(PY) -m pytest tests/unit -q
