@@ -117,17 +117,16 @@ from .planner.plan import Plan, validate
 from .planner.profile import RING_STAGE_RATIOS
 from .planning import DECOUPLING_POLICIES
 from .reads import PendingReadGuard
-from .reduce_ops import Average, ReduceOp, Sum
+from .reduce_ops import HOROVOD_OP_CODES, Average, ReduceOp
 from .usage import GlobalUsage
 from .watched import WatchedGradient
 
 log = logging.getLogger("dcredit_opt")
 
 
-# Horovod's reduce ops are ints (horovod.torch.mpi_ops: Average=0, Sum=1, Adasum=2, Min=3, Max=4, Product=5);
-# a script passes them as op=hvd.Average. A gradient average or sum is what an optimizer takes.
-_HOROVOD_OPS = {0: Average, 1: Sum}
-_HOROVOD_UNSUPPORTED = {2: "Adasum", 3: "Min", 4: "Max", 5: "Product"}
+# A script passes Horovod's ints as op=hvd.Average. A gradient average or sum is what an optimizer takes.
+_HOROVOD_OPS = {code: ReduceOp(name) for code, name in HOROVOD_OP_CODES.items() if name in ("average", "sum")}
+_HOROVOD_UNSUPPORTED = {code: name.capitalize() for code, name in HOROVOD_OP_CODES.items() if code not in _HOROVOD_OPS}
 
 
 def reduce_op(op) -> ReduceOp:

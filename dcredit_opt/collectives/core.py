@@ -13,13 +13,13 @@ import torch.distributed as dist
 
 from .. import runtime
 from ..errors import CollectiveError, CollectiveTimeout, MismatchError
-from ..reduce_ops import ReduceOp
+from ..reduce_ops import HOROVOD_OP_CODES, ReduceOp
 from ..runtime import require_world
 
-# Horovod's reduce ops are ints (Average=0, Sum=1, Adasum=2, Min=3, Max=4, Product=5); Average and Sum are
-# also dcredit_opt's ReduceOp (reduce_ops.py). Adasum is refused (missing.py).
-Min, Max, Product = 3, 4, 5
-_HOROVOD_OPS = {0: "average", 1: "sum", 3: "min", 4: "max", 5: "product"}
+# Horovod's reduce ops are ints (reduce_ops.HOROVOD_OP_CODES); Average and Sum are also dcredit_opt's
+# ReduceOp. Adasum is refused (missing.py).
+_HOROVOD_OPS = {code: name for code, name in HOROVOD_OP_CODES.items() if name != "adasum"}
+Min, Max, Product = (next(code for code, n in HOROVOD_OP_CODES.items() if n == name) for name in ("min", "max", "product"))
 _OP_CODES = {name: code for code, name in _HOROVOD_OPS.items()}
 DIST_OPS = {"average": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
              "max": dist.ReduceOp.MAX, "product": dist.ReduceOp.PRODUCT}
