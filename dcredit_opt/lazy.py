@@ -62,7 +62,7 @@ class LazyStep:
                 else:
                     engine.wait_tensors(list(todo), timeout)
             except (RuntimeError, TimeoutError) as e:
-                i = next((i for i in todo if not self._dc_engine.tensor_done(i)), todo[0])
+                i = next((i for i in todo if not engine.tensor_done(i)), todo[0])
                 raise at_rank(e, f"phase 2 (after step()), waiting for the reduced gradient of "
                                  f"'{self._dc_names[i]}' (tensor {i}) to apply its update") from e
 

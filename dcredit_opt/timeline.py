@@ -26,10 +26,11 @@ events and appends them. The file is a JSON object whose closing ``]}`` is
 rewritten after every batch, so it is valid JSON after every batch, and so at
 any clean shutdown; each batch reaches the path by a rename (Note [Whole
 files] in files.py), so a reader never sees one half-written, and a process
-killed in the middle of a batch leaves the file as it was before it. ``step()`` waits for the batch
-handed over in the backward before its own (``settle``): the writer has had
-a whole iteration for it, so it is almost always done, and the file a script
-reads after ``step()`` lags the scheduler by at most one iteration. Waiting
+killed in the middle of a batch leaves the file as it was before it.
+``step()`` waits for the batch handed over in the backward before its own
+(``settle``): the writer has had a whole iteration for it, so it is almost
+always done, and the file a script reads after ``step()`` lags the scheduler
+by at most one iteration. Waiting
 for the batch of its own backward instead made a 2 ms iteration 1.4 ms
 slower on a busy 2-core machine (``benchmarks/timeline_cost.py``).
 ``close()`` (from ``_dc_close``, ``dc.shutdown()``, or at exit) adds the last

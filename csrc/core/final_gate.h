@@ -29,9 +29,9 @@ namespace dcredit {
 // so here. The lazy step waits on the host only until every block of its
 // tensors is final (WaitFinal: the collectives are launched; the credit
 // window still decides when, so a block waiting for a slot waits for the
-// device to finish an earlier one, and the host with it), then makes the current stream wait on those
-// events (cudaStreamWaitEvent, which does not block the host) and enqueues
-// the optimizer's kernels behind them. Whatever reads the updated parameter
+// device to finish an earlier one, and the host with it), then makes the
+// current stream wait on those events (cudaStreamWaitEvent, which does not
+// block the host) and enqueues the optimizer's kernels behind them. Whatever reads the updated parameter
 // afterwards on that stream, or syncs with it, sees the reduced gradient's
 // update; a host read (.item()) syncs with the stream.
 //
@@ -43,19 +43,22 @@ namespace dcredit {
 // clears the flags) only after every block of the last is done.
 class FinalGate {
  public:
-  // `tensor_blocks[t]`: the blocks covering tensor t, each < num_blocks.
-  void Reset(std::vector<std::vector<int32_t>> tensor_blocks, int32_t num_blocks) {
-    for (size_t t = 0; t < tensor_blocks.size(); ++t) {
-      for (int32_t b : tensor_blocks[t]) {
-        if (b < 0 || b >= num_blocks) {
-          throw std::invalid_argument("final gate: tensor " + std::to_string(t) + " names block " +
-                                      std::to_string(b) + " of " + std::to_string(num_blocks));
+  // A new plan: `block_tensors[b]` are the tensors block b covers, each
+  // < num_tensors (std::invalid_argument names the first that is not).
+  void Reset(const std::vector<std::vector<int32_t>>& block_tensors, int32_t num_tensors) {
+    std::vector<std::vector<int32_t>> tensor_blocks(static_cast<size_t>(num_tensors));
+    for (size_t b = 0; b < block_tensors.size(); ++b) {
+      for (int32_t t : block_tensors[b]) {
+        if (t < 0 || t >= num_tensors) {
+          throw std::invalid_argument("block " + std::to_string(b) + " covers tensor " + std::to_string(t) +
+                                      " of " + std::to_string(num_tensors));
         }
+        tensor_blocks[t].push_back(static_cast<int32_t>(b));
       }
     }
     std::lock_guard<std::mutex> lock(mu_);
     tensor_blocks_ = std::move(tensor_blocks);
-    final_.assign(static_cast<size_t>(num_blocks), 0);
+    final_.assign(block_tensors.size(), 0);
     failed_ = false;
   }
 
@@ -149,21 +152,5 @@ class FinalGate {
   bool failed_ = false;
   bool closed_ = false;
 };
-
-// Inverse of a plan's block -> tensors lists; throws std::invalid_argument for a tensor out of range.
-inline std::vector<std::vector<int32_t>> BlocksOfTensors(const std::vector<std::vector<int32_t>>& block_tensors,
-                                                        int32_t num_tensors) {
-  std::vector<std::vector<int32_t>> out(static_cast<size_t>(num_tensors));
-  for (size_t b = 0; b < block_tensors.size(); ++b) {
-    for (int32_t t : block_tensors[b]) {
-      if (t < 0 || t >= num_tensors) {
-        throw std::invalid_argument("block " + std::to_string(b) + " covers tensor " + std::to_string(t) + " of " +
-                                    std::to_string(num_tensors));
-      }
-      out[t].push_back(static_cast<int32_t>(b));
-    }
-  }
-  return out;
-}
 
 }  // namespace dcredit

@@ -257,7 +257,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<FinalGate>(m, "FinalGate")
       .def(py::init([](const std::vector<std::vector<int32_t>>& block_tensors, int32_t num_tensors) {
              auto gate = std::make_unique<FinalGate>();
-             gate->Reset(BlocksOfTensors(block_tensors, num_tensors), static_cast<int32_t>(block_tensors.size()));
+             gate->Reset(block_tensors, num_tensors);
              return gate;
            }),
            py::arg("block_tensors"), py::arg("num_tensors"))

@@ -78,14 +78,13 @@ class CudaSync : public DeviceSync {
   }
 
   void Reset(int32_t num_tensors, const std::vector<std::vector<int32_t>>& block_tensors) override {
-    const int32_t num_blocks = static_cast<int32_t>(block_tensors.size());
-    gate_.Reset(BlocksOfTensors(block_tensors, num_tensors), num_blocks);
+    gate_.Reset(block_tensors, num_tensors);
     std::lock_guard<std::mutex> lock(mu_);
     // At most one event per tensor, plus one for the flush.
     events_ = std::vector<Event>(static_cast<size_t>(num_tensors) + 1);
     slot_of_.assign(num_tensors, -1);
     next_slot_ = 0;
-    final_events_ = std::vector<Event>(static_cast<size_t>(num_blocks));
+    final_events_ = std::vector<Event>(block_tensors.size());
   }
 
   void StartIteration() override {

@@ -19,8 +19,8 @@ from ..runtime import require_world
 # Horovod's reduce ops are ints (reduce_ops.HOROVOD_OP_CODES); Average and Sum are also dcredit_opt's
 # ReduceOp. Adasum is refused (missing.py).
 _HOROVOD_OPS = {code: name for code, name in HOROVOD_OP_CODES.items() if name != "adasum"}
-Min, Max, Product = (next(code for code, n in HOROVOD_OP_CODES.items() if n == name) for name in ("min", "max", "product"))
 _OP_CODES = {name: code for code, name in _HOROVOD_OPS.items()}
+Min, Max, Product = _OP_CODES["min"], _OP_CODES["max"], _OP_CODES["product"]
 DIST_OPS = {"average": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
              "max": dist.ReduceOp.MAX, "product": dist.ReduceOp.PRODUCT}
 
