@@ -33,29 +33,35 @@ import threading
 _counter = itertools.count()
 
 
-def _temporary_beside(path: str, tag: str) -> tuple[int, str]:
-    """A new file in ``path``'s folder, named after it and hidden, opened for writing (fd, name)."""
+def _replace_with(path: str, fill) -> None:
+    """``fill(tmp)`` writes a new, hidden, empty file beside ``path``, which is then renamed over ``path``; on
+    any failure the temporary file goes and ``path`` is as it was."""
     folder, base = os.path.split(os.path.abspath(path))
     while True:
-        name = os.path.join(folder, f".{base}.{os.getpid()}.{threading.get_ident()}.{next(_counter)}.{tag}")
+        tmp = os.path.join(folder, f".{base}.{os.getpid()}.{threading.get_ident()}.{next(_counter)}.tmp")
         try:
-            return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), name
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            break
         except FileExistsError:
             continue
-
-
-def write_whole(path: str | os.PathLike, data: bytes | str) -> None:
-    """Write ``data`` (text as UTF-8) to ``path``, replacing what was there at once (Note [Whole files])."""
-    path = os.fspath(path)
-    fd, tmp = _temporary_beside(path, "tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
+        fill(tmp)  # into the existing file: its mode stays the one made here
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def write_whole(path: str | os.PathLike, data: bytes | str) -> None:
+    """Write ``data`` (text as UTF-8) to ``path``, replacing what was there at once (Note [Whole files])."""
+    payload = data.encode() if isinstance(data, str) else data
+
+    def fill(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(payload)
+
+    _replace_with(os.fspath(path), fill)
 
 
 class AppendedWhole:
@@ -68,6 +74,7 @@ class AppendedWhole:
         folder, base = os.path.split(os.path.abspath(self.name))
         self._work_path = os.path.join(folder, f".{base}.{os.getpid()}.part")
         self._work = open(self._work_path, "w+b")  # noqa: SIM115 - closed by close()
+        self._unpublished = True  # written since the last flush (at first: the empty file)
         try:
             self.flush()
         except BaseException:
@@ -75,6 +82,7 @@ class AppendedWhole:
             raise
 
     def write(self, data: bytes) -> int:
+        self._unpublished = True
         return self._work.write(data)
 
     def seek(self, offset: int) -> int:
@@ -84,20 +92,16 @@ class AppendedWhole:
         return self._work.tell()
 
     def flush(self) -> None:
-        """Publish what was written so far: a copy of the working file renamed over ``name``."""
+        """Publish what was written since the last flush, if anything: a copy of the working file renamed over
+        ``name``. With nothing new it copies nothing, and a published file that someone removed stays removed."""
+        if not self._unpublished:
+            return
         self._work.flush()
-        fd, tmp = _temporary_beside(self.name, "tmp")
-        try:
-            os.close(fd)
-            shutil.copyfile(self._work_path, tmp)
-            os.replace(tmp, self.name)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        _replace_with(self.name, lambda tmp: shutil.copyfile(self._work_path, tmp))
+        self._unpublished = False
 
     def close(self) -> None:
-        """Publish the last state and remove the working file; idempotent."""
+        """Publish what is not yet published and remove the working file; idempotent."""
         if self._work.closed:
             return
         try:

@@ -56,6 +56,20 @@ def test_an_appended_file_is_published_whole_at_each_flush(tmp_path):
     assert _leftovers(tmp_path) == []  # the working file and every temporary one are gone
 
 
+def test_a_flush_with_nothing_new_publishes_nothing(tmp_path):
+    """A writer closed late (a timeline dropped by stop_timeline() and collected later) must not bring back
+    a file its user has removed, nor copy the whole file again for nothing."""
+    path = tmp_path / "t.json"
+    f = files.AppendedWhole(path)
+    f.write(b"{}")
+    f.flush()
+    path.unlink()
+    f.flush()
+    f.close()
+    assert not path.exists()
+    assert _leftovers(tmp_path) == []
+
+
 def test_a_reader_never_sees_a_partial_timeline_while_training_writes_it(tmp_path):
     """The timeline is rewritten after every iteration; another thread reading it all the while always gets
     valid JSON (before, a read during a rewrite could get a whole JSON followed by the rest of an older one)."""
