@@ -117,7 +117,7 @@ class GradientHooks:
         """Put this rank's gradient of tensor ``i`` into its slot (pre-scaled) and alias ``p.grad``."""
         slot, watched = self._dc_slots[i], self._dc_watched[i]
         g = p.grad
-        self._dc_used[i] = g is not None
+        self._dc_tally.used[i] = g is not None
         if g is None:
             slot.zero_()  # unused on this rank: contribute zeros, as Horovod does
             p.grad = watched
@@ -147,8 +147,8 @@ class GradientHooks:
             if not self._dc_marked[i]:
                 self._dc_stage(i, p)
                 self._dc_marked[i] = True
-        if self._dc_rows:
-            self._dc_exchange_rows()  # before the flush releases the last blocks: less queued ahead of it
+        if self._dc_tally.rows:  # before the flush releases the last blocks: less queued ahead of them
+            self._dc_tally.exchange_rows(self._dc_slots, self._dc_versions, self._dc_postscale)
         if self._dc_delayed is not None:  # Note [Delayed updates]: the previous step's sum in, this step's out
             try:
                 self._dc_delayed.swap(self._dc_slots, self._dc_postscale, self._dc_backend,
@@ -163,7 +163,9 @@ class GradientHooks:
             raise at_rank(e, "end of phase 1 (the flush in step() or synchronize())") from e
         self._dc_set_flushed(True)
         self._dc_life.flushed = True
-        self._dc_start_tally()
+        if self._dc_tally.start():  # tensors now rows-only (Note [Embedding rows]): a plan without their blocks
+            self._dc_staged_plan = self._dc_staged_plan or self._dc_plan
+            self._dc_replan = True
         if self._dc_delayed is not None:
             self._dc_delayed.start(self._dc_backend)  # after the tally: it never waits behind this sum
 
@@ -234,6 +236,14 @@ class GradientHooks:
         """Every reduced gradient final: every block done, every embedding row added."""
         self._dc_wait_all(where)
         self._dc_add_rows(range(len(self._dc_params)))
+
+    def _dc_add_rows(self, indices) -> None:
+        """Every rank's embedding rows into the reduced gradients of ``indices`` that have them."""
+        self._dc_tally.add_rows(indices, self._dc_slots, self._dc_versions, self._dc_prescale * self._dc_postscale)
+
+    def _dc_drop_unused_grads(self, indices) -> list:
+        """``p.grad = None`` for the tensors of ``indices`` no rank used (Note [Global usage]); returns them."""
+        return self._dc_tally.drop_unused_grads(indices, self._dc_watched, self._dc_slots)
 
     def _dc_wait_all(self, where: str) -> None:
         try:
@@ -314,6 +324,16 @@ class WeakHookFailure:
         opt = self._ref()
         if opt is not None:
             opt._dc_hook_failed(i, message)
+
+
+def weak_rows_hook(ref):
+    """An embedding's stand-in got its gradient (Note [Embedding rows]): the iteration of a weakly held
+    optimizer opens there if no other gradient opened it (its only gradients are embedding rows)."""
+    def hook():
+        opt = ref()
+        if opt is not None and not opt._dc_open:
+            opt._dc_begin()
+    return hook
 
 
 def weak_count_hook(ref, i):

@@ -11,7 +11,7 @@ import weakref
 
 import torch
 
-from . import _ext, rows, runtime
+from . import _ext, runtime
 from .errors import DCreditError
 from .gradients import clear
 from .reads import FirstReadTracer
@@ -162,7 +162,7 @@ class LazyStep:
         """Pending tensors read later in the forward whose reduced gradients are final already, in first-read
         order up to the first that is not: applied together with ``own`` (Note [Lazy step]). Tensors with
         embedding rows wait for their own module (their rows are gathered apart from the blocks)."""
-        order, pending, rows_of = self._dc_read_order, self._dc_pending, self._dc_rows
+        order, pending, rows_of = self._dc_read_order, self._dc_pending, self._dc_tally.rows
         done = self._dc_engine.tensor_final  # on a GPU: enqueued (Note [Stream-ordered waits])
         found = []
         k = self._dc_ahead
@@ -218,7 +218,7 @@ class LazyStep:
         reduced values, so every rank refuses the same step.
         """
         self._dc_wait_final("step(), waiting for every block (Config.check_finite)")
-        private = [self._dc_slots[i] for i in self._dc_rows_only()]  # not in the buffers (Note [Embedding rows])
+        private = [self._dc_slots[i] for i in self._dc_tally.rows_only()]  # not in the buffers (Note [Embedding rows])
         if all(bool(torch.isfinite(b).all()) for b in [*self._dc_buffers, *private]):
             return
         bad = next(i for i, slot in enumerate(self._dc_slots) if not bool(torch.isfinite(slot).all()))
@@ -351,12 +351,7 @@ class LazyStep:
         if not (self._dc_config.embedding_rows and runtime.size() > 1 and self._dc_bpps == 1
                 and getattr(self._dc_backend, "exchanges_rows", False)):
             return
-        grouped = {t for g in self._dc_groups or () for t in g}
-        for i, refs in tracer.embedded_by.items():
-            modules = [m for m in (ref() for ref in refs) if m is not None]
-            if modules and i not in grouped and self._dc_params[i].dim() >= 2:
-                self._dc_rows_proposal[i] = rows.TIED if i in tracer.read_otherwise else rows.ROWS_ONLY
-                self._dc_rows_modules[i] = [weakref.ref(m) for m in modules]
+        self._dc_tally.propose_rows(tracer, {t for g in self._dc_groups or () for t in g})
 
 
 def copy_hyper(group: dict) -> dict:

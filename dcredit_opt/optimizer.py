@@ -110,15 +110,17 @@ from .gradients import (
     per_tensor,
     slot_in,
     weak_count_hook,
+    weak_rows_hook,
 )
 from .layout import build_layout, fixed_plan
 from .lazy import Keeper, LazyStep, copy_hyper, watch_module_hooks_when_compiled
+from .notices import Notices
 from .planner.plan import Plan, validate
 from .planner.profile import RING_STAGE_RATIOS
 from .planning import DECOUPLING_POLICIES
 from .reads import PendingReadGuard
 from .reduce_ops import HOROVOD_OP_CODES, Average, ReduceOp
-from .usage import GlobalUsage
+from .usage import UsageTally
 from .watched import WatchedGradient
 
 log = logging.getLogger("dcredit_opt")
@@ -189,7 +191,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     _take_over(owners)
 
     base = optimizer.__class__
-    parts = (LazyStep, GradientHooks, GlobalUsage, _DistributedOptimizer)
+    parts = (LazyStep, GradientHooks, _DistributedOptimizer)
     body = {k: v for part in parts for k, v in part.__dict__.items()
             if k not in ("__dict__", "__weakref__", "__module__", "__doc__")}
     body["_dc_base"] = base
@@ -304,13 +306,6 @@ class _DistributedOptimizer:
         self._dc_skip = False
         self._dc_snapshot = None
         self._dc_versions = per_tensor(T, "q")  # each slot's version when its gradient was handed over
-        self._dc_used = per_tensor(T, "B")  # this iteration: had a gradient on this rank (Note [Global usage])
-        self._dc_usage = None  # the last flushed iteration's _Usage
-        self._dc_rows: dict[int, rows.EmbeddingRows] = {}  # Note [Embedding rows] in rows.py, once agreed
-        self._dc_rows_proposal = [0] * T  # what this rank learned: 0, rows.TIED or rows.ROWS_ONLY per tensor
-        self._dc_tally_tail = None  # (proposal, its part of the usage tally), rebuilt when the proposal changes
-        self._dc_rows_modules: dict[int, list] = {}  # tensor -> weak references to the embeddings that read it
-        self._dc_rows_agreed = False
         self._dc_replan = False  # this step() stages a plan: it must be eager
         self._dc_versions_checked = True  # the first apply after a lazy step() checks every pending slot
         self._dc_reduced = False  # pending updates whose blocks a new iteration has already waited for
@@ -324,13 +319,16 @@ class _DistributedOptimizer:
         self._dc_module_hooks = []
         self._dc_keeper = Keeper(self)
         self._dc_guard = PendingReadGuard(self._dc_keeper)  # Note [Guarded reads] in reads.py
-        self._dc_told = set()  # notices already given
+        self._dc_told = Notices()
         self._dc_backend = backends.create(config.backend, config.channels, config.timeout_s)
         self._dc_engine = self._dc_backend.engine
         me = weakref.ref(self)
+        # Note [Global usage] and Note [Embedding rows]: which gradients exist where, and the rows agreed on.
+        self._dc_tally = UsageTally(names, params, world, self._dc_backend, config, self._dc_told,
+                                    weak_rows_hook(me))
         # Note [Gradient path]: each gradient's hand-over, in C++; Python where it must.
         self._dc_path = _ext.load().GradientPath(self._dc_engine, params, self._dc_counts, self._dc_marked,
-                                                 self._dc_used, self._dc_versions, WeakSlowPath(me),
+                                                 self._dc_tally.used, self._dc_versions, WeakSlowPath(me),
                                                  WeakHookFailure(me))
         self._dc_path.set_passes_per_step(bpps)
         self._dc_python_handovers = 0
@@ -381,7 +379,7 @@ class _DistributedOptimizer:
         """Switch to ``plan`` (with Horovod's groups merged in); only between iterations (nothing in flight)."""
         params = self._dc_params
         plan = grouping.merge_groups(plan, self._dc_groups, [p.dtype for p in params])
-        plan = rows.without_tensors(plan, self._dc_rows_only())
+        plan = rows.without_tensors(plan, self._dc_tally.rows_only())
         validate(plan, numels=self._dc_numels(), max_channels=self._dc_config.channels,
                  dtypes=[p.dtype for p in params])
         if plan.delayed and not (self._dc_config.policy == "deft" and self._dc_sums_delayed()):
@@ -418,12 +416,9 @@ class _DistributedOptimizer:
             self._dc_delayed.drain(self._dc_backend, float(self._dc_config.timeout_s))
         self._dc_delayed = DelayedGradients(plan.delayed, slots) if plan.delayed else None
 
-    def _dc_rows_only(self) -> list:
-        return [i for i, r in self._dc_rows.items() if r.kind == rows.ROWS_ONLY]
-
     def _dc_numels(self) -> list:
         """Elements per tensor that travel in blocks: a rows-only tensor's none (Note [Embedding rows])."""
-        gone = set(self._dc_rows_only())
+        gone = set(self._dc_tally.rows_only())
         return [0 if i in gone else p.numel() for i, p in enumerate(self._dc_params)]
 
     def _dc_wire_dtypes(self) -> list:
@@ -588,7 +583,7 @@ class _DistributedOptimizer:
         dropped, replaced = [], []
         for i, (p, w) in enumerate(zip(self._dc_params, self._dc_watched)):
             g = p.grad
-            if g is w or not self._dc_marked[i] or i in self._dc_rows:
+            if g is w or not self._dc_marked[i] or i in self._dc_tally.rows:
                 continue
             if g is None:
                 dropped.append(i)
@@ -644,8 +639,7 @@ class _DistributedOptimizer:
         return True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        rows_in = any(r.stand_in is not None and r.stand_in.grad is not None for r in self._dc_rows.values())
-        if self._dc_open and (any(self._dc_marked) or rows_in) and not self._dc_synchronized:
+        if self._dc_open and (any(self._dc_marked) or self._dc_tally.rows_captured()) and not self._dc_synchronized:
             raise DCreditError("optimizer.zero_grad() was called after loss.backward() but before "
                                "optimizer.step() or optimizer.synchronize(): the gradients are being reduced")
         # Our own bookkeeping on gradients, not a read of any parameter: the read guard stands aside (it
@@ -682,9 +676,7 @@ class _DistributedOptimizer:
 
     def _dc_tell(self, key: str, message: str) -> None:
         """A notice, once per optimizer and reason."""
-        if key not in self._dc_told:
-            self._dc_told.add(key)
-            log.warning("%s", message)
+        self._dc_told.tell(key, message)
 
     # ---- profiling, planning, timeline ---------------------------------------
 
@@ -756,8 +748,7 @@ class _DistributedOptimizer:
         self._dc_guard.remove()
         for h in self._dc_grad_hooks + self._dc_module_hooks:
             h.remove()
-        for r in self._dc_rows.values():
-            r.remove()
+        self._dc_tally.close()
         self._dc_grad_hooks, self._dc_module_hooks = [], []
         self._dc_path.close()
         for p, w, slot in zip(self._dc_params, self._dc_watched, self._dc_slots):

@@ -19,9 +19,8 @@ step, on every rank alike, and keeps it, as under DDP.
 
 The same tally carries each rank's proposal of tensors to reduce as
 embedding rows; once every rank proposes the same ones, all take the rows
-path together (Note [Embedding rows] in ``rows.py``). :class:`GlobalUsage`
-holds methods of the generated optimizer subclass (``optimizer.py``); its
-state is set up in ``_DistributedOptimizer._dc_setup``.
+path together (Note [Embedding rows] in ``rows.py``). :class:`UsageTally`
+owns both: the flags, the tally, this rank's proposal and the rows agreed.
 """
 
 from __future__ import annotations
@@ -30,78 +29,119 @@ import weakref
 
 import torch
 
-from . import rows, runtime, timeline
-from .gradients import clear
+from . import rows, timeline
+from .gradients import clear, per_tensor
 from .runtime import at_rank
 
 
-class GlobalUsage:
-    def _dc_exchange_rows(self) -> None:
+class UsageTally:
+    """Owns Note [Global usage] and Note [Embedding rows]'s agreement.
+
+    ``used`` (per tensor, this iteration: had a gradient on this rank; the C++
+    gradient path writes it too) is summed over ranks at the end of phase 1
+    (:meth:`start`), with this rank's proposal of embedding rows; ``rows``
+    (tensor -> :class:`rows.EmbeddingRows`) holds the tensors every rank agreed
+    to reduce as rows. The gradient memory (slots, versions, scales) belongs
+    to the caller and is passed in.
+    """
+
+    def __init__(self, names, params, world: int, backend, config, notices, on_rows_grad):
+        T = len(params)
+        self._world_size = world  # ranks in the job
+        self.used = per_tensor(T, "B")
+        self.rows: dict[int, rows.EmbeddingRows] = {}  # once agreed, in tensor order on every rank
+        self._names = names
+        self._params = params
+        self._backend = backend
+        self._config = config
+        self._notices = notices
+        self._on_rows_grad = on_rows_grad  # opens an iteration whose only gradients are embedding rows
+        self._usage = None  # the last flushed iteration's _Usage
+        self._proposal = [0] * T  # what this rank learned: 0, rows.TIED or rows.ROWS_ONLY per tensor
+        self._tail = None  # (proposal, its part of the tally), rebuilt when the proposal changes
+        self._modules: dict[int, list] = {}  # tensor -> weak references to the embeddings that read it
+        self._agreed = False
+
+    def _timeout(self) -> float:
+        return float(self._config.timeout_s)
+
+    def rows_only(self) -> list:
+        """Tensors reduced as embedding rows alone: they have no blocks."""
+        return [i for i, r in self.rows.items() if r.kind == rows.ROWS_ONLY]
+
+    def rows_captured(self) -> bool:
+        """Whether some embedding's rows have a gradient this iteration."""
+        return any(r.stand_in is not None and r.stand_in.grad is not None for r in self.rows.values())
+
+    def exchange_rows(self, slots, versions, postscale: float) -> None:
         """Note [Embedding rows]: every rank's embedding rows to every rank; a rows-only tensor's other
         gradient (if any rank has one this iteration) all-reduced densely."""
-        timeout = float(self._dc_config.timeout_s)
-        for i, r in self._dc_rows.items():  # built in tensor order on every rank
+        timeout = self._timeout()
+        for i, r in self.rows.items():  # built in tensor order on every rank
             ids, values = r.take()
-            slot = self._dc_slots[i]
+            slot = slots[i]
             # W's own gradient, which has no blocks; all zeros (zero_grad(set_to_none=False)) adds nothing.
-            rest = r.kind == rows.ROWS_ONLY and self._dc_used[i] and bool(slot.any())
+            rest = r.kind == rows.ROWS_ONLY and self.used[i] and bool(slot.any())
             try:
-                r.gathered, rest_anywhere = self._dc_backend.exchange_rows(ids, values, rest, timeout)
+                r.gathered, rest_anywhere = self._backend.exchange_rows(ids, values, rest, timeout)
                 if rest_anywhere:
-                    self._dc_tell(f"rows rest {i}", f"dcredit_opt: parameter '{self._dc_names[i]}', reduced as "
-                                  "the rows its embeddings looked up, was also read otherwise in this iteration; "
-                                  "that part of its gradient is all-reduced whole in step(), without overlap "
-                                  "(Note [Embedding rows]). Said once.")
-                    self._dc_backend.allreduce_side(slot, timeout)
-                    if self._dc_postscale != 1.0:
-                        slot.mul_(self._dc_postscale)
+                    self._notices.tell(f"rows rest {i}", f"dcredit_opt: parameter '{self._names[i]}', reduced as "
+                                       "the rows its embeddings looked up, was also read otherwise in this "
+                                       "iteration; that part of its gradient is all-reduced whole in step(), "
+                                       "without overlap (Note [Embedding rows]). Said once.")
+                    self._backend.allreduce_side(slot, timeout)
+                    if postscale != 1.0:
+                        slot.mul_(postscale)
             except (RuntimeError, TimeoutError) as e:
-                raise at_rank(e, f"end of phase 1, exchanging the embedding rows of '{self._dc_names[i]}'") from e
-            self._dc_versions[i] = slot._version
+                raise at_rank(e, f"end of phase 1, exchanging the embedding rows of '{self._names[i]}'") from e
+            versions[i] = slot._version
             if ids.numel():
-                self._dc_used[i] = True
+                self.used[i] = True
 
-    def _dc_add_rows(self, indices) -> None:
-        """Every rank's embedding rows into the reduced gradients of ``indices`` that have them."""
-        scale = self._dc_prescale * self._dc_postscale
+    def add_rows(self, indices, slots, versions, scale: float) -> None:
+        """Every rank's embedding rows, times ``scale``, into the reduced gradients of ``indices`` that have them."""
         for i in indices:
-            r = self._dc_rows.get(i)
+            r = self.rows.get(i)
             if r is not None and r.gathered is not None:
-                slot = self._dc_slots[i]
+                slot = slots[i]
                 r.add_to(slot, scale)
-                self._dc_versions[i] = slot._version
-    def _dc_start_tally(self) -> None:
-        """Note [Global usage]: start summing over ranks which tensors had a gradient on each."""
-        proposal = tuple(self._dc_rows_proposal)
-        here = bytearray(self._dc_used)
+                versions[i] = slot._version
+
+    def start(self) -> bool:
+        """Note [Global usage]: start summing over ranks which tensors had a gradient on each. True when
+        the last tally made tensors rows-only: the plan must be rebuilt without their blocks."""
+        proposal = tuple(self._proposal)
+        here = bytearray(self.used)
         T = len(here)
         # Built from the bytes and a per-proposal tail, not element by element: this runs every iteration.
-        if self._dc_tally_tail is None or self._dc_tally_tail[0] != proposal:
+        if self._tail is None or self._tail[0] != proposal:
             tail = torch.tensor([*(k > 0 for k in proposal), *(k == rows.ROWS_ONLY for k in proposal)],
                                 dtype=torch.int32)
-            self._dc_tally_tail = (proposal, tail)
+            self._tail = (proposal, tail)
         counts = torch.empty(3 * T, dtype=torch.int32)
         if T:
             counts[:T] = torch.frombuffer(here, dtype=torch.uint8)
-        counts[T:] = self._dc_tally_tail[1]
+        counts[T:] = self._tail[1]
         usage = _Usage(bytes(here), counts)
-        if runtime.size() == 1:
+        replan = False
+        if self._world_size == 1:
             usage.everywhere = usage.here
         else:
-            last = self._dc_usage
+            last = self._usage
             try:
-                self._dc_backend.wait_tally(float(self._dc_config.timeout_s))  # the last one, if nothing needed it
-                if last is not None and not self._dc_rows_agreed:
-                    self._dc_agree_on_rows(last.counts.tolist())
-                self._dc_backend.start_tally(counts)
+                self._backend.wait_tally(self._timeout())  # the last one, if nothing needed it
+                if last is not None and not self._agreed:
+                    replan = self._agree_on_rows(last.counts.tolist())
+                self._backend.start_tally(counts)
             except (RuntimeError, TimeoutError) as e:
                 raise at_rank(e, "end of phase 1, summing which gradients each rank computed") from e
-        self._dc_usage = usage
-        clear(self._dc_used)
+        self._usage = usage
+        clear(self.used)
+        return replan
 
-    def _dc_unused_everywhere(self, indices) -> list:
+    def unused_everywhere(self, indices) -> list:
         """Of tensors ``indices``, those no rank computed a gradient for in the iteration being applied."""
-        usage = self._dc_usage
+        usage = self._usage
         if usage is None:
             return []
         maybe = [i for i in indices if not usage.here[i]]
@@ -110,42 +150,57 @@ class GlobalUsage:
         if usage.everywhere is None:
             try:
                 with timeline.profiled("dcredit_opt::wait"):
-                    self._dc_backend.wait_tally(float(self._dc_config.timeout_s))
+                    self._backend.wait_tally(self._timeout())
             except (RuntimeError, TimeoutError) as e:
                 raise at_rank(e, f"phase 2, waiting to learn whether any rank computed a gradient of "
-                                 f"'{self._dc_names[maybe[0]]}' (tensor {maybe[0]})") from e
+                                 f"'{self._names[maybe[0]]}' (tensor {maybe[0]})") from e
             usage.everywhere = [bool(c) for c in usage.counts[:len(usage.here)].tolist()]
         return [i for i in maybe if not usage.everywhere[i]]
 
-    def _dc_agree_on_rows(self, sums: list) -> None:
-        """Note [Embedding rows]: once the last tally shows every rank proposing the same tensors, they
-        take the rows path from the next iteration on, on every rank (all saw the same sums)."""
-        T, world = len(self._dc_params), runtime.size()
-        agreed = [i for i in range(T) if sums[T + i] == world]
-        if not agreed:
-            return
-        self._dc_rows_agreed = True
-        me = weakref.ref(self)
-        for i in agreed:
-            kind = rows.ROWS_ONLY if sums[2 * T + i] == world else rows.TIED
-            modules = [m for m in (ref() for ref in self._dc_rows_modules.get(i, ())) if m is not None]
-            self._dc_rows[i] = rows.EmbeddingRows(i, self._dc_params[i], self._dc_names[i], modules, kind,
-                                                  _weak_rows_hook(me))
-        if self._dc_rows_only():
-            self._dc_staged_plan = self._dc_staged_plan or self._dc_plan  # rebuilt without their blocks
-            self._dc_replan = True
-        names = ", ".join(f"'{self._dc_names[i]}'" for i in agreed)
-        self._dc_tell("rows", f"dcredit_opt: {names} reduced as the embedding rows each batch looks up, not "
-                              "as a dense tensor (Note [Embedding rows]; Config(embedding_rows=False) turns it off)")
-
-    def _dc_drop_unused_grads(self, indices) -> list:
-        """``p.grad = None`` for the tensors of ``indices`` no rank used (Note [Global usage]); returns them."""
-        unused = self._dc_unused_everywhere(indices)
+    def drop_unused_grads(self, indices, watched, slots) -> list:
+        """``p.grad = None`` for the tensors of ``indices`` no rank used (Note [Global usage]), where
+        ``p.grad`` is still ours (``watched[i]`` or ``slots[i]``); returns them."""
+        unused = self.unused_everywhere(indices)
         for i in unused:
-            p = self._dc_params[i]
-            if p.grad is self._dc_watched[i] or p.grad is self._dc_slots[i]:  # not one the user assigned
+            p = self._params[i]
+            if p.grad is watched[i] or p.grad is slots[i]:  # not one the user assigned
                 p.grad = None
         return unused
+
+    def propose_rows(self, tracer, grouped) -> None:
+        """What this rank proposes for Note [Embedding rows], from what the first-read tracer saw (tensors
+        of Horovod's ``grouped`` excepted); every rank's proposal travels in the tally, and only what all
+        propose is taken."""
+        for i, refs in tracer.embedded_by.items():
+            modules = [m for m in (ref() for ref in refs) if m is not None]
+            if modules and i not in grouped and self._params[i].dim() >= 2:
+                self._proposal[i] = rows.TIED if i in tracer.read_otherwise else rows.ROWS_ONLY
+                self._modules[i] = [weakref.ref(m) for m in modules]
+
+    def _agree_on_rows(self, sums: list) -> bool:
+        """Note [Embedding rows]: once the last tally shows every rank proposing the same tensors, they
+        take the rows path from the next iteration on, on every rank (all saw the same sums). True when
+        some are rows-only."""
+        T, world = len(self._params), self._world_size
+        agreed = [i for i in range(T) if sums[T + i] == world]
+        if not agreed:
+            return False
+        self._agreed = True
+        for i in agreed:
+            kind = rows.ROWS_ONLY if sums[2 * T + i] == world else rows.TIED
+            modules = [m for m in (ref() for ref in self._modules.get(i, ())) if m is not None]
+            self.rows[i] = rows.EmbeddingRows(i, self._params[i], self._names[i], modules, kind,
+                                              self._on_rows_grad)
+        names = ", ".join(f"'{self._names[i]}'" for i in agreed)
+        self._notices.tell("rows", f"dcredit_opt: {names} reduced as the embedding rows each batch looks up, not "
+                                   "as a dense tensor (Note [Embedding rows]; Config(embedding_rows=False) turns it "
+                                   "off)")
+        return bool(self.rows_only())
+
+    def close(self) -> None:
+        """Remove the embeddings' hooks."""
+        for r in self.rows.values():
+            r.remove()
 
 
 class _Usage:
@@ -159,10 +214,3 @@ class _Usage:
         self.counts = counts
         self.everywhere = None
 
-
-def _weak_rows_hook(ref):
-    def hook():
-        opt = ref()
-        if opt is not None and not opt._dc_open:
-            opt._dc_begin()  # an iteration whose only gradients are embedding rows
-    return hook

@@ -607,7 +607,7 @@ def unused_on_every_rank(job: Job) -> dict:
 def _rows_kinds(opt) -> dict:
     """Note [Embedding rows]: the tensors on the rows path, by name: "rows only" or "tied"."""
     from dcredit_opt import rows
-    return {opt._dc_names[i]: "rows only" if r.kind == rows.ROWS_ONLY else "tied" for i, r in opt._dc_rows.items()}
+    return {opt._dc_names[i]: "rows only" if r.kind == rows.ROWS_ONLY else "tied" for i, r in opt._dc_tally.rows.items()}
 
 
 def embedding_rows(kind: str):

@@ -458,7 +458,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
         out["lazy_steps"] = lazy_steps
         out["flat"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
         out["plan_policy"] = opt.plan.policy
-        out["rows"] = len(opt._dc_rows)  # tensors on the embedding rows path (Note [Embedding rows])
+        out["rows"] = len(opt._dc_tally.rows)  # tensors on the embedding rows path (Note [Embedding rows])
     except dc.DCreditError as e:
         out.update(status="dcredit_error", message=str(e))
     except (_ext.load().SchedulerError, TimeoutError) as e:

@@ -698,13 +698,12 @@ def test_the_parts_of_the_generated_subclass_define_disjoint_names():
     from dcredit_opt.gradients import GradientHooks
     from dcredit_opt.lazy import LazyStep
     from dcredit_opt.optimizer import _DistributedOptimizer
-    from dcredit_opt.usage import GlobalUsage
 
-    parts = (LazyStep, GradientHooks, GlobalUsage, _DistributedOptimizer)
+    parts = (LazyStep, GradientHooks, _DistributedOptimizer)
     owner: dict = {}
     for part in parts:
         for name in part.__dict__:
             if not (name.startswith("__") and name.endswith("__")):
                 assert name not in owner, f"{name} is defined in both {owner[name]} and {part.__name__}"
                 owner[name] = part.__name__
-    assert {"_dc_on_grad", "_dc_start_tally", "_dc_apply", "step"} <= set(owner)
+    assert {"_dc_on_grad", "_dc_flush", "_dc_apply", "step"} <= set(owner)

@@ -179,3 +179,38 @@ def test_each_constant_is_defined_once():
                     where.setdefault(name, []).append(module)
     assert "DEFAULT_BLOCK_BYTES" in where
     assert {name: modules for name, modules in where.items() if len(modules) > 1} == {}
+
+
+OWNERS = {"dcredit_opt.usage": ("UsageTally",)}
+"""The objects that own a part of the optimizer's state (issue A1), by module: their private fields are
+read and written through ``self`` in their own methods only; others use their methods and public fields."""
+
+RETIRED = ("_dc_used", "_dc_usage", "_dc_rows", "_dc_rows_proposal", "_dc_tally_tail", "_dc_rows_modules",
+           "_dc_rows_agreed", "_dc_start_tally", "_dc_exchange_rows", "_dc_agree_on_rows", "_dc_rows_only")
+"""Fields of the generated optimizer subclass that an owner now holds: no longer anywhere in the package."""
+
+
+def _private_fields(cls: ast.ClassDef) -> set[str]:
+    return {node.attr for node in ast.walk(cls) if isinstance(node, ast.Attribute) and node.attr.startswith("_")
+            and not node.attr.startswith("__") and isinstance(node.value, ast.Name) and node.value.id == "self"
+            and isinstance(getattr(node, "ctx", None), ast.Store)}
+
+
+def test_the_state_owners_own_their_fields():
+    fields = {}
+    for module, classes in OWNERS.items():
+        tree = TREES[module][1]
+        for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in classes):
+            fields.update({name: (module, cls.name) for name in _private_fields(cls)})
+    assert fields, "no owner's fields were read"
+    reached = []
+    for path, tree in TREES.values():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute):
+                continue
+            # Another class's own ``self._names`` is its own field; ``x._names`` of anything else is a reach-in.
+            if node.attr in fields and not (isinstance(node.value, ast.Name) and node.value.id == "self"):
+                reached.append(f"{path.name}:{node.lineno} .{node.attr} of {fields[node.attr][1]}")
+            if node.attr in RETIRED:
+                reached.append(f"{path.name}:{node.lineno} .{node.attr}, now held by an owner")
+    assert reached == []

@@ -1,0 +1,108 @@
+"""The optimizer's state owners alone, without processes: each is built from plain tensors and a fake backend.
+
+``DistributedOptimizer`` composes these objects; here each one is driven directly, as DDP's bucket assignment
+is tested without a process group.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+
+import torch
+from torch import nn
+
+from dcredit_opt import rows
+from dcredit_opt.config import Config
+from dcredit_opt.notices import Notices
+from dcredit_opt.usage import UsageTally
+
+
+class _SideChannel:
+    """The backend's side channel as the tally uses it: ``start_tally`` sums in place, here with the other
+    ranks' counts given up front (every other rank sends ``others``)."""
+
+    def __init__(self, others=None, world=2):
+        self.others = others
+        self.world = world
+        self.started = []
+        self.waits = 0
+
+    def start_tally(self, counts):
+        self.started.append(counts.clone())
+        if self.others is not None:
+            counts += torch.tensor(self.others, dtype=torch.int32) * (self.world - 1)
+
+    def wait_tally(self, timeout_s):
+        self.waits += 1
+
+
+def _tally(params, world=1, backend=None, notices=None):
+    names = [f"p{i}" for i in range(len(params))]
+    return UsageTally(names, params, world, backend or _SideChannel(), Config(), notices or Notices(), lambda: None)
+
+
+def test_alone_the_tally_says_unused_what_this_rank_did_not_use():
+    params = [nn.Parameter(torch.zeros(3)) for _ in range(3)]
+    tally = _tally(params)
+    tally.used[0] = True
+    tally.used[2] = True
+    assert tally.start() is False
+    assert list(tally.used) == [0, 0, 0]  # cleared for the next iteration
+    assert tally.unused_everywhere(range(3)) == [1]
+
+
+def test_a_gradient_the_user_assigned_is_not_dropped():
+    params = [nn.Parameter(torch.zeros(2)) for _ in range(2)]
+    slots = [torch.zeros(2), torch.zeros(2)]
+    watched = list(slots)
+    tally = _tally(params)
+    tally.start()  # nothing used: both unused everywhere
+    params[0].grad = slots[0]
+    params[1].grad = torch.ones(2)  # the user's
+    assert tally.drop_unused_grads(range(2), watched, slots) == [0, 1]
+    assert params[0].grad is None
+    assert params[1].grad is not None
+
+
+def test_with_peers_the_tally_waits_only_for_tensors_unused_here():
+    params = [nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    side = _SideChannel(others=[0, 1, 0, 0, 0, 0, 0, 0, 0])  # the other rank used tensor 1 only
+    tally = _tally(params, world=2, backend=side)
+    tally.used[0] = True
+    tally.start()
+    assert [c.tolist() for c in side.started] == [[1, 0, 0, 0, 0, 0, 0, 0, 0]]
+    waits = side.waits  # the start waits for the last tally, if any
+    assert tally.unused_everywhere([0]) == []
+    assert side.waits == waits  # used here: used, whatever the others did
+    assert tally.unused_everywhere(range(3)) == [2]
+    assert side.waits == waits + 1
+
+
+def test_the_ranks_agree_on_embedding_rows_through_the_tally():
+    emb = nn.Embedding(5, 2)
+    params = [emb.weight, nn.Parameter(torch.zeros(2, 2))]
+    side = _SideChannel(others=[1, 0, 1, 0, 1, 0])  # the other rank proposes tensor 0, rows only
+    notices = Notices()
+    tally = _tally(params, world=2, backend=side, notices=notices)
+    tracer = types.SimpleNamespace(embedded_by={0: [weakref.ref(emb)]}, read_otherwise=set())
+    tally.propose_rows(tracer, grouped=set())
+    tally.used[0] = True
+    assert tally.start() is False  # the first tally is in flight: nothing agreed yet
+    assert tally.rows == {}
+    assert tally.start() is True  # the last tally's sums: both ranks propose tensor 0, rows only
+    assert list(tally.rows) == [0] and tally.rows[0].kind == rows.ROWS_ONLY
+    assert tally.rows_only() == [0]
+    assert "rows" in notices
+    tally.close()
+    assert tally.rows[0].hooks == []
+
+
+def test_a_proposal_of_one_rank_alone_is_not_taken():
+    emb = nn.Embedding(5, 2)
+    side = _SideChannel(others=[0, 0, 0])  # the other rank proposes nothing
+    tally = _tally([emb.weight], world=2, backend=side)
+    tally.propose_rows(types.SimpleNamespace(embedded_by={0: [weakref.ref(emb)]}, read_otherwise={0}), set())
+    tally.start()
+    assert tally.start() is False
+    assert tally.rows == {}
