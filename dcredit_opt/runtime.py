@@ -30,6 +30,7 @@ import itertools
 import logging
 import os
 import sys
+import threading
 import time
 import weakref
 
@@ -102,6 +103,7 @@ def init(timeout_s: float = 30.0, backend: str | None = None) -> None:
         _, rank_, size_, local, owns = launchers.join_mpi(timeout_s)
         _world = _World(rank=rank_, size=size_, local_rank=local, owns_default_group=owns, timeout_s=timeout_s,
                         kind="mpi")
+        _start_heartbeat(_world)
         return
     owns = False
     if not dist.is_initialized():
@@ -112,6 +114,7 @@ def init(timeout_s: float = 30.0, backend: str | None = None) -> None:
                     owns_default_group=owns, timeout_s=timeout_s)
     if _world.size == 1 and owns:
         log.info("dcredit_opt: no launcher found, running as a world of one (no communication)")
+    _start_heartbeat(_world)
 
 
 def _launcher(backend: str) -> str:
@@ -250,7 +253,10 @@ def at_rank(e: Exception, where: str) -> DCreditError:
     says the collective timed out, else a ``CollectiveError``.
     """
     rank_ = f"rank {rank()} of {size()}" if is_initialized() else "a rank that has shut down"
-    message = f"{rank_}, {where}: {e}"
+    during = f"{_activity}, " if _activity else ""
+    message = f"{rank_}, {during}{where}: {e}"
+    if "lost peer" not in message and "no peer lost" not in message:
+        message += lost_peer_note()
     if isinstance(e, DCreditError):
         return type(e)(message)
     if timed_out(e):
@@ -299,6 +305,160 @@ def next_backend_id() -> int:
     world = _require()
     world.backends_created += 1
     return world.backends_created - 1
+
+
+# Note [Lost peers]
+# -----------------
+# A collective that fails says what failed, not who: Gloo reports "Connection
+# closed by peer [address]:port" for a peer that died and only a timeout for
+# one that stopped (SIGSTOP, a hung machine), as MPI and Horovod do for both.
+# So in a job with a TCP rendezvous store (torchrun, our own rendezvous under
+# mpirun and Horovod), every rank beats: a daemon thread of ours adds 1 to its
+# key in the store every HEARTBEAT_S, on a connection of its own. When a
+# collective fails, ``at_rank()`` asks the store (on a connection of its own,
+# made at the start, with a short timeout) for every rank's count, and again
+# until every other rank's has moved, for at most LOST_WINDOW_S: the ranks whose
+# count did not move are named as lost, unless they said they left (``shutdown()``,
+# at exit too, marks a rank's leaving: a peer that raised first and is gone is
+# not lost). If the store itself no longer answers and rank 0 hosts it
+# (everywhere but under torchrun, whose agent hosts it), rank 0 is the one
+# lost. A rank that
+# is lost never comes back, so the first answer that names one is kept; the
+# cost, up to LOST_WINDOW_S, is paid on the error path only. The thread ends at
+# ``shutdown()``.
+
+HEARTBEAT_S = 0.25
+LOST_WINDOW_S = 2.0
+_BEAT_KEY = "dcredit_opt/beat/{}/{}"
+_LEFT_KEY = "dcredit_opt/left/{}/{}"
+_beats_started = 0
+"""Heartbeats started by this process: the same count on every rank (Note [Incarnations]), so each
+incarnation's keys are its own."""
+_STORE_CLIENT_TIMEOUT = datetime.timedelta(seconds=2)
+_BEAT_TIMEOUT = datetime.timedelta(seconds=10)
+_activity: str | None = None
+"""What the process as a whole is doing when it is not training (``"dc.shutdown()"``); errors name it."""
+
+
+class _Heartbeat:
+    def __init__(self, host: str, port: int, host_rank: int | None, rank_: int, size_: int, incarnation: int):
+        self.host, self.port, self.host_rank, self.rank, self.size = host, port, host_rank, rank_, size_
+        self.beat_keys = [_BEAT_KEY.format(incarnation, r) for r in range(size_)]
+        self.left_keys = [_LEFT_KEY.format(incarnation, r) for r in range(size_)]
+        self.lost: tuple | None = None
+        # Connections made now, while the store answers: making one to a stopped store can hang past any
+        # timeout, and a failed operation leaves its connection unusable, so neither is retried.
+        self._beat_store = dist.TCPStore(host, port, is_master=False, timeout=_BEAT_TIMEOUT)
+        self._read_store = dist.TCPStore(host, port, is_master=False, timeout=_STORE_CLIENT_TIMEOUT)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dcredit-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        key = self.beat_keys[self.rank]
+        while not self._stop.is_set():
+            try:
+                self._beat_store.add(key, 1)
+            except Exception:  # noqa: BLE001 - the store is gone: nobody can read a beat any more
+                return
+            self._stop.wait(HEARTBEAT_S)
+
+    def close(self) -> None:
+        """Stop beating, and say so: a rank that left in order (after an error of its own too) is not lost."""
+        self._stop.set()
+        self._thread.join(timeout=1.0 + HEARTBEAT_S)  # longer only if the store stopped: then left, a daemon
+        if not self._thread.is_alive():
+            try:
+                self._beat_store.add(self.left_keys[self.rank], 1)
+            except Exception as e:  # noqa: BLE001 - the store is gone: nobody will ask
+                log.debug("dcredit_opt: could not mark this rank's leaving in the store: %s", e)
+
+    def find_lost(self) -> tuple | None:
+        """``(ranks, why)``: the ranks lost and how we know; ``([], why)`` when every rank still beats; None
+        when the store cannot tell. Asked on a thread of its own, given up on after a deadline: an operation
+        on a store whose host stopped may not return."""
+        if self.lost is not None:
+            return self.lost
+        answer: list = []
+        asker = threading.Thread(target=lambda: answer.append(self._ask()), name="dcredit-lost-peer", daemon=True)
+        asker.start()
+        asker.join(timeout=LOST_WINDOW_S + 1.5)
+        found = answer[0] if answer else ("store", "TimeoutError")
+        if found[0] == "store":
+            if self.host_rank is None or self.host_rank == self.rank:
+                return None
+            self.lost = ([self.host_rank], f"it hosts the rendezvous store, which no longer answers: {found[1]}")
+            return self.lost
+        alive, left = found[1], found[2]
+        lost = sorted(set(range(self.size)) - alive - left)
+        if not lost:
+            plural = "s" if len(left) > 1 else ""
+            gone = f"rank{plural} {', '.join(map(str, sorted(left)))} left the job; " if left else ""
+            return [], f"{gone}every other rank still beats"
+        self.lost = (lost, f"no heartbeat in the rendezvous store for {LOST_WINDOW_S:g} s")
+        return self.lost
+
+    def _ask(self) -> tuple:
+        """("alive", ranks whose beat moved within LOST_WINDOW_S, ranks that left), or ("store", why) if the
+        store failed."""
+        keys, store = self.beat_keys, self._read_store
+        try:
+            first = [store.add(k, 0) for k in keys]
+            alive, left = {self.rank}, set()
+            deadline = time.monotonic() + LOST_WINDOW_S
+            while len(alive | left) < self.size and time.monotonic() < deadline:
+                time.sleep(0.05)
+                alive.update(r for r, k, n in zip(range(self.size), keys, first) if store.add(k, 0) != n)
+                left.update(r for r in set(range(self.size)) - alive - left if store.add(self.left_keys[r], 0))
+        except Exception as e:  # noqa: BLE001 - the store itself does not answer
+            return "store", type(e).__name__
+        return "alive", alive, left
+
+
+_heartbeat: _Heartbeat | None = None
+
+
+def _start_heartbeat(world: _World) -> None:
+    """Note [Lost peers]: beat, when the job has a TCP store; collective (every rank starts it)."""
+    global _heartbeat, _beats_started
+    if _heartbeat is not None or world.size == 1 or not dist.is_initialized():
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        while isinstance(store, dist.PrefixStore):
+            store = store.underlying_store
+    except (AttributeError, RuntimeError, ValueError):
+        return
+    if not isinstance(store, dist.TCPStore):
+        return
+    # torchrun's agent hosts the store; elsewhere (env://, our rendezvous over MPI and Horovod) rank 0 does.
+    host_rank = None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" else 0
+    try:
+        _heartbeat = _Heartbeat(store.host, store.port, host_rank, world.rank, world.size, _beats_started)
+        _beats_started += 1
+    except Exception as e:  # noqa: BLE001 - the job runs on; its errors will not name a lost peer
+        log.warning("dcredit_opt: no heartbeat (Note [Lost peers]): %s", e)
+
+
+def _stop_heartbeat() -> None:
+    global _heartbeat
+    beat, _heartbeat = _heartbeat, None
+    if beat is not None:
+        beat.close()
+
+
+def lost_peer_note() -> str:
+    """Note [Lost peers]: "; lost peer: rank N (why)" for an error message, or what is known instead."""
+    beat = _heartbeat
+    if beat is None:
+        return ""
+    found = beat.find_lost()
+    if found is None:
+        return "; the lost peer is unknown (the rendezvous store does not answer)"
+    lost, why = found
+    if not lost:
+        return f"; no peer lost ({why}): a peer may be slow or calling a different collective"
+    return f"; lost peer: rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} ({why})"
 
 
 # ---- the control plane: small collectives outside the scheduler ----------
@@ -504,6 +664,7 @@ def _torch_beside_horovod(world: _World) -> None:
     launchers.rendezvous_gloo(world.rank, world.size, world.timeout_s, broadcast, "Horovod",
                               "or pass Config(backend='horovod')")
     world.owns_default_group = True
+    _start_heartbeat(world)
     launchers.warn_if_cycle_short(world.hvd)
     launchers.warn_if_timeline_spins(world.hvd)
     if world.rank == 0:
@@ -609,19 +770,45 @@ def shutdown() -> None:
     still travelling, and destroying the channels under them would cut off
     the peers that are still reducing those blocks.
     """
-    global _world
+    global _world, _activity
     # In the order they were built, the same on every rank: closing destroys
     # each one's channels, and c10d notes that destroying an NCCL
     # communicator was a collective call in some NCCL versions.
-    for user in list(_users.values()):
-        user._dc_close()
-    _users.clear()
+    failed = []
+    _activity = "dc.shutdown()"
+    try:
+        for number, user in enumerate(list(_users.values())):
+            before = _engine_failure(user)
+            user._dc_close()  # a failure while closing is logged there, and raised below once all is closed
+            after = _engine_failure(user)
+            if before is None and after is not None:
+                failed.append(f"optimizer {number}: {after}")
+        _users.clear()
+        rank_ = f"rank {_world.rank} of {_world.size}" if _world is not None else "a rank"
+        note = lost_peer_note() if failed else ""
+    finally:
+        _activity = None
+    _stop_heartbeat()
     world, _world = _world, None
-    if world is None:
-        return
-    for group in world.channel_groups:  # those of engines that were never closed
-        _destroy_group(group)
-    if world.owns_default_group and dist.is_initialized():
-        dist.destroy_process_group()
-    if world.owns_horovod:
-        world.hvd.shutdown()
+    if world is not None:
+        for group in world.channel_groups:  # those of engines that were never closed
+            _destroy_group(group)
+        if world.owns_default_group and dist.is_initialized():
+            dist.destroy_process_group()
+        if world.owns_horovod:
+            world.hvd.shutdown()
+    if failed:
+        # Issue R1: a peer lost while the last step()'s blocks travelled. Everything is closed; the user learns
+        # that the weights are not those of synchronous training (the last updates were not all applied).
+        raise CollectiveError(
+            f"{rank_}, dc.shutdown(): the last step()'s gradients did not all reduce ({'; '.join(failed)}), so "
+            f"its updates were not all applied and the weights are not those of synchronous training{note}")
+
+
+def _engine_failure(user) -> str | None:
+    """The error of ``user``'s engine, if its collectives failed (not a shutdown with an iteration unfinished)."""
+    engine = getattr(user, "_dc_engine", None)
+    error = engine.error() if engine is not None else None
+    if error is None or error.startswith("scheduler shut down"):
+        return None
+    return error
