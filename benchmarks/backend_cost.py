@@ -59,7 +59,7 @@ def main() -> None:
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
     backend = opt._dc_backend
-    blocks = opt._dc_layout.num_blocks
+    blocks = opt._dc_buffers.layout.num_blocks
     cost = backend.cost_per_block_us() if hasattr(backend, "cost_per_block_us") else None
     if dc.rank() == 0:
         med = statistics.median(times)

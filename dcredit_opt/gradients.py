@@ -1,9 +1,9 @@
-"""Backward's half of the wrapper: the gradient hooks, staging each gradient into its slot, the flush.
+"""Backward's half of the wrapper: the gradient hooks, handing each gradient over, the flush.
 
-Gradients live in flat buffers owned by the optimizer (one per dtype, laid
-out by the plan); after its hook, ``p.grad`` is its slot, so a finished
-reduction is visible in ``p.grad`` with no copy. Each parameter has two
-hooks: a tensor hook, which runs before autograd adds a gradient to
+Gradients live in flat buffers that :class:`GradientBuffers` owns
+(``buffers.py``: one per dtype, laid out by the plan); after its hook,
+``p.grad`` is its slot, so a finished reduction is visible in ``p.grad``
+with no copy. Each parameter has two hooks: a tensor hook, which runs before autograd adds a gradient to
 ``p.grad`` (so that a refusal changes nothing), and a post-accumulate hook,
 which stages the gradient and tells the scheduler it is ready. The flush at
 ``step()`` marks what backward did not. :class:`GradientHooks` holds methods
@@ -13,11 +13,10 @@ in ``_DistributedOptimizer._dc_setup``.
 
 from __future__ import annotations
 
-import struct
-
 import torch
 
 from . import _ext, timeline
+from .buffers import clear
 from .errors import DCreditError
 from .runtime import at_rank
 
@@ -71,7 +70,7 @@ class GradientHooks:
         """
         if self._dc_tracer is not None:
             self._dc_tracer.stop_recording()  # possibly on autograd's device thread: closed in step()
-        self._dc_check_casts()
+        self._dc_buffers.check_casts()
         if self._dc_npending and self._dc_deferred:
             # Before this rank launches anything of the new iteration, so that every rank
             # whose forward read the same stale parameter stops here, at the same point.
@@ -83,7 +82,7 @@ class GradientHooks:
             self._dc_reduced = True
         if self._dc_timeline is not None and self._dc_iteration:
             self._dc_timeline.record(self._dc_engine.trace(), self._dc_engine.ready_times(), self._dc_names,
-                                     self._dc_layout.block_tensors, self._dc_iteration)
+                                     self._dc_buffers.layout.block_tensors, self._dc_iteration)
         if self._dc_staged_plan is not None:
             # Every rank stages the same plan at the same step(), so every
             # rank switches here, in the same iteration. The step() that staged
@@ -102,61 +101,22 @@ class GradientHooks:
         clear(self._dc_marked)
         self._dc_final = [False] * len(self._dc_params)
 
-    def _dc_check_casts(self) -> None:
-        """A model cast or moved after wrapping (``model.to(torch.bfloat16)``, ``.cuda()``): its gradients
-        no longer fit the slots laid out for it. Refused at the first gradient, before anything is launched."""
-        for i, (p, slot) in enumerate(zip(self._dc_params, self._dc_slots)):
-            if p.dtype != slot.dtype or p.device != slot.device:
-                raise DCreditError(
-                    f"parameter '{self._dc_names[i]}' is {p.dtype} on {p.device} now, but was {slot.dtype} on "
-                    f"{slot.device} when dcredit_opt.DistributedOptimizer was built (model.to(), .cuda(), .half() "
-                    "after wrapping): its gradient buffers are laid out for the old dtype and device. Nothing was "
-                    "launched. Cast or move the model first, then build the DistributedOptimizer")
-
     def _dc_stage(self, i: int, p: torch.Tensor) -> None:
-        """Put this rank's gradient of tensor ``i`` into its slot (pre-scaled) and alias ``p.grad``."""
-        slot, watched = self._dc_slots[i], self._dc_watched[i]
-        g = p.grad
-        self._dc_tally.used[i] = g is not None
-        if g is None:
-            slot.zero_()  # unused on this rank: contribute zeros, as Horovod does
-            p.grad = watched
-        elif g is watched or is_slot(g, slot):
-            if g is not watched:
-                p.grad = watched
-            if self._dc_prescale != 1.0:
-                slot.mul_(self._dc_prescale)
-        else:
-            if g.is_sparse:
-                if not self._dc_sparse_as_dense:
-                    raise DCreditError(
-                        f"parameter '{self._dc_names[i]}' has a sparse gradient; pass sparse_as_dense=True "
-                        "to DistributedOptimizer to reduce it as a dense tensor")
-                g = g.to_dense()
-                self._dc_sparse[i] = True  # the wrapped step gets it back sparse (Horovod's sparse_as_dense)
-            if self._dc_prescale != 1.0:
-                torch.mul(g, self._dc_prescale, out=slot)
-            else:
-                slot.copy_(g)
-            p.grad = watched  # Note [Gradient reads]
-        self._dc_versions[i] = slot._version  # from here on, only the collectives write the blocks
+        """This rank's gradient of tensor ``i`` into its slot; whether it had one, into the tally."""
+        self._dc_tally.used[i] = p.grad is not None  # Note [Global usage]
+        self._dc_buffers.stage(i, p)
 
     def _dc_flush(self) -> None:
         """End of backward: unmarked tensors (unused here) join with what they have."""
+        buffers = self._dc_buffers
         for i, p in enumerate(self._dc_params):
             if not self._dc_marked[i]:
                 self._dc_stage(i, p)
                 self._dc_marked[i] = True
         if self._dc_tally.rows:  # before the flush releases the last blocks: less queued ahead of them
-            self._dc_tally.exchange_rows(self._dc_slots, self._dc_versions, self._dc_postscale)
-        if self._dc_delayed is not None:  # Note [Delayed updates]: the previous step's sum in, this step's out
-            try:
-                self._dc_delayed.swap(self._dc_slots, self._dc_postscale, self._dc_backend,
-                                      float(self._dc_config.timeout_s))
-            except (RuntimeError, TimeoutError) as e:
-                raise at_rank(e, "end of phase 1, waiting for the background sum of the delayed gradients") from e
-            for i in self._dc_delayed.indices:
-                self._dc_versions[i] = self._dc_slots[i]._version
+            self._dc_tally.exchange_rows(buffers.slots, buffers.versions, buffers.postscale)
+        if buffers.delayed is not None:  # Note [Delayed updates]: the previous step's sum in, this step's out
+            buffers.swap_delayed()
         try:
             self._dc_engine.flush()
         except (RuntimeError, TimeoutError) as e:
@@ -164,10 +124,10 @@ class GradientHooks:
         self._dc_set_flushed(True)
         self._dc_life.flushed = True
         if self._dc_tally.start():  # tensors now rows-only (Note [Embedding rows]): a plan without their blocks
-            self._dc_staged_plan = self._dc_staged_plan or self._dc_plan
+            self._dc_staged_plan = self._dc_staged_plan or buffers.plan
             self._dc_replan = True
-        if self._dc_delayed is not None:
-            self._dc_delayed.start(self._dc_backend)  # after the tally: it never waits behind this sum
+        if buffers.delayed is not None:
+            buffers.start_delayed()  # after the tally: it never waits behind this sum
 
     def _dc_set_open(self, open_: bool) -> None:
         """An iteration opens at its first gradient and closes at ``step()``; the C++ hooks take the fast path
@@ -219,7 +179,7 @@ class GradientHooks:
         except (RuntimeError, TimeoutError) as e:
             raise at_rank(e, where) from e
         self._dc_add_rows((i,))
-        self._dc_check_writes((i,), "a read of p.grad")
+        self._dc_buffers.check_writes((i,), "a read of p.grad")
         self._dc_final[i] = True
 
     def _dc_accept_final_writes(self) -> None:
@@ -228,9 +188,7 @@ class GradientHooks:
         so its slot's version counts from here."""
         if True not in self._dc_final:
             return
-        for i, final in enumerate(self._dc_final):
-            if final:
-                self._dc_versions[i] = self._dc_slots[i]._version
+        self._dc_buffers.accept_writes([i for i, final in enumerate(self._dc_final) if final])
 
     def _dc_wait_final(self, where: str) -> None:
         """Every reduced gradient final: every block done, every embedding row added."""
@@ -239,11 +197,12 @@ class GradientHooks:
 
     def _dc_add_rows(self, indices) -> None:
         """Every rank's embedding rows into the reduced gradients of ``indices`` that have them."""
-        self._dc_tally.add_rows(indices, self._dc_slots, self._dc_versions, self._dc_prescale * self._dc_postscale)
+        b = self._dc_buffers
+        self._dc_tally.add_rows(indices, b.slots, b.versions, b.prescale * b.postscale)
 
     def _dc_drop_unused_grads(self, indices) -> list:
         """``p.grad = None`` for the tensors of ``indices`` no rank used (Note [Global usage]); returns them."""
-        return self._dc_tally.drop_unused_grads(indices, self._dc_watched, self._dc_slots)
+        return self._dc_tally.drop_unused_grads(indices, self._dc_buffers.watched, self._dc_buffers.slots)
 
     def _dc_wait_all(self, where: str) -> None:
         try:
@@ -251,51 +210,6 @@ class GradientHooks:
                 self._dc_engine.wait_all(float(self._dc_config.timeout_s))
         except (RuntimeError, TimeoutError) as e:
             raise at_rank(e, where) from e
-
-
-# Note [Gradient state]
-# ~~~~~~~~~~~~~~~~~~~~~
-# What the gradient hooks record per tensor and iteration (backward passes
-# counted, handed to the scheduler, had a gradient on this rank, the slot's
-# version at the hand-over) lives in flat memory, not in Python lists: arrays
-# that are indexed like lists, never resized and cleared in place, so that
-# their memory stays where it is for the whole life of the optimizer and code
-# outside Python (a hook in the extension) can write it directly.
-def per_tensor(n: int, fmt: str) -> memoryview:
-    """``n`` zeros of struct format ``fmt`` in flat memory: indexed like a list, never resized, cleared in place."""
-    return memoryview(bytearray(n * struct.calcsize(fmt))).cast(fmt)
-
-
-def clear(values: memoryview) -> None:
-    """Every value of a :func:`per_tensor` array back to zero, in place."""
-    values.cast("B")[:] = bytes(values.nbytes)
-
-
-def slot_in(buffer: torch.Tensor, offset: int, p: torch.Tensor) -> torch.Tensor:
-    """Tensor ``p``'s gradient slot in ``buffer``: the same memory as the buffer, but a tensor of its own
-    (not a view), so that its version counter moves only when the slot itself is written (Note [Lazy step]).
-
-    Made from the buffer tensor, never from ``buffer.untyped_storage()``: a storage that Python has seen
-    keeps a Python object, and the last reference to the buffer's storage may be dropped on a Gloo
-    worker thread (the last collective's work), which would then need the GIL while the training thread,
-    holding it, destroys that process group and joins the worker.
-    """
-    slot = torch.empty(0, dtype=buffer.dtype, device=buffer.device)
-    return slot.set_(buffer, buffer.storage_offset() + offset, p.shape, _contiguous_strides(p.shape))
-
-
-def _contiguous_strides(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(tuple(shape)):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
-
-
-def is_slot(grad, slot) -> bool:
-    """``grad`` is ``slot`` (our buffer), so the reduction already lands in it."""
-    return (grad is not None and not grad.is_sparse and slot.numel() > 0
-            and grad.data_ptr() == slot.data_ptr() and grad.shape == slot.shape)
 
 
 class WeakSlowPath:

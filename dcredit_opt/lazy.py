@@ -12,8 +12,8 @@ import weakref
 import torch
 
 from . import _ext, runtime
+from .buffers import clear
 from .errors import DCreditError
-from .gradients import clear
 from .reads import FirstReadTracer
 from .runtime import at_rank
 from .timeline import profiled
@@ -29,7 +29,8 @@ class LazyStep:
     def _dc_step_now(self) -> None:
         """The eager step, inside ``step()``: the wrapped ``step()`` once, over the real groups, so that its
         hooks run once and see every parameter, and the hyperparameters are the ones in force."""
-        params, slots, watched = self._dc_params, self._dc_slots, self._dc_watched
+        params, buffers = self._dc_params, self._dc_buffers
+        watched = buffers.watched
         self._dc_wait(range(len(params)))
         self._dc_add_rows(range(len(params)))
         self._dc_drop_unused_grads(range(len(params)))
@@ -38,7 +39,7 @@ class LazyStep:
         ours = [i for i, p in enumerate(params) if p.grad is watched[i]]
         try:
             for i in ours:
-                params[i].grad = slots[i].to_sparse() if self._dc_sparse[i] else slots[i]
+                params[i].grad = buffers.for_step(i)
             with profiled("dcredit_opt::apply"):
                 self._dc_base.step(self)
         finally:
@@ -81,9 +82,9 @@ class LazyStep:
                 # The first apply after a lazy step(): every pending slot, so that a write
                 # between step() and the next forward stops us before any update.
                 self._dc_versions_checked = True
-                self._dc_check_writes([i for i, p in enumerate(self._dc_pending) if p], "the lazy step")
+                self._dc_buffers.check_writes([i for i, p in enumerate(self._dc_pending) if p], "the lazy step")
             else:
-                self._dc_check_writes(todo, "the lazy step")
+                self._dc_buffers.check_writes(todo, "the lazy step")
             with profiled("dcredit_opt::apply"):
                 self._dc_run_wrapped_step(todo)
         for i in todo:
@@ -96,7 +97,7 @@ class LazyStep:
             self._dc_keeper.strong = None  # nothing waits: a dropped optimizer may go
 
     def _dc_run_wrapped_step(self, todo) -> None:
-        params, slots = self._dc_params, self._dc_slots
+        params, buffers = self._dc_params, self._dc_buffers
         groups = self.param_groups
         self._dc_add_rows(todo)
         unused = set(self._dc_drop_unused_grads(todo))  # and they stay None, as under DDP
@@ -114,7 +115,7 @@ class LazyStep:
                 g["params"] = []
             for i in todo:
                 if i not in unused:
-                    params[i].grad = slots[i].to_sparse() if self._dc_sparse[i] else slots[i]
+                    params[i].grad = buffers.for_step(i)
             self._dc_base.step(self)
         finally:
             for g, ps in zip(groups, saved_params):
@@ -178,21 +179,6 @@ class LazyStep:
 
     # ---- the checks ---------------------------------------------------------------
 
-    def _dc_check_writes(self, indices, where: str) -> None:
-        """Raise if a gradient slot was written since it was handed to the scheduler (Note [Lazy step])."""
-        slots, versions = self._dc_slots, self._dc_versions
-        for i in indices:
-            if slots[i]._version != versions[i]:
-                raise DCreditError(
-                    f"the gradient of '{self._dc_names[i]}' was changed in place while dcredit_opt was still "
-                    f"reducing it or its update still waited for it (seen in {where}): by "
-                    "model.zero_grad(set_to_none=False) or other code writing p.grad between step() and the next "
-                    "forward, or by code that wrote it through another tensor than p.grad. No pending update was "
-                    "applied. Change gradients between loss.backward() and step() through p.grad, or reduce first: "
-                    "optimizer.synchronize(); <change>; `with optimizer.skip_synchronize(): optimizer.step()` (the "
-                    "Horovod recipe). To clear gradients use optimizer.zero_grad() or model.zero_grad() with "
-                    "set_to_none=True")
-
     def _dc_check_graph_reads(self, todo) -> None:
         """Raise if autograd read a pending parameter since the lazy ``step()``: that read saw the old value."""
         found = _ext.load().first_graph_read([self._dc_params[i] for i in todo])
@@ -218,10 +204,9 @@ class LazyStep:
         reduced values, so every rank refuses the same step.
         """
         self._dc_wait_final("step(), waiting for every block (Config.check_finite)")
-        private = [self._dc_slots[i] for i in self._dc_tally.rows_only()]  # not in the buffers (Note [Embedding rows])
-        if all(bool(torch.isfinite(b).all()) for b in [*self._dc_buffers, *private]):
+        bad = self._dc_buffers.first_non_finite(self._dc_tally.rows_only())
+        if bad is None:
             return
-        bad = next(i for i, slot in enumerate(self._dc_slots) if not bool(torch.isfinite(slot).all()))
         clear(self._dc_counts)
         self._dc_set_open(False)
         raise DCreditError(f"the reduced gradient of '{self._dc_names[bad]}' holds NaN or Inf (Config.check_finite "

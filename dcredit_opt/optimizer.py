@@ -92,36 +92,31 @@ from . import (
     devices,
     grouping,
     profiler,
-    rows,
     runtime,
     separable,
     timeline,
 )
-from .compression import block_wire_dtype, wire_dtype_of
+from .buffers import GradientBuffers, per_tensor
+from .compression import wire_dtype_of
 from .config import Config
-from .delayed import DelayedGradients
 from .errors import DCreditError
 from .gradients import (
     GradientHooks,
     WeakHookFailure,
     WeakSlowPath,
     clear,
-    is_slot,
-    per_tensor,
-    slot_in,
     weak_count_hook,
     weak_rows_hook,
 )
-from .layout import build_layout, fixed_plan
+from .layout import fixed_plan
 from .lazy import Keeper, LazyStep, copy_hyper, watch_module_hooks_when_compiled
 from .notices import Notices
-from .planner.plan import Plan, validate
+from .planner.plan import Plan
 from .planner.profile import RING_STAGE_RATIOS
 from .planning import DECOUPLING_POLICIES
 from .reads import PendingReadGuard
 from .reduce_ops import HOROVOD_OP_CODES, Average, ReduceOp
 from .usage import UsageTally
-from .watched import WatchedGradient
 
 log = logging.getLogger("dcredit_opt")
 
@@ -276,17 +271,14 @@ class _DistributedOptimizer:
         self._dc_params = params
         self._dc_frozen = frozen
         self._dc_bpps = bpps
-        self._dc_sparse_as_dense = sparse_as_dense
-        self._dc_sparse = [False] * len(params)  # gradients that came sparse and are reduced dense
         world = runtime.size()
-        self._dc_prescale = 1.0 / predivide if op == Average else 1.0
-        self._dc_postscale = predivide / world if op == Average else 1.0
+        prescale = 1.0 / predivide if op == Average else 1.0
+        postscale = predivide / world if op == Average else 1.0
         self._dc_group_of = []
         for p in params:
             self._dc_group_of.append(next(gi for gi, g in enumerate(self.param_groups)
                                           if any(q is p for q in g["params"])))
         checks.check_same_model_on_all_ranks(names, params)
-        self._dc_wire = wire  # Note [Wire dtype]: None, or the dtype float blocks travel in
         self._dc_groups = group_of  # Horovod's groups, merged in every plan (grouping.py)
         checks.check_same_setup_on_all_ranks(config, backward_passes_per_step=bpps, op=op.value,
                                               gradient_predivide_factor=predivide,
@@ -305,7 +297,6 @@ class _DistributedOptimizer:
         self._dc_synchronized = False
         self._dc_skip = False
         self._dc_snapshot = None
-        self._dc_versions = per_tensor(T, "q")  # each slot's version when its gradient was handed over
         self._dc_replan = False  # this step() stages a plan: it must be eager
         self._dc_versions_checked = True  # the first apply after a lazy step() checks every pending slot
         self._dc_reduced = False  # pending updates whose blocks a new iteration has already waited for
@@ -326,24 +317,26 @@ class _DistributedOptimizer:
         # Note [Global usage] and Note [Embedding rows]: which gradients exist where, and the rows agreed on.
         self._dc_tally = UsageTally(names, params, world, self._dc_backend, config, self._dc_told,
                                     weak_rows_hook(me))
+        # The memory behind every gradient, laid out by the plan; the engine reduces in it.
+        self._dc_buffers = GradientBuffers(names, params, self._dc_engine, self._dc_backend, config, self._dc_keeper,
+                                           prescale=prescale, postscale=postscale, wire=wire, groups=group_of,
+                                           sparse_as_dense=sparse_as_dense)
         # Note [Gradient path]: each gradient's hand-over, in C++; Python where it must.
         self._dc_path = _ext.load().GradientPath(self._dc_engine, params, self._dc_counts, self._dc_marked,
-                                                 self._dc_tally.used, self._dc_versions, WeakSlowPath(me),
+                                                 self._dc_tally.used, self._dc_buffers.versions, WeakSlowPath(me),
                                                  WeakHookFailure(me))
         self._dc_path.set_passes_per_step(bpps)
         self._dc_python_handovers = 0
-        self._dc_path.set_prescale(self._dc_prescale)
-        if config.policy == "deft" and not self._dc_sums_delayed():
+        self._dc_path.set_prescale(prescale)
+        if config.policy == "deft" and not self._dc_buffers.sums_delayed():
             self._dc_backend.close()
             raise DCreditError(f"Config(policy='deft') sums its delayed gradients on backend 'torch' only; this "
                                f"job's blocks go through backend '{self._dc_backend.name}': set "
                                "Config(backend='torch') (it runs under torchrun, horovodrun and mpirun alike)")
-        self._dc_delayed = None  # Note [Delayed updates] in planner/deft.py: the plan's delayed tensors
         reducible = self._dc_backend.reducible_dtypes
         if wire is not None and reducible is not None and wire not in reducible:
             log.warning("dcredit_opt: backend '%s' cannot reduce %s, so Compression.fp16 changes nothing here: "
                         "float32 gradients travel as they are", self._dc_backend.name, wire)
-        self._dc_plan = None
         self._dc_staged_plan = None
         self._dc_profile = None
         self._dc_recorder = (profiler.Recorder(names, params, config.profile_iters)
@@ -371,60 +364,11 @@ class _DistributedOptimizer:
         for p in params:
             _mark_reduced_by(p, me)
 
-    def _dc_sums_delayed(self) -> bool:
-        """Whether this job's backend can sum DeFT's delayed gradients in the background (torch only)."""
-        return hasattr(self._dc_backend, "start_delayed")
-
     def _dc_set_plan(self, plan: Plan) -> None:
-        """Switch to ``plan`` (with Horovod's groups merged in); only between iterations (nothing in flight)."""
-        params = self._dc_params
-        plan = grouping.merge_groups(plan, self._dc_groups, [p.dtype for p in params])
-        plan = rows.without_tensors(plan, self._dc_tally.rows_only())
-        validate(plan, numels=self._dc_numels(), max_channels=self._dc_config.channels,
-                 dtypes=[p.dtype for p in params])
-        if plan.delayed and not (self._dc_config.policy == "deft" and self._dc_sums_delayed()):
-            raise DCreditError(f"plan delays the updates of {[self._dc_names[i] for i in plan.delayed]} (DeFT), "
-                               "which only Config(policy='deft', accept_delayed_updates=True, backend='torch') "
-                               "runs: delayed updates do not train like synchronous data parallelism")
-        wire_of = self._dc_wire_dtypes()
-        layout = build_layout(plan, [str(p.dtype) for p in params], [w.itemsize for w in wire_of])
-        device = params[0].device if params else torch.device("cpu")
-        dtype_of = {str(p.dtype): (p.dtype, w) for p, w in zip(params, wire_of)}
-        buffers = [torch.zeros(n, dtype=dtype_of[k][0], device=device)
-                   for k, n in zip(layout.segment_keys, layout.segment_numels)]
-        # Note [Wire dtype]: where a buffer's blocks travel in another dtype, and are reduced.
-        wires = [torch.zeros(n, dtype=dtype_of[k][1], device=device) if dtype_of[k][1] != dtype_of[k][0]
-                 else torch.zeros(0, dtype=dtype_of[k][0], device=device)
-                 for k, n in zip(layout.segment_keys, layout.segment_numels)]
-        # A tensor without blocks (Note [Embedding rows]) keeps its gradient in memory of its own.
-        slots = [slot_in(buffers[layout.tensor_segment[i]], layout.tensor_offset[i], p) if plan.numels[i] == p.numel()
-                 else torch.zeros_like(p, memory_format=torch.contiguous_format) for i, p in enumerate(params)]
-        self._dc_engine.set_plan(
-            plan.num_tensors, list(plan.order), list(layout.block_segment), list(layout.block_offset),
-            list(layout.block_numel), list(layout.block_bytes), list(layout.block_priority),
-            [list(t) for t in layout.block_tensors], list(plan.phase1_windows or [-1] * plan.num_tensors),
-            list(plan.phase2_windows), plan.credit_bytes, plan.channels,
-            **self._dc_backend.buffers_for_engine(buffers, wires), postscale=self._dc_postscale,
-            block_ops=list(layout.block_op), block_after=list(layout.block_after),
-            block_at_flush=list(layout.block_at_flush))
-        self._dc_backend.set_blocks(buffers, wires, layout, self._dc_postscale)
-        self._dc_plan, self._dc_layout, self._dc_buffers, self._dc_slots = plan, layout, buffers, slots
-        # What p.grad is after each gradient's hook (Note [Gradient reads]).
-        self._dc_watched = [WatchedGradient.of(slot, i, self._dc_keeper) for i, slot in enumerate(slots)]
-        self._dc_path.set_slots(slots, self._dc_watched)
-        if self._dc_delayed is not None:  # the sum in flight was for the old plan's slots: not applied
-            self._dc_delayed.drain(self._dc_backend, float(self._dc_config.timeout_s))
-        self._dc_delayed = DelayedGradients(plan.delayed, slots) if plan.delayed else None
-
-    def _dc_numels(self) -> list:
-        """Elements per tensor that travel in blocks: a rows-only tensor's none (Note [Embedding rows])."""
-        gone = set(self._dc_tally.rows_only())
-        return [0 if i in gone else p.numel() for i, p in enumerate(self._dc_params)]
-
-    def _dc_wire_dtypes(self) -> list:
-        """Per tensor, the dtype its blocks travel in (Note [Wire dtype])."""
-        reducible = self._dc_backend.reducible_dtypes
-        return [block_wire_dtype(p.dtype, self._dc_wire, reducible) for p in self._dc_params]
+        """Switch to ``plan``; only between iterations (nothing in flight)."""
+        buffers = self._dc_buffers
+        buffers.set_plan(plan, self._dc_tally.rows_only())
+        self._dc_path.set_slots(buffers.slots, buffers.watched)
 
     # ---- the public optimizer API ----------------------------------------
 
@@ -438,7 +382,7 @@ class _DistributedOptimizer:
             self._dc_check_frozen()
             if not self._dc_flushed:
                 self._dc_flush()
-            self._dc_check_writes(range(len(self._dc_params)), "synchronize()")
+            self._dc_buffers.check_writes(range(len(self._dc_params)), "synchronize()")
             self._dc_wait_final("synchronize(), waiting for every block")
             self._dc_drop_unused_grads(range(len(self._dc_params)))
             self._dc_synchronized = True
@@ -494,7 +438,7 @@ class _DistributedOptimizer:
             self._dc_release()  # the last step()'s updates this forward did not read, then every block
         if not self._dc_synchronized:
             self._dc_accept_final_writes()
-            self._dc_check_writes(range(len(self._dc_params)), "step()")
+            self._dc_buffers.check_writes(range(len(self._dc_params)), "step()")
         dropped, replaced = self._dc_replaced_gradients()
         if grad_scaler is not None and self._dc_scaled_skip(grad_scaler):
             return loss
@@ -539,7 +483,7 @@ class _DistributedOptimizer:
             return
         if self._dc_bpps > 1:
             why = f"backward_passes_per_step={self._dc_bpps} (each pass's gradients are counted in Python)"
-        elif any(self._dc_sparse):
+        elif any(self._dc_buffers.sparse):
             why = "sparse gradients, reduced as dense (sparse_as_dense=True)"
         else:
             why = ("gradients whose dtype, shape or device differ from their parameter's, or that came after "
@@ -575,19 +519,20 @@ class _DistributedOptimizer:
 
     def _dc_assigned_gradients(self) -> bool:
         """Whether some ``p.grad`` was assigned by user code since the last ``step()`` (not our own)."""
-        return any(p.grad is not None and p.grad is not w for p, w in zip(self._dc_params, self._dc_watched))
+        return any(p.grad is not None and p.grad is not w for p, w in zip(self._dc_params, self._dc_buffers.watched))
 
     def _dc_replaced_gradients(self) -> tuple[list, list]:
         """Note [Replaced gradients]: the tensors whose gradient user code set to ``None`` after
         ``backward()``, and those whose gradient it replaced by another tensor."""
         dropped, replaced = [], []
-        for i, (p, w) in enumerate(zip(self._dc_params, self._dc_watched)):
+        buffers = self._dc_buffers
+        for i, (p, w) in enumerate(zip(self._dc_params, buffers.watched)):
             g = p.grad
             if g is w or not self._dc_marked[i] or i in self._dc_tally.rows:
                 continue
             if g is None:
                 dropped.append(i)
-            elif not is_slot(g, self._dc_slots[i]):
+            elif not buffers.is_ours(i, g):
                 replaced.append(i)
         return dropped, replaced
 
@@ -619,7 +564,7 @@ class _DistributedOptimizer:
 
     def _dc_may_defer(self, replaced=()) -> bool:
         """Whether this step()'s updates may wait for their first read (Note [Lazy step])."""
-        if not (self._dc_plan.overlap_forward and self._dc_config.overlap_forward and self._dc_learned):
+        if not (self._dc_buffers.plan.overlap_forward and self._dc_config.overlap_forward and self._dc_learned):
             return False
         if replaced:
             # The user's tensor may change after step() (it is theirs): the wrapped step uses it now.
@@ -647,7 +592,7 @@ class _DistributedOptimizer:
         with self._dc_guard.paused():
             for i, p in enumerate(self._dc_params):
                 g = p.grad
-                if self._dc_pending[i] and (g is self._dc_watched[i] or is_slot(g, self._dc_slots[i])):
+                if self._dc_pending[i] and self._dc_buffers.is_ours(i, g):
                     # The slot holds the reduced gradient a pending update still needs.
                     p.grad = None if set_to_none else torch.zeros_like(p)
             # Reads and writes gradients only, never a parameter's values: the guard need not see it.
@@ -690,14 +635,16 @@ class _DistributedOptimizer:
         if self._dc_config.policy in DECOUPLING_POLICIES:  # what a reduce-scatter and an all-gather cost here
             ratios = profiler.measure_stage_ratios(self._dc_backend.stage_collectives(), barrier, device,
                                                    runtime.size(), alpha, beta)
+        buffers = self._dc_buffers
         self._dc_staged_plan, self._dc_profile = profiler.agree_on_plan(recorder, alpha, beta, self._dc_config,
-                                                                        self._dc_params, self._dc_wire_dtypes(),
-                                                                        self._dc_numels(), ratios)
+                                                                        self._dc_params, buffers.wire_dtypes(),
+                                                                        buffers.numels(self._dc_tally.rows_only()),
+                                                                        ratios)
 
     @property
     def plan(self) -> Plan:
         """The plan in force (the staged one, once profiling has produced it)."""
-        return self._dc_staged_plan or self._dc_plan
+        return self._dc_staged_plan or self._dc_buffers.plan
 
     @property
     def profile(self):
@@ -726,7 +673,7 @@ class _DistributedOptimizer:
         try:
             if self._dc_iteration:
                 tl.record(self._dc_engine.trace(), self._dc_engine.ready_times(), self._dc_names,
-                          self._dc_layout.block_tensors, self._dc_iteration)
+                          self._dc_buffers.layout.block_tensors, self._dc_iteration)
             tl.close(self._dc_names)
         except (RuntimeError, OSError) as e:
             log.warning("dcredit_opt: the timeline's last iteration was not written: %s", e)
@@ -751,9 +698,7 @@ class _DistributedOptimizer:
         self._dc_tally.close()
         self._dc_grad_hooks, self._dc_module_hooks = [], []
         self._dc_path.close()
-        for p, w, slot in zip(self._dc_params, self._dc_watched, self._dc_slots):
-            if p.grad is w:
-                p.grad = slot  # final now: nothing of ours watches it any more
+        self._dc_buffers.release()
         self._dc_backend.close()
 
 

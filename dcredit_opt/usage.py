@@ -30,7 +30,7 @@ import weakref
 import torch
 
 from . import rows, timeline
-from .gradients import clear, per_tensor
+from .buffers import clear, per_tensor
 from .runtime import at_rank
 
 

@@ -67,7 +67,7 @@ def decoupled(backend: str = "auto", horovod_first: bool = False, opt_name: str 
     for k, plan in enumerate(plans):
         opt._dc_staged_plan = plan  # switched at the next backward, on every rank
         _train(model, ref, opt, ropt, range(k * STEPS_PER_PLAN, (k + 1) * STEPS_PER_PLAN), rng, max_sleep_ms)
-        ops = opt._dc_layout.block_op
+        ops = opt._dc_buffers.layout.block_op
         out["ops"].append([ops.count(REDUCE_SCATTER), ops.count(ALL_GATHER), len(ops)])
         opt.synchronize()
         out["diffs"].append(max_diff(model, ref))
@@ -112,7 +112,7 @@ def policies(cases: list, backend: str = "auto", horovod_first: bool = False, op
             opt._dc_staged_plan = dataclasses.replace(plan, overlap_forward=phase2)
         _train(model, ref, opt, ropt, range(12), rng, max_sleep_ms)
         opt.synchronize()
-        ops = opt._dc_layout.block_op
+        ops = opt._dc_buffers.layout.block_op
         out["cases"][f"{name} phase2={phase2}"] = {
             "policy": opt.plan.policy, "overlap_forward": opt.plan.overlap_forward,
             "ops": [ops.count(REDUCE_SCATTER), ops.count(ALL_GATHER), len(ops)],

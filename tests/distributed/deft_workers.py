@@ -48,7 +48,7 @@ def exact(opt_name: str = "adam", delayed: tuple = (0, 1), steps: int = 10, max_
         opt.zero_grad()
         loss_of(model, batch(step, rank)).backward()
         time.sleep(rng.uniform(0, max_sleep_ms / 1000))
-        planned.append(list(opt._dc_plan.delayed))
+        planned.append(list(opt._dc_buffers.plan.delayed))
         opt.step()
         reference_grads(ref, step, world)
         for p, prev in zip(late, previous):

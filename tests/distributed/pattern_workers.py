@@ -632,7 +632,7 @@ def embedding_rows(kind: str):
         rest = any(str(key).startswith("rows rest") for key in opt._dc_told)
         return job.result(model, ref, opt, rows_path=kinds == expected, kinds=kinds,
                           dense_rest_only_when_read_otherwise=rest == (kind == "regularised"),
-                          plan_numel_of_emb=opt._dc_plan.numels[opt._dc_names.index("emb.weight")])
+                          plan_numel_of_emb=opt._dc_buffers.plan.numels[opt._dc_names.index("emb.weight")])
     return run
 
 
@@ -658,7 +658,7 @@ def p2_branch_on_rank1_while_profiling(job: Job) -> dict:
         opt.zero_grad()
         x, y = batch(step, job.rank)
         F.mse_loss(model(x, use_branch=uses(job.rank, step)), y).backward()
-        plans.append(opt._dc_plan.to_json())
+        plans.append(opt._dc_buffers.plan.to_json())
         job.step(opt)
         policies.append(opt.plan.policy)
 

@@ -223,7 +223,7 @@ def scenario(name: str, steps: int = 12, horovod_first: bool = False) -> dict:
         for step in range(steps):
             opt.zero_grad()
             loss_of(model, batch(step, rank)).backward()
-            plans.append(opt._dc_plan.to_json())
+            plans.append(opt._dc_buffers.plan.to_json())
             opt.step()
             reference_grads(ref, step, world)
             ropt.step()
@@ -335,7 +335,7 @@ def horovod_arguments(horovod_first: bool = False, steps: int = 6, backend: str 
         opt.synchronize()
         out[name] = p.grad[:3].tolist()
         out["backend"] = opt._dc_backend.name
-        out[name + "_bytes"] = sum(opt._dc_layout.block_bytes)
+        out[name + "_bytes"] = sum(opt._dc_buffers.layout.block_bytes)
         with opt.skip_synchronize():
             opt.step()
         opt._dc_close()
@@ -352,7 +352,7 @@ def horovod_arguments(horovod_first: bool = False, steps: int = 6, backend: str 
         step_both(model, ref, opt, ropt, step, rank, world)
     opt.synchronize()
     out["fp16_training"] = {"diff": max_diff(model, ref), "checksum": checksum(model),
-                            "bytes": sum(opt._dc_layout.block_bytes),
+                            "bytes": sum(opt._dc_buffers.layout.block_bytes),
                             "f32_bytes": sum(p.numel() * 4 for p in model.parameters())}
     opt._dc_close()
 
@@ -370,7 +370,7 @@ def horovod_arguments(horovod_first: bool = False, steps: int = 6, backend: str 
         names = opt._dc_names
         results[label] = {"diff": max_diff(model, ref), "checksum": checksum(model),
                           "merges": [[names[t] for t in m] for m in opt.plan.merges],
-                          "blocks": [[names[t] for t in b] for b in opt._dc_layout.block_tensors]}
+                          "blocks": [[names[t] for t in b] for b in opt._dc_buffers.layout.block_tensors]}
         opt._dc_close()
     # op=1 (Horovod's Sum): the sum of the gradients, with the learning rate divided by the world size.
     model, ref = _pair()
@@ -409,6 +409,6 @@ def horovod_arguments(horovod_first: bool = False, steps: int = 6, backend: str 
     opt.synchronize()
     out["bf16"] = {"diff": max(float((a.float() - b.float()).abs().max()) for a, b in
                                zip(model.parameters(), ref.parameters())),
-                   "checksum": checksum(model), "wire": [str(d) for d in opt._dc_wire_dtypes()[:1]]}
+                   "checksum": checksum(model), "wire": [str(d) for d in opt._dc_buffers.wire_dtypes()[:1]]}
     opt._dc_close()
     return out

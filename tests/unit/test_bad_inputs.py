@@ -209,7 +209,7 @@ def test_a_256m_element_parameter():
     opt.synchronize()
     took = time.perf_counter() - start
     assert bool((model.w == -lr).all()), "the update of the large parameter is wrong"
-    assert opt._dc_layout.num_blocks == 256
+    assert opt._dc_buffers.layout.num_blocks == 256
     print(f"\n256M-element parameter: backward + step + synchronize in {took:.2f} s")
     del opt, model
 
@@ -263,7 +263,7 @@ def test_mixed_dtypes_in_one_model():
 
     model = Mixed()
     opt = train_both(model, lambda m, s: m(data(s)).pow(2).mean(), steps=4, lr=0.05, momentum=0.9)
-    assert len(opt._dc_buffers) == 3, "one flat buffer per dtype"
+    assert len(opt._dc_buffers.flat) == 3, "one flat buffer per dtype"
     assert {p.dtype for p in model.parameters()} == {torch.float32, torch.float16, torch.bfloat16}
 
 

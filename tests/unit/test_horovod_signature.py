@@ -40,7 +40,7 @@ def test_positional_order_is_horovods():
     assert inspect.signature(dc.DistributedOptimizer).parameters["config"].kind is inspect.Parameter.KEYWORD_ONLY
     model, opt = model_and_opt()
     wrapped = dc.DistributedOptimizer(opt, model.named_parameters(), dc.Compression.none, 2, config=CONFIG)
-    assert wrapped._dc_bpps == 2 and wrapped._dc_wire is None
+    assert wrapped._dc_bpps == 2 and wrapped._dc_buffers.wire is None
     wrapped._dc_close()
 
 
@@ -53,8 +53,8 @@ def test_horovod_signature_matches_when_horovod_is_installed():
         model, opt = model_and_opt()
         wrapped = dc.DistributedOptimizer(opt, model.named_parameters(), hvd.Compression.fp16, op=op,
                                           process_set=hvd.global_process_set, config=CONFIG)
-        assert wrapped._dc_wire is torch.float16
-        assert wrapped._dc_postscale == (1.0 if ours is dc.Sum else 1.0 / dc.size())
+        assert wrapped._dc_buffers.wire is torch.float16
+        assert wrapped._dc_buffers.postscale == (1.0 if ours is dc.Sum else 1.0 / dc.size())
         wrapped._dc_close()
     for op, name in ((hvd.Adasum, "Adasum"), (hvd.Min, "Min"), (hvd.Max, "Max"), (hvd.Product, "Product")):
         model, opt = model_and_opt()

@@ -181,12 +181,15 @@ def test_each_constant_is_defined_once():
     assert {name: modules for name, modules in where.items() if len(modules) > 1} == {}
 
 
-OWNERS = {"dcredit_opt.usage": ("UsageTally",)}
+OWNERS = {"dcredit_opt.usage": ("UsageTally",), "dcredit_opt.buffers": ("GradientBuffers",)}
 """The objects that own a part of the optimizer's state (issue A1), by module: their private fields are
 read and written through ``self`` in their own methods only; others use their methods and public fields."""
 
 RETIRED = ("_dc_used", "_dc_usage", "_dc_rows", "_dc_rows_proposal", "_dc_tally_tail", "_dc_rows_modules",
-           "_dc_rows_agreed", "_dc_start_tally", "_dc_exchange_rows", "_dc_agree_on_rows", "_dc_rows_only")
+           "_dc_rows_agreed", "_dc_start_tally", "_dc_exchange_rows", "_dc_agree_on_rows", "_dc_rows_only",
+           "_dc_plan", "_dc_layout", "_dc_slots", "_dc_watched", "_dc_versions", "_dc_delayed", "_dc_sparse",
+           "_dc_sparse_as_dense", "_dc_prescale", "_dc_postscale", "_dc_wire", "_dc_numels", "_dc_wire_dtypes",
+           "_dc_sums_delayed", "_dc_check_writes", "_dc_check_casts")
 """Fields of the generated optimizer subclass that an owner now holds: no longer anywhere in the package."""
 
 

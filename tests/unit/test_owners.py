@@ -9,11 +9,13 @@ from __future__ import annotations
 import types
 import weakref
 
+import pytest
 import torch
 from torch import nn
 
 from dcredit_opt import rows
 from dcredit_opt.config import Config
+from dcredit_opt.errors import DCreditError
 from dcredit_opt.notices import Notices
 from dcredit_opt.usage import UsageTally
 
@@ -106,3 +108,94 @@ def test_a_proposal_of_one_rank_alone_is_not_taken():
     tally.start()
     assert tally.start() is False
     assert tally.rows == {}
+
+
+# ---- GradientBuffers ---------------------------------------------------------------------------------------------
+
+
+class _Engine:
+    """What the buffers tell the engine: the plan's blocks over their memory."""
+
+    def __init__(self):
+        self.plans = []
+
+    def set_plan(self, *args, **kwargs):
+        self.plans.append((args, kwargs))
+
+
+class _Backend:
+    name = "fake"
+    reducible_dtypes = None
+
+    def buffers_for_engine(self, buffers, wires):
+        return {"buffers": buffers, "wire_buffers": wires}
+
+    def set_blocks(self, buffers, wires, layout, postscale):
+        self.blocks = (buffers, wires, layout, postscale)
+
+
+def _buffers(params, block_bytes=16, prescale=1.0, postscale=0.5, sparse_as_dense=False):
+    from dcredit_opt.buffers import GradientBuffers
+    from dcredit_opt.layout import fixed_plan
+
+    names = [f"p{i}" for i in range(len(params))]
+    engine, backend = _Engine(), _Backend()
+    buffers = GradientBuffers(names, params, engine, backend, Config(), lambda: None, prescale=prescale,
+                              postscale=postscale, wire=None, groups=None, sparse_as_dense=sparse_as_dense)
+    buffers.set_plan(fixed_plan([p.numel() for p in params], [p.element_size() for p in params], block_bytes, 2, 1))
+    return buffers, engine
+
+
+def test_the_buffers_lay_out_one_flat_buffer_per_dtype_with_a_slot_per_tensor():
+    params = [nn.Parameter(torch.zeros(3, 2)), nn.Parameter(torch.zeros(5, dtype=torch.float64)),
+              nn.Parameter(torch.zeros(4))]
+    buffers, engine = _buffers(params)
+    assert {b.dtype for b in buffers.flat} == {torch.float32, torch.float64}
+    assert [s.shape for s in buffers.slots] == [p.shape for p in params]
+    flat32 = next(b for b in buffers.flat if b.dtype == torch.float32)
+    buffers.slots[2].fill_(7.0)  # a slot is the buffer's memory
+    assert flat32.eq(7.0).sum() == 4
+    assert len(engine.plans) == 1 and engine.plans[0][1]["postscale"] == 0.5
+    assert buffers.layout.num_blocks == sum(-(-p.numel() * p.element_size() // 16) for p in params)
+
+
+def test_staging_aliases_p_grad_and_a_later_write_is_refused():
+    params = [nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(2))]
+    buffers, _ = _buffers(params, prescale=0.5)
+    params[0].grad = torch.full((4,), 2.0)
+    buffers.stage(0, params[0])
+    buffers.stage(1, params[1])  # no gradient here: zeros travel
+    assert params[0].grad is buffers.watched[0] and buffers.is_ours(0, params[0].grad)
+    assert buffers.slots[0].tolist() == [1.0] * 4  # pre-scaled
+    assert params[1].grad is buffers.watched[1] and buffers.slots[1].tolist() == [0.0, 0.0]
+    buffers.check_writes(range(2), "a test")
+    buffers.slots[0].add_(1.0)  # written in flight
+    with pytest.raises(DCreditError, match="'p0' was changed in place"):
+        buffers.check_writes(range(2), "a test")
+    buffers.accept_writes([0])  # the user's change after the reduction ended: what the step uses
+    buffers.check_writes(range(2), "a test")
+    buffers.release()
+    assert params[0].grad is buffers.slots[0] and type(params[0].grad) is torch.Tensor
+
+
+def test_a_sparse_gradient_is_reduced_dense_only_when_asked():
+    params = [nn.Parameter(torch.zeros(3, 2))]
+    buffers, _ = _buffers(params)
+    params[0].grad = torch.eye(3, 2).to_sparse()
+    with pytest.raises(DCreditError, match="sparse_as_dense=True"):
+        buffers.stage(0, params[0])
+    buffers, _ = _buffers(params, sparse_as_dense=True)
+    buffers.stage(0, params[0])
+    assert buffers.sparse == [True] and buffers.for_step(0).is_sparse
+
+
+def test_the_buffers_find_a_non_finite_gradient_and_a_cast_model():
+    params = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))]
+    buffers, _ = _buffers(params)
+    assert buffers.first_non_finite() is None
+    buffers.slots[1][0] = float("nan")
+    assert buffers.first_non_finite() == 1
+    buffers.check_casts()
+    params[0].data = params[0].data.double()
+    with pytest.raises(DCreditError, match="'p0' is torch.float64"):
+        buffers.check_casts()

@@ -1,0 +1,262 @@
+"""The memory behind every gradient, laid out by the plan, and what ``p.grad`` is while it is reduced.
+
+Gradients live in flat buffers (one per dtype, laid out by the plan); after
+its hook, ``p.grad`` is its slot (watched: Note [Gradient reads] in
+``watched.py``), so a finished reduction is visible in ``p.grad`` with no
+copy. The engine and the backend reduce the buffers' blocks in place; the
+hooks that decide when a gradient is handed over are in ``gradients.py``.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+
+from . import grouping, rows
+from .compression import block_wire_dtype
+from .delayed import DelayedGradients
+from .errors import DCreditError
+from .layout import build_layout
+from .planner.plan import Plan, validate
+from .runtime import at_rank
+from .watched import WatchedGradient
+
+
+class GradientBuffers:
+    """Owns the gradients' memory and what the engine reduces in it.
+
+    State: the plan in force and its layout; the flat buffers (``flat``) and
+    their wire copies (Note [Wire dtype]); each tensor's slot and the watched
+    alias of it that ``p.grad`` holds; each slot's version when its gradient
+    was handed over (``versions``, flat memory the C++ gradient path writes
+    too: Note [Gradient state]); DeFT's delayed sums (Note [Delayed updates]);
+    which gradients came sparse; the scales of an average. It stages a
+    rank's gradient into its slot, hands the memory to the engine and the
+    backend when the plan changes, and tells when a slot was written while it
+    was in flight.
+    """
+
+    def __init__(self, names, params, engine, backend, config, keeper, *, prescale: float, postscale: float,
+                 wire, groups, sparse_as_dense: bool):
+        T = len(params)
+        self.versions = per_tensor(T, "q")  # each slot's version when its gradient was handed over
+        self.sparse = [False] * T  # gradients that came sparse and are reduced dense
+        self.prescale = prescale  # before the sum (Horovod's gradient_predivide_factor)
+        self.postscale = postscale  # after it: an average is a sum times this
+        self.wire = wire  # Note [Wire dtype]: None, or the dtype float blocks travel in
+        self.plan: Plan | None = None
+        self.layout = None
+        self.flat: list[torch.Tensor] = []
+        self.slots: list[torch.Tensor] = []
+        self.watched: list = []  # what p.grad is after each gradient's hook (Note [Gradient reads])
+        self.delayed: DelayedGradients | None = None  # Note [Delayed updates] in planner/deft.py
+        self._names = names
+        self._params = params
+        self._engine = engine
+        self._backend = backend
+        self._config = config
+        self._keeper = keeper  # how a watched gradient reaches its optimizer
+        self._groups = groups  # Horovod's groups, merged in every plan (grouping.py)
+        self._sparse_as_dense = sparse_as_dense
+
+    def _timeout(self) -> float:
+        return float(self._config.timeout_s)
+
+    # ---- the plan and the memory it lays out ------------------------------------------
+
+    def sums_delayed(self) -> bool:
+        """Whether this job's backend can sum DeFT's delayed gradients in the background (torch only)."""
+        return hasattr(self._backend, "start_delayed")
+
+    def numels(self, rows_only=()) -> list:
+        """Elements per tensor that travel in blocks: a rows-only tensor's none (Note [Embedding rows])."""
+        gone = set(rows_only)
+        return [0 if i in gone else p.numel() for i, p in enumerate(self._params)]
+
+    def wire_dtypes(self) -> list:
+        """Per tensor, the dtype its blocks travel in (Note [Wire dtype])."""
+        reducible = self._backend.reducible_dtypes
+        return [block_wire_dtype(p.dtype, self.wire, reducible) for p in self._params]
+
+    def set_plan(self, plan: Plan, rows_only=()) -> None:
+        """Switch to ``plan`` (with Horovod's groups merged in, without the blocks of ``rows_only``): new
+        buffers and slots, handed to the engine and the backend. Only between iterations (nothing in flight)."""
+        params = self._params
+        plan = grouping.merge_groups(plan, self._groups, [p.dtype for p in params])
+        plan = rows.without_tensors(plan, rows_only)
+        validate(plan, numels=self.numels(rows_only), max_channels=self._config.channels,
+                 dtypes=[p.dtype for p in params])
+        if plan.delayed and not (self._config.policy == "deft" and self.sums_delayed()):
+            raise DCreditError(f"plan delays the updates of {[self._names[i] for i in plan.delayed]} (DeFT), "
+                               "which only Config(policy='deft', accept_delayed_updates=True, backend='torch') "
+                               "runs: delayed updates do not train like synchronous data parallelism")
+        wire_of = self.wire_dtypes()
+        layout = build_layout(plan, [str(p.dtype) for p in params], [w.itemsize for w in wire_of])
+        device = params[0].device if params else torch.device("cpu")
+        dtype_of = {str(p.dtype): (p.dtype, w) for p, w in zip(params, wire_of)}
+        buffers = [torch.zeros(n, dtype=dtype_of[k][0], device=device)
+                   for k, n in zip(layout.segment_keys, layout.segment_numels)]
+        # Note [Wire dtype]: where a buffer's blocks travel in another dtype, and are reduced.
+        wires = [torch.zeros(n, dtype=dtype_of[k][1], device=device) if dtype_of[k][1] != dtype_of[k][0]
+                 else torch.zeros(0, dtype=dtype_of[k][0], device=device)
+                 for k, n in zip(layout.segment_keys, layout.segment_numels)]
+        # A tensor without blocks (Note [Embedding rows]) keeps its gradient in memory of its own.
+        slots = [slot_in(buffers[layout.tensor_segment[i]], layout.tensor_offset[i], p) if plan.numels[i] == p.numel()
+                 else torch.zeros_like(p, memory_format=torch.contiguous_format) for i, p in enumerate(params)]
+        self._engine.set_plan(
+            plan.num_tensors, list(plan.order), list(layout.block_segment), list(layout.block_offset),
+            list(layout.block_numel), list(layout.block_bytes), list(layout.block_priority),
+            [list(t) for t in layout.block_tensors], list(plan.phase1_windows or [-1] * plan.num_tensors),
+            list(plan.phase2_windows), plan.credit_bytes, plan.channels,
+            **self._backend.buffers_for_engine(buffers, wires), postscale=self.postscale,
+            block_ops=list(layout.block_op), block_after=list(layout.block_after),
+            block_at_flush=list(layout.block_at_flush))
+        self._backend.set_blocks(buffers, wires, layout, self.postscale)
+        self.plan, self.layout, self.flat, self.slots = plan, layout, buffers, slots
+        self.watched = [WatchedGradient.of(slot, i, self._keeper) for i, slot in enumerate(slots)]
+        if self.delayed is not None:  # the sum in flight was for the old plan's slots: not applied
+            self.delayed.drain(self._backend, self._timeout())
+        self.delayed = DelayedGradients(plan.delayed, slots) if plan.delayed else None
+
+    # ---- gradients in and out ------------------------------------------------------
+
+    def stage(self, i: int, p: torch.Tensor) -> None:
+        """Put this rank's gradient of tensor ``i`` into its slot (pre-scaled) and alias ``p.grad``."""
+        slot, watched = self.slots[i], self.watched[i]
+        g = p.grad
+        if g is None:
+            slot.zero_()  # unused on this rank: contribute zeros, as Horovod does
+            p.grad = watched
+        elif g is watched or is_slot(g, slot):
+            if g is not watched:
+                p.grad = watched
+            if self.prescale != 1.0:
+                slot.mul_(self.prescale)
+        else:
+            if g.is_sparse:
+                if not self._sparse_as_dense:
+                    raise DCreditError(
+                        f"parameter '{self._names[i]}' has a sparse gradient; pass sparse_as_dense=True "
+                        "to DistributedOptimizer to reduce it as a dense tensor")
+                g = g.to_dense()
+                self.sparse[i] = True  # the wrapped step gets it back sparse (Horovod's sparse_as_dense)
+            if self.prescale != 1.0:
+                torch.mul(g, self.prescale, out=slot)
+            else:
+                slot.copy_(g)
+            p.grad = watched  # Note [Gradient reads]
+        self.versions[i] = slot._version  # from here on, only the collectives write the blocks
+
+    def is_ours(self, i: int, grad) -> bool:
+        """``grad`` is tensor ``i``'s watched gradient or its slot: the reduction lands in it."""
+        return grad is self.watched[i] or is_slot(grad, self.slots[i])
+
+    def for_step(self, i: int) -> torch.Tensor:
+        """The reduced gradient of tensor ``i`` as the wrapped step takes it (sparse if it came sparse)."""
+        return self.slots[i].to_sparse() if self.sparse[i] else self.slots[i]
+
+    def release(self) -> None:
+        """At close: a ``p.grad`` still watched becomes its plain slot (final now, nothing of ours watches it)."""
+        for p, w, slot in zip(self._params, self.watched, self.slots):
+            if p.grad is w:
+                p.grad = slot
+
+    def swap_delayed(self) -> None:
+        """Note [Delayed updates]: the previous step's background sum into the slots, this step's out."""
+        try:
+            self.delayed.swap(self.slots, self.postscale, self._backend, self._timeout())
+        except (RuntimeError, TimeoutError) as e:
+            raise at_rank(e, "end of phase 1, waiting for the background sum of the delayed gradients") from e
+        for i in self.delayed.indices:
+            self.versions[i] = self.slots[i]._version
+
+    def start_delayed(self) -> None:
+        """Note [Delayed updates]: this step's delayed gradients start their background sum."""
+        self.delayed.start(self._backend)
+
+    # ---- the checks --------------------------------------------------------------------
+
+    def accept_writes(self, indices) -> None:
+        """Writes to the slots of ``indices`` so far are the user's, after their reduction ended: counted
+        from here (Note [Gradient reads])."""
+        for i in indices:
+            self.versions[i] = self.slots[i]._version
+
+    def check_writes(self, indices, where: str) -> None:
+        """Raise if a gradient slot was written since it was handed to the scheduler (Note [Lazy step])."""
+        slots, versions = self.slots, self.versions
+        for i in indices:
+            if slots[i]._version != versions[i]:
+                raise DCreditError(
+                    f"the gradient of '{self._names[i]}' was changed in place while dcredit_opt was still "
+                    f"reducing it or its update still waited for it (seen in {where}): by "
+                    "model.zero_grad(set_to_none=False) or other code writing p.grad between step() and the next "
+                    "forward, or by code that wrote it through another tensor than p.grad. No pending update was "
+                    "applied. Change gradients between loss.backward() and step() through p.grad, or reduce first: "
+                    "optimizer.synchronize(); <change>; `with optimizer.skip_synchronize(): optimizer.step()` (the "
+                    "Horovod recipe). To clear gradients use optimizer.zero_grad() or model.zero_grad() with "
+                    "set_to_none=True")
+
+    def check_casts(self) -> None:
+        """A model cast or moved after wrapping (``model.to(torch.bfloat16)``, ``.cuda()``): its gradients
+        no longer fit the slots laid out for it. Refused at the first gradient, before anything is launched."""
+        for i, (p, slot) in enumerate(zip(self._params, self.slots)):
+            if p.dtype != slot.dtype or p.device != slot.device:
+                raise DCreditError(
+                    f"parameter '{self._names[i]}' is {p.dtype} on {p.device} now, but was {slot.dtype} on "
+                    f"{slot.device} when dcredit_opt.DistributedOptimizer was built (model.to(), .cuda(), .half() "
+                    "after wrapping): its gradient buffers are laid out for the old dtype and device. Nothing was "
+                    "launched. Cast or move the model first, then build the DistributedOptimizer")
+
+    def first_non_finite(self, rows_only=()) -> int | None:
+        """The first tensor whose reduced gradient holds NaN or Inf, or None (the buffers checked whole)."""
+        private = [self.slots[i] for i in rows_only]  # not in the buffers (Note [Embedding rows])
+        if all(bool(torch.isfinite(b).all()) for b in [*self.flat, *private]):
+            return None
+        return next(i for i, slot in enumerate(self.slots) if not bool(torch.isfinite(slot).all()))
+
+
+# Note [Gradient state]
+# ~~~~~~~~~~~~~~~~~~~~~
+# What the gradient hooks record per tensor and iteration (backward passes
+# counted, handed to the scheduler, had a gradient on this rank, the slot's
+# version at the hand-over) lives in flat memory, not in Python lists: arrays
+# that are indexed like lists, never resized and cleared in place, so that
+# their memory stays where it is for the whole life of the optimizer and code
+# outside Python (a hook in the extension) can write it directly.
+def per_tensor(n: int, fmt: str) -> memoryview:
+    """``n`` zeros of struct format ``fmt`` in flat memory: indexed like a list, never resized, cleared in place."""
+    return memoryview(bytearray(n * struct.calcsize(fmt))).cast(fmt)
+
+
+def clear(values: memoryview) -> None:
+    """Every value of a :func:`per_tensor` array back to zero, in place."""
+    values.cast("B")[:] = bytes(values.nbytes)
+
+
+def slot_in(buffer: torch.Tensor, offset: int, p: torch.Tensor) -> torch.Tensor:
+    """Tensor ``p``'s gradient slot in ``buffer``: the same memory as the buffer, but a tensor of its own
+    (not a view), so that its version counter moves only when the slot itself is written (Note [Lazy step]).
+
+    Made from the buffer tensor, never from ``buffer.untyped_storage()``: a storage that Python has seen
+    keeps a Python object, and the last reference to the buffer's storage may be dropped on a Gloo
+    worker thread (the last collective's work), which would then need the GIL while the training thread,
+    holding it, destroys that process group and joins the worker.
+    """
+    slot = torch.empty(0, dtype=buffer.dtype, device=buffer.device)
+    return slot.set_(buffer, buffer.storage_offset() + offset, p.shape, _contiguous_strides(p.shape))
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(tuple(shape)):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def is_slot(grad, slot) -> bool:
+    """``grad`` is ``slot`` (our buffer), so the reduction already lands in it."""
+    return (grad is not None and not grad.is_sparse and slot.numel() > 0
+            and grad.data_ptr() == slot.data_ptr() and grad.shape == slot.shape)
