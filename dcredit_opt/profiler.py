@@ -162,12 +162,14 @@ def measure_stage_ratios(stage_collectives, barrier, device: torch.device, world
 
 def build_profile(recorder: Recorder, alpha: float, beta: float, world_size: int,
                   wire_dtypes: list | None = None, numels: list | None = None,
-                  stage_ratios: tuple[float, float, float, float] = RING_STAGE_RATIOS) -> Profile:
+                  stage_ratios: tuple[float, float, float, float] = RING_STAGE_RATIOS,
+                  host_s_per_collective: float = 0.0) -> Profile:
     """The profile of what was recorded. ``wire_dtypes`` (per tensor, Note [Wire dtype]) count the bytes that
     travel when every tensor has one dtype and one wire dtype (the planner merges by dtype, and a merge must
     stay within one buffer); otherwise each tensor counts in its own dtype. ``numels`` (default: the
     parameters') are the elements that travel in blocks (Note [Embedding rows]). ``stage_ratios``: what
-    :func:`measure_stage_ratios` found, or the ring formula's."""
+    :func:`measure_stage_ratios` found, or the ring formula's. ``host_s_per_collective``: what one collective costs
+    the training thread (``Config.collective_host_s``)."""
     fwd_s, bwd_s, order = recorder.compute_times()
     dtypes = [p.dtype for p in recorder.params]
     if wire_dtypes is not None and len(set(dtypes)) == 1 and len(set(wire_dtypes)) == 1:
@@ -177,7 +179,8 @@ def build_profile(recorder: Recorder, alpha: float, beta: float, world_size: int
                              fwd_s=fwd_s[i], bwd_s=bwd_s[i])
                for i, (n, d) in enumerate(zip(recorder.names, dtypes))]
     return Profile(tensors=tensors, alpha_s=alpha, beta_s_per_byte=beta, world_size=world_size,
-                   ready_order=order, stage_ratios=tuple(stage_ratios))
+                   ready_order=order, stage_ratios=tuple(stage_ratios),
+                   host_s_per_collective=float(host_s_per_collective))
 
 
 def agree_on_plan(recorder: Recorder, alpha: float, beta: float, config: Config,
@@ -193,7 +196,8 @@ def agree_on_plan(recorder: Recorder, alpha: float, beta: float, config: Config,
     text, profile = None, None
     if runtime.rank() == 0:
         try:
-            profile = build_profile(recorder, alpha, beta, runtime.size(), wire_dtypes, numels, stage_ratios)
+            profile = build_profile(recorder, alpha, beta, runtime.size(), wire_dtypes, numels, stage_ratios,
+                                    config.collective_host_s)
             plan = make_plan(profile, config.policy, channels=config.channels, overlap_forward=config.overlap_forward)
             validate(plan, numels=numels or [p.numel() for p in params], max_channels=config.channels,
                      dtypes=[p.dtype for p in params])

@@ -109,6 +109,12 @@ class Profile:
     ``(alpha, beta)``: ``(rs_alpha, rs_beta, ag_alpha, ag_beta)``. The ring formula's halves unless measured
     (the profiler fits them on the live job: Gloo's reduce-scatter, for one, costs more than its all-reduce).
     Ratios rather than times, so that a profile scaled to another world size keeps them."""
+    host_s_per_collective: float = 0.0
+    """CPU time one collective costs the training thread, whatever the link: handing its block to the
+    scheduler, waking the thread that launches it, its completion, one more group to apply. Serial with the
+    compute, so the simulator adds it per collective to the iteration; where the link is cheap (one machine,
+    NVLink, a world of one) it is what tells a plan of a few large blocks from one of many small ones, which
+    the link alone finds equally fast. 0 in a hand-written profile unless given."""
 
     def __post_init__(self) -> None:
         # Lists are accepted (they come from JSON or from hand-written code)
@@ -176,7 +182,8 @@ class Profile:
         if version != PROFILE_VERSION:
             raise ProfileError(f"version is {version!r}; this planner reads version {PROFILE_VERSION}")
         body = {k: v for k, v in data.items() if k != "version"}
-        _check_keys(body, {f.name for f in dataclasses.fields(cls)}, {"ready_order", "stage_ratios"}, where="")
+        _check_keys(body, {f.name for f in dataclasses.fields(cls)}, {"ready_order", "stage_ratios", "host_s_per_collective"},
+                    where="")
         tensors = body["tensors"]
         if not isinstance(tensors, list):
             raise ProfileError(f"tensors is {_show(tensors)}; expected a list of tensor objects")
@@ -266,6 +273,7 @@ def _check(p: Profile) -> None:
     _check_time(p.alpha_s, "alpha_s")
     _check_time(p.beta_s_per_byte, "beta_s_per_byte")
     _check_int(p.world_size, "world_size", 1)
+    _check_time(p.host_s_per_collective, "host_s_per_collective")
     ratios = p.stage_ratios
     if not isinstance(ratios, tuple) or len(ratios) != 4:
         raise ProfileError(f"stage_ratios is {_show(ratios)}; expected 4 numbers (rs_alpha, rs_beta, ag_alpha, "

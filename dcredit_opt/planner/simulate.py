@@ -63,8 +63,10 @@ of its backward. Then:
   starts at ``max(backward end, last block end) + update_s`` and runs
   without waits.
 
-``iteration_s`` is the end of the last forward: backward, plus the
-communication that is not hidden, plus forward. In steady state the next
+``iteration_s`` is the end of the last forward (backward, plus the
+communication that is not hidden, plus forward) plus the collectives' host
+work: ``Profile.host_s_per_collective`` per collective, CPU time on the
+training thread that no link model hides. In steady state the next
 backward starts right then, so it is the period of training.
 """
 
@@ -108,7 +110,8 @@ class BlockTiming:
 @dataclasses.dataclass(frozen=True)
 class SimResult:
     iteration_s: float
-    """End of the last forward, from the start of backward."""
+    """End of the last forward, from the start of backward, plus the collectives' host work
+    (``Profile.host_s_per_collective`` per collective)."""
     backward_end_s: float
     comm_end_s: float
     """End of the last block (the backward end when there are no blocks)."""
@@ -297,8 +300,7 @@ def unchecked_iteration_time(plan: Plan, profile: Profile, *, update_s: float = 
     """:func:`iteration_time` for a plan already known valid for ``profile`` (a planner's own candidates)."""
     run = _Run(plan, profile, channel_fifo, table)
     run.run()
-    ends = run.forward(update_s)[1]
-    return ends[-1] if ends else 0.0
+    return run.iteration_s(update_s)
 
 
 class FlushSnapshot:
@@ -324,8 +326,7 @@ class FlushSnapshot:
 
     def iteration_s(self, phase2_windows: tuple[int, ...], *, update_s: float = 0.0) -> float:
         """``result(...).iteration_s`` without building the per-block records."""
-        ends = self._branch(phase2_windows, update_s).forward(update_s)[1]
-        return ends[-1] if ends else 0.0
+        return self._branch(phase2_windows, update_s).iteration_s(update_s)
 
     def _branch(self, phase2_windows: tuple[int, ...], update_s: float) -> _Run:
         # The rest of the plan was validated with the profile already.
@@ -357,6 +358,8 @@ class _Run:
         self.beta = profile.beta_s_per_byte
         self.fifo = channel_fifo
         self.table = table or block_table(plan, profile)
+        # The collectives' host work on the training thread (Profile.host_s_per_collective).
+        self.host_s = profile.host_s_per_collective * len(self.table.nbytes)
         self.fwd = [tp.fwd_s for tp in profile.tensors]
         self.tensor_bytes = profile.nbytes
         self.nbytes = self.table.nbytes
@@ -578,6 +581,11 @@ class _Run:
                 ends.append(prev)
         return starts, ends
 
+    def iteration_s(self, update_s: float) -> float:
+        """The end of the last forward, plus the collectives' host work (serial with the compute)."""
+        ends = self.forward(update_s)[1]
+        return (ends[-1] if ends else 0.0) + self.host_s
+
     def result(self, update_s: float) -> SimResult:
         layout = self.table.layout
         backward_end = self.table.backward_end_s
@@ -588,7 +596,7 @@ class _Run:
                         self.channel[b], self.table.op[b])
             for b, (tensors, offset, numel, priority) in enumerate(layout))
         return SimResult(
-            iteration_s=ends[-1] if ends else 0.0,
+            iteration_s=(ends[-1] if ends else 0.0) + self.host_s,
             backward_end_s=backward_end,
             comm_end_s=max(self.end_s, default=backward_end),
             ready_s=self.table.ready_s,

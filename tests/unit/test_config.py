@@ -34,6 +34,7 @@ FIELDS = (
     ("overlap_forward", "bool"),
     ("lazy_step", "str"),
     ("profile_iters", "int"),
+    ("collective_host_s", "float"),
     ("timeout_s", "float"),
     ("timeline_path", "str | None"),
     ("embedding_rows", "bool"),
@@ -110,6 +111,12 @@ def test_the_configuration_doc_is_generated_and_current():
     ("timeout_s", -1.0),
     ("timeout_s", math.nan),
     ("timeout_s", "30"),
+    ("collective_host_s", -1e-6),
+    ("collective_host_s", math.nan),
+    ("collective_host_s", math.inf),
+    ("collective_host_s", 2.0),
+    ("collective_host_s", True),
+    ("collective_host_s", "2e-5"),
 ])
 @pytest.mark.timeout(60)
 def test_bad_value_raises_naming_the_field(field, value):
@@ -131,6 +138,8 @@ def test_bad_value_raises_naming_the_field(field, value):
     ("profile_iters", 0),
     ("timeout_s", 1),  # an int number of seconds is fine
     ("timeout_s", 0.001),
+    ("collective_host_s", 0),  # plans for the link alone
+    ("collective_host_s", 5e-5),
     ("policy", "fixed"),
     ("backend", "mpi"),
 ])

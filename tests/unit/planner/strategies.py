@@ -15,7 +15,10 @@ times = st.floats(min_value=0.0, max_value=2.0, allow_nan=False, allow_infinity=
 
 @st.composite
 def profiles(draw, max_tensors: int = 6, max_numel: int = 40, allow_empty: bool = True,
-             dtypes: tuple[str, ...] = ("float32", "float16"), shuffled: bool = True) -> Profile:
+             dtypes: tuple[str, ...] = ("float32", "float16"), shuffled: bool = True,
+             host_cost: bool = False) -> Profile:
+    """``host_cost``: also draw ``host_s_per_collective`` (0 otherwise: the link-model formulas of the
+    policies' own tests leave it out)."""
     T = draw(st.integers(1, max_tensors))
     tensors = tuple(
         TensorProfile(f"t{i}", draw(st.integers(0 if allow_empty else 1, max_numel)), draw(st.sampled_from(dtypes)),
@@ -25,7 +28,9 @@ def profiles(draw, max_tensors: int = 6, max_numel: int = 40, allow_empty: bool 
     beta = draw(st.just(0.0) | st.floats(1e-4, 0.05))
     ready = draw(st.permutations(range(T))) if shuffled and draw(st.booleans()) else None
     ratios = draw(st.just(RING_STAGE_RATIOS) | st.tuples(*[st.floats(0.1, 2.0)] * 4))
-    return Profile(tensors, alpha, beta, 2, None if ready is None else tuple(ready), stage_ratios=ratios)
+    host = draw(st.just(0.0) | st.floats(0.0, 0.5)) if host_cost else 0.0
+    return Profile(tensors, alpha, beta, 2, None if ready is None else tuple(ready), stage_ratios=ratios,
+                   host_s_per_collective=host)
 
 
 @st.composite

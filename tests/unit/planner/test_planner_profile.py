@@ -69,8 +69,17 @@ def test_json_round_trip(tmp_path):
     assert json.loads(path.read_text())["version"] == 1
 
 
+def test_host_cost_is_optional_in_json_and_kept():
+    """A profile written before the field existed loads with no host cost; one with it keeps it."""
+    old = Profile.from_dict(small_profile())
+    assert old.host_s_per_collective == 0.0
+    p = Profile.from_dict(small_profile(host_s_per_collective=2.5e-5))
+    assert p.host_s_per_collective == 2.5e-5
+    assert Profile.from_json(p.to_json()) == p != old
+
+
 @settings(max_examples=50, deadline=None)
-@given(profiles())
+@given(profiles(host_cost=True))
 def test_json_round_trip_random(p):
     assert Profile.from_json(p.to_json()) == p
 
@@ -97,6 +106,8 @@ def _with_tensor(i: int, **fields) -> dict:
     (small_profile(alpha_s=-1.0), r"alpha_s is -1\.0; times must be >= 0"),
     (small_profile(beta_s_per_byte="1e-9"), r"beta_s_per_byte is '1e-9' \(str\); expected a number"),
     (small_profile(world_size=0), r"world_size is 0; it must be >= 1"),
+    (small_profile(host_s_per_collective=-2e-5), r"host_s_per_collective is -2e-05; times must be >= 0"),
+    (small_profile(host_s_per_collective=float("inf")), r"host_s_per_collective is inf; times must be finite"),
     (small_profile(ready_order=[0, 1, 1, 2]), r"ready_order must be a permutation of 0\.\.3"),
     (small_profile(ready_order="0123"), r"ready_order is '0123'"),
     (small_profile(version=2), r"version is 2"),

@@ -14,7 +14,7 @@ import dcredit_opt
 from dcredit_opt import planning
 from dcredit_opt.planner import policies
 from dcredit_opt.planner.cost import scale_to_workers
-from dcredit_opt.planner.plan import Plan, validate
+from dcredit_opt.planner.plan import Plan, stages_of, validate
 from dcredit_opt.planner.profile import Profile
 from dcredit_opt.planner.search import budget_units, search
 from dcredit_opt.planner.simulate import simulate
@@ -37,7 +37,7 @@ def baseline_plans(p: Profile, grid: list[int], channels: int, fifo: bool = Fals
 
 
 @settings(max_examples=40, deadline=None)
-@given(profiles(max_tensors=6, max_numel=120, dtypes=("float32", "float16")),
+@given(profiles(max_tensors=6, max_numel=120, dtypes=("float32", "float16"), host_cost=True),
        st.sampled_from([[8, 32, 128], [16], [4, 64, 1 << 20]]), st.sampled_from([1, 2]), st.booleans())
 def test_dcredit_is_never_slower_than_any_baseline(p, grid, channels, fifo):
     """Under either network model, every policy tuned and judged under the same one."""
@@ -123,3 +123,21 @@ def test_the_whole_search_fits_the_budget_on_the_shipped_profiles(model):
         grid = sorted(planning.block_size_grid(p))
         total = sum(cost for _, cost, _, _ in _candidates(p, grid, CREDITS, 2, 0.0, True, planning.CHANNEL_FIFO))
         assert total <= budget_units(p.num_tensors), (workers, total)
+
+
+def test_where_the_link_is_free_the_host_cost_picks_fewer_larger_blocks():
+    """Profile.host_s_per_collective: a world of one (alpha of tens of microseconds, no bandwidth term) finds
+    every plan about equally fast on the link; charging each collective's host work makes the search take
+    few collectives, and never a plan slower than another candidate under the same charge."""
+    shipped = Profile.load(Path(dcredit_opt.__file__).parent / "profiles" / "gpt.json")
+    free = dataclasses.replace(shipped, alpha_s=40e-6, beta_s_per_byte=0.0, world_size=1)
+    charged = dataclasses.replace(free, host_s_per_collective=20e-6)
+    grid = [1 << 16, 1 << 20, 4 << 20]
+    link_only = search(free, block_sizes=grid, channels=2)
+    with_host = search(charged, block_sizes=grid, channels=2)
+    n_link, n_host = len(stages_of(link_only)), len(stages_of(with_host))
+    assert n_host <= 8 < n_link, (n_link, n_host)  # 5 against 1,705 when written
+    ours = simulate(with_host, charged).iteration_s
+    assert ours <= simulate(link_only, charged).iteration_s + 1e-12
+    for name, other in baseline_plans(charged, grid, channels=2).items():
+        assert ours <= simulate(other, charged).iteration_s * TOLERANCE + 1e-12, name

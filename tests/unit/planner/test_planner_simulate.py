@@ -55,6 +55,20 @@ def test_window_groups_and_forward_waits_by_hand():
     assert [b.event for b in r.blocks] == [0, 0, 1, 2]
 
 
+def test_host_cost_adds_per_collective_to_the_iteration():
+    """Profile.host_s_per_collective: serial CPU per collective on the training thread, whatever the link; a
+    decoupled block is two collectives. The link's timeline is untouched."""
+    p = profile_of([250, 250, 500])
+    plan = plan_of(p, [(250,), (250,), (250, 250)], phase1_windows=(ALL,) * 3, phase2_windows=(4,))
+    charged = dataclasses.replace(p, host_s_per_collective=0.25)
+    r, rc = simulate(plan, p), simulate(plan, charged)
+    assert rc.iteration_s == pytest.approx(r.iteration_s + 4 * 0.25)
+    assert (rc.blocks, rc.forward_end_s) == (r.blocks, r.forward_end_s)
+    assert FlushSnapshot(plan, charged).iteration_s((4,)) == rc.iteration_s
+    decoupled = dataclasses.replace(plan, decoupled=(0,))  # t0: one block, now a reduce-scatter and an all-gather
+    assert simulate(decoupled, charged).iteration_s == pytest.approx(simulate(decoupled, p).iteration_s + 5 * 0.25)
+
+
 def test_processor_sharing_of_unequal_blocks():
     # 1000 and 3000 bytes launched together: both transfer at half rate until
     # the small one is done (1 + 2*1000*0.001 = 3), then the big one alone;
