@@ -99,9 +99,15 @@ def run_one(way: str, iters: int, model_name: str = "gpt") -> dict:
         step()
         walls.append(time.perf_counter() - t)
     cpu = (time.thread_time() - cpu0) / iters
+    collectives = None
+    if way == "dc":
+        from dcredit_opt.planner.plan import stages_of
+
+        collectives = len(stages_of(opt.plan))
     if close is not None:
         close()
-    return {"way": way, "iter_s": walls, "train_cpu_s": cpu, "params": len(list(model.parameters()))}
+    return {"way": way, "iter_s": walls, "train_cpu_s": cpu, "params": len(list(model.parameters())),
+            "collectives": collectives}
 
 
 def _launch(way: str, iters: int, net: LoopbackNetwork, model: str) -> dict:
@@ -140,7 +146,9 @@ def main(argv: list[str] | None = None) -> None:
     for way in WAYS:
         med[way] = statistics.median(t for r in runs[way] for t in r["iter_s"])
         cpu = statistics.median(r["train_cpu_s"] for r in runs[way])
-        print(f"{way:6s} iteration {med[way] * 1e3:7.2f} ms (median)   training thread CPU {cpu * 1e3:7.2f} ms")
+        plans = sorted({r["collectives"] for r in runs[way] if r.get("collectives") is not None})
+        where = f"   collectives per iteration (plans of the {len(runs[way])} processes): {plans}" if plans else ""
+        print(f"{way:6s} iteration {med[way] * 1e3:7.2f} ms (median)   training thread CPU {cpu * 1e3:7.2f} ms{where}")
     for base in ("plain", "ddp"):
         ci = speedup_interval([r["iter_s"] for r in runs[base]], [r["iter_s"] for r in runs["dc"]])
         ratio = med["dc"] / med[base]
