@@ -168,8 +168,8 @@ def build_profile(recorder: Recorder, alpha: float, beta: float, world_size: int
     travel when every tensor has one dtype and one wire dtype (the planner merges by dtype, and a merge must
     stay within one buffer); otherwise each tensor counts in its own dtype. ``numels`` (default: the
     parameters') are the elements that travel in blocks (Note [Embedding rows]). ``stage_ratios``: what
-    :func:`measure_stage_ratios` found, or the ring formula's. ``host_s_per_collective``: what one collective costs
-    the training thread (``Config.collective_host_s``)."""
+    :func:`measure_stage_ratios` found, or the ring formula's. ``host_s_per_collective``: the host time one collective
+    costs an iteration (``Config.collective_host_s``)."""
     fwd_s, bwd_s, order = recorder.compute_times()
     dtypes = [p.dtype for p in recorder.params]
     if wire_dtypes is not None and len(set(dtypes)) == 1 and len(set(wire_dtypes)) == 1:

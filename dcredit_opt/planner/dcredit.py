@@ -12,9 +12,9 @@ shorter); runs of small neighbours in ready order are packed into blocks of
 at most ``S`` (:func:`packing_merges`), so that a model of many small
 tensors does not pay a collective per bias: the plan for the ResNet-like
 benchmark profile at 10 Gbit/s has 31 collectives per iteration instead of
-69. Each collective also costs the training thread a hand-over, a wake-up
-of the launching thread and a completion, which the link model does not
-charge; the simulator does (``Profile.host_s_per_collective``), and the
+69. Each collective also costs the host a hand-over, a wake-up of the
+launching thread, the backend's work and a completion, which the link model
+does not charge; the simulator does (``Profile.host_s_per_collective``), and the
 search (search.py) weighs it against what smaller blocks hide.
 
 Phase 1 (during backward): greedy

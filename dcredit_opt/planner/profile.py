@@ -110,9 +110,9 @@ class Profile:
     (the profiler fits them on the live job: Gloo's reduce-scatter, for one, costs more than its all-reduce).
     Ratios rather than times, so that a profile scaled to another world size keeps them."""
     host_s_per_collective: float = 0.0
-    """CPU time one collective costs the training thread, whatever the link: handing its block to the
-    scheduler, waking the thread that launches it, its completion, one more group to apply. Serial with the
-    compute, so the simulator adds it per collective to the iteration; where the link is cheap (one machine,
+    """Host time one collective costs an iteration, whatever the link: handing its block to the scheduler,
+    waking the thread that launches it, the backend's own work and its completion, on cores the training
+    thread shares. The simulator adds it per collective to the iteration; where the link is cheap (one machine,
     NVLink, a world of one) it is what tells a plan of a few large blocks from one of many small ones, which
     the link alone finds equally fast. 0 in a hand-written profile unless given."""
 

@@ -65,8 +65,8 @@ of its backward. Then:
 
 ``iteration_s`` is the end of the last forward (backward, plus the
 communication that is not hidden, plus forward) plus the collectives' host
-work: ``Profile.host_s_per_collective`` per collective, CPU time on the
-training thread that no link model hides. In steady state the next
+work: ``Profile.host_s_per_collective`` per collective, host time that
+no link model hides. In steady state the next
 backward starts right then, so it is the period of training.
 """
 
@@ -358,7 +358,7 @@ class _Run:
         self.beta = profile.beta_s_per_byte
         self.fifo = channel_fifo
         self.table = table or block_table(plan, profile)
-        # The collectives' host work on the training thread (Profile.host_s_per_collective).
+        # The collectives' host work (Profile.host_s_per_collective).
         self.host_s = profile.host_s_per_collective * len(self.table.nbytes)
         self.fwd = [tp.fwd_s for tp in profile.tensors]
         self.tensor_bytes = profile.nbytes
@@ -582,7 +582,7 @@ class _Run:
         return starts, ends
 
     def iteration_s(self, update_s: float) -> float:
-        """The end of the last forward, plus the collectives' host work (serial with the compute)."""
+        """The end of the last forward, plus the collectives' host work."""
         ends = self.forward(update_s)[1]
         return (ends[-1] if ends else 0.0) + self.host_s
 

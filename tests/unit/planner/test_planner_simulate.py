@@ -56,7 +56,7 @@ def test_window_groups_and_forward_waits_by_hand():
 
 
 def test_host_cost_adds_per_collective_to_the_iteration():
-    """Profile.host_s_per_collective: serial CPU per collective on the training thread, whatever the link; a
+    """Profile.host_s_per_collective: host time per collective, whatever the link; a
     decoupled block is two collectives. The link's timeline is untouched."""
     p = profile_of([250, 250, 500])
     plan = plan_of(p, [(250,), (250,), (250, 250)], phase1_windows=(ALL,) * 3, phase2_windows=(4,))
