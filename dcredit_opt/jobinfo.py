@@ -207,9 +207,8 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
                     "record; build the optimizer first, or pass Config(timeline_path=...)", str(file_path))
     for k, opt in enumerate(users):
         path = str(file_path) if k == 0 else f"{file_path}.opt{k}"
-        if opt not in _switched:
-            _switched[opt] = opt._dc_timeline
-        opt._dc_timeline = timeline.RankTimeline(path, runtime.rank(), runtime.size())
+        previous = opt._dc_use_timeline(timeline.RankTimeline(path, runtime.rank(), runtime.size()))
+        _switched.setdefault(opt, previous)
 
 
 def stop_timeline() -> None:
@@ -217,5 +216,5 @@ def stop_timeline() -> None:
     The files keep what was recorded."""
     require_world("stop_timeline")
     for opt, previous in list(_switched.items()):
-        opt._dc_timeline = previous
+        opt._dc_use_timeline(previous)
     _switched.clear()

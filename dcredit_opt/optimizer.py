@@ -665,6 +665,12 @@ class _DistributedOptimizer:
         except (RuntimeError, TimeoutError) as e:
             log.warning("dcredit_opt: gradients still in flight at exit did not finish: %s", e)
 
+    def _dc_use_timeline(self, tl):
+        """Record into ``tl`` (or nothing, for None) from the next iteration on: ``dc.start_timeline()`` and
+        ``dc.stop_timeline()``. Returns the timeline it replaces."""
+        previous, self._dc_timeline = self._dc_timeline, tl
+        return previous
+
     def _dc_end_timeline(self) -> None:
         """The last iteration into the timeline (drained: its blocks have finished), then close the file."""
         tl = self._dc_timeline

@@ -217,3 +217,21 @@ def test_the_state_owners_own_their_fields():
             if node.attr in RETIRED:
                 reached.append(f"{path.name}:{node.lineno} .{node.attr}, now held by an owner")
     assert reached == []
+
+
+WRAPPER_PARTS = ("dcredit_opt.optimizer", "dcredit_opt.gradients", "dcredit_opt.lazy")
+"""The modules whose classes are still merged into the generated optimizer subclass (issue A1, item 1)."""
+
+
+def test_only_the_wrapper_writes_its_fields():
+    """Other modules go through a method (``_dc_use_timeline``, ``_dc_apply_pending``), never assign an
+    optimizer's ``_dc_*`` field; a watched gradient's own two fields are set where it is made."""
+    written = []
+    for module, (path, tree) in TREES.items():
+        if module in WRAPPER_PARTS:
+            continue
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_dc_")
+                    and isinstance(node.ctx, (ast.Store, ast.Del))):
+                written.append(f"{path.name}:{node.lineno} .{node.attr}")
+    assert [w for w in written if not w.startswith("watched.py")] == []
