@@ -47,7 +47,8 @@ class _Counter(TorchFunctionMode):
 
 def per_op_cost_us(repeats: int = 7, number: int = 5000) -> float:
     """An armed guard's cost on one small operation that reads no parameter, in µs."""
-    idle = types.SimpleNamespace(_dc_npending=1, _dc_pending=[True])  # one pending update, never read here
+    # one pending update, never read here
+    idle = types.SimpleNamespace(_dc_lazy=types.SimpleNamespace(npending=1, pending=[True]))
     guard = PendingReadGuard(lambda: idle)
     guard.arm([torch.zeros(4)])
     x = torch.ones(8)
@@ -69,7 +70,7 @@ def measure(name: str, iters: int, warmup: int) -> dict:
     opt = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
                                   named_parameters=model.named_parameters(),
                                   config=dc.Config(policy="fixed", lazy_step="on"))
-    guard = opt._dc_guard
+    guard = opt._dc_lazy.guard
     arm = guard.arm
     counter = _Counter(guard)
     iteration, forward = {True: [], False: []}, {True: [], False: []}
@@ -93,7 +94,7 @@ def measure(name: str, iters: int, warmup: int) -> dict:
             if on:
                 ops.append(counter.ops)
     guard.arm = arm
-    assert opt._dc_deferred, "the lazy step was off: nothing to measure"
+    assert opt._dc_lazy.deferred, "the lazy step was off: nothing to measure"
     opt._dc_close()
     return {"model": name, "ops": statistics.median(ops),
             "forward_armed_s": statistics.median(forward[True]),

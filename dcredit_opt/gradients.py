@@ -30,8 +30,8 @@ class GradientHooks:
 
     def _dc_before_accumulate(self, i: int) -> None:
         """Tensor hook: runs before autograd adds a gradient to ``p.grad``, so a refusal changes nothing."""
-        if self._dc_pending[i]:
-            raise self._dc_stale_read(i)
+        if self._dc_lazy.pending[i]:
+            raise self._dc_lazy.stale_read(i)
         if self._dc_counts[i] >= self._dc_bpps and _will_accumulate(self._dc_params[i]):
             raise self._dc_too_many_passes(i)
 
@@ -50,7 +50,7 @@ class GradientHooks:
                 "were already being reduced whole (by optimizer.synchronize(), or by reading a p.grad after a "
                 "backward, which waits for its average: Note [Gradient reads]), so it would never be reduced. "
                 "Run every backward of an iteration before reading gradients or calling synchronize()")
-        with self._dc_guard.paused():  # our buffers only (Note [Guard cost] in reads.py)
+        with self._dc_lazy.guard.paused():  # our buffers only (Note [Guard cost] in reads.py)
             self._dc_stage(i, p)
         self._dc_marked[i] = True
         try:
@@ -68,18 +68,18 @@ class GradientHooks:
         backward, would corrupt what autograd saved), their blocks are waited
         for, and ``step()`` applies them before staging new gradients.
         """
-        if self._dc_tracer is not None:
-            self._dc_tracer.stop_recording()  # possibly on autograd's device thread: closed in step()
+        lazy = self._dc_lazy
+        lazy.stop_recording()  # possibly on autograd's device thread: closed in step()
         self._dc_buffers.check_casts()
-        if self._dc_npending and self._dc_deferred:
+        if lazy.npending and lazy.deferred:
             # Before this rank launches anything of the new iteration, so that every rank
             # whose forward read the same stale parameter stops here, at the same point.
-            self._dc_check_graph_reads([i for i, waits in enumerate(self._dc_pending) if waits])
+            lazy.check_graph_reads([i for i, waits in enumerate(lazy.pending) if waits])
         # Updates applied with a stream-ordered wait (Note [Stream-ordered waits]) may leave blocks
         # still running on the device: the new iteration's gradients go into the same slots.
-        if (self._dc_npending or not self._dc_engine.idle()) and not self._dc_reduced:
+        if (lazy.npending or not self._dc_engine.idle()) and not lazy.reduced:
             self._dc_wait_all("the start of backward, waiting for the last step()'s blocks")
-            self._dc_reduced = True
+            lazy.reduced = True
         if self._dc_timeline is not None and self._dc_iteration:
             self._dc_timeline.record(self._dc_engine.trace(), self._dc_engine.ready_times(), self._dc_names,
                                      self._dc_buffers.layout.block_tensors, self._dc_iteration)
@@ -87,7 +87,7 @@ class GradientHooks:
             # Every rank stages the same plan at the same step(), so every
             # rank switches here, in the same iteration. The step() that staged
             # it was eager (profiling), so no update waits in the old slots.
-            assert not self._dc_npending, "a plan switch with updates pending"
+            assert not lazy.npending, "a plan switch with updates pending"
             plan, self._dc_staged_plan = self._dc_staged_plan, None
             self._dc_set_plan(plan)
         self._dc_iteration += 1
@@ -167,9 +167,9 @@ class GradientHooks:
                         "had taken it for reduction (a hook that runs after ours): its value is neither this "
                         "rank's gradient nor the average then. Read gradients after loss.backward() returns, or "
                         "in a hook registered before the DistributedOptimizer was built")
-                with self._dc_guard.paused():
+                with self._dc_lazy.guard.paused():
                     self._dc_release()
-        elif not self._dc_pending[i]:
+        elif not self._dc_lazy.pending[i]:
             self._dc_final[i] = True  # applied: nothing of ours writes it any more
             return
         where = f"reading p.grad of '{self._dc_names[i]}' (tensor {i}), waiting for its reduction"

@@ -1,8 +1,10 @@
 """The lazy step's half of the wrapper: applying deferred updates where they are first read.
 
 See Note [Lazy step] in ``optimizer.py`` and Note [First read] in
-``reads.py``. :class:`LazyStep` holds methods of the generated optimizer
-subclass; its state is set up in ``_DistributedOptimizer._dc_setup``.
+``reads.py``. :class:`LazyStep` holds the methods of the generated optimizer
+subclass that run the wrapped step; which updates wait, and where each is
+applied, is :class:`LazyUpdates`'s (``updates.py``). The model's hooks
+below reach the optimizer through a :class:`Keeper`.
 """
 
 from __future__ import annotations
@@ -11,10 +13,9 @@ import weakref
 
 import torch
 
-from . import _ext, runtime
+from . import runtime
 from .buffers import clear
 from .errors import DCreditError
-from .reads import FirstReadTracer
 from .runtime import at_rank
 from .timeline import profiled
 
@@ -23,7 +24,7 @@ class LazyStep:
     # ---- applying updates ------------------------------------------------------
 
     def _dc_apply_pending(self) -> None:
-        if self._dc_npending:
+        if self._dc_lazy.npending:
             self._dc_apply(range(len(self._dc_params)))
 
     def _dc_step_now(self) -> None:
@@ -45,15 +46,13 @@ class LazyStep:
         finally:
             for i in ours:
                 params[i].grad = watched[i]
-        self._dc_pending = [False] * len(self._dc_params)
-        self._dc_npending = 0
-        self._dc_keeper.strong = None
+        self._dc_lazy.all_applied()
 
     def _dc_wait(self, todo, on_stream: bool = False) -> None:
         """Until the reduced gradients of ``todo`` are final. ``on_stream``: on a CUDA device, the current stream
         waits for them and the host only until their blocks are enqueued (Note [Stream-ordered waits] in
         csrc/core/final_gate.h), so only kernels on that stream, or what syncs with it, may read them."""
-        if self._dc_reduced:
+        if self._dc_lazy.reduced:
             return  # a backward that started since has waited for every block
         engine, timeout = self._dc_engine, float(self._dc_config.timeout_s)
         with profiled("dcredit_opt::wait"):
@@ -70,31 +69,24 @@ class LazyStep:
     def _dc_apply(self, indices) -> None:
         """Wait for tensors ``indices`` and run the wrapped step on those still pending, with the
         hyperparameters of the ``step()`` that deferred them."""
-        todo = [i for i in dict.fromkeys(indices) if self._dc_pending[i]]
+        lazy = self._dc_lazy
+        todo = [i for i in dict.fromkeys(indices) if lazy.pending[i]]
         if not todo:
             return
-        guard = self._dc_guard
-        with guard.paused():  # the wrapped step reads the parameters it updates: not reads to guard
-            if self._dc_deferred:
-                self._dc_check_graph_reads(todo)
+        with lazy.guard.paused():  # the wrapped step reads the parameters it updates: not reads to guard
+            if lazy.deferred:
+                lazy.check_graph_reads(todo)
             self._dc_wait(todo, on_stream=True)  # the wrapped step's kernels go on the current stream
-            if not self._dc_versions_checked:
+            if not lazy.versions_checked:
                 # The first apply after a lazy step(): every pending slot, so that a write
                 # between step() and the next forward stops us before any update.
-                self._dc_versions_checked = True
-                self._dc_buffers.check_writes([i for i, p in enumerate(self._dc_pending) if p], "the lazy step")
+                lazy.versions_checked = True
+                self._dc_buffers.check_writes([i for i, p in enumerate(lazy.pending) if p], "the lazy step")
             else:
                 self._dc_buffers.check_writes(todo, "the lazy step")
             with profiled("dcredit_opt::apply"):
                 self._dc_run_wrapped_step(todo)
-        for i in todo:
-            self._dc_pending[i] = False
-        self._dc_npending -= len(todo)
-        if self._dc_deferred:  # their accumulators were dropped (Note [Graph reads]): the hook goes on the new ones
-            self._dc_path.refresh(todo)
-        if not self._dc_npending:
-            guard.remove()  # inside the guard's own handler it only disarms; it leaves at the next chance
-            self._dc_keeper.strong = None  # nothing waits: a dropped optimizer may go
+        lazy.applied(todo, self._dc_path)
 
     def _dc_run_wrapped_step(self, todo) -> None:
         params, buffers = self._dc_params, self._dc_buffers
@@ -102,16 +94,17 @@ class LazyStep:
         self._dc_add_rows(todo)
         unused = set(self._dc_drop_unused_grads(todo))  # and they stay None, as under DDP
         saved_params = [g["params"] for g in groups]
-        saved_hyper = [{k: g[k] for k in snap} for g, snap in zip(groups, self._dc_snapshot)]
+        snapshot = self._dc_lazy.snapshot
+        saved_hyper = [{k: g[k] for k in snap} for g, snap in zip(groups, snapshot)]
         saved_grads = [params[i].grad for i in todo]
         members = [[] for _ in groups]
         for i in todo:
             members[self._dc_group_of[i]].append(params[i])
         try:
-            for g, m, snap in zip(groups, members, self._dc_snapshot):
+            for g, m, snap in zip(groups, members, snapshot):
                 g["params"] = m
                 g.update(snap)
-            for g in groups[len(self._dc_snapshot):]:  # added after wrapping: refused at the next step()
+            for g in groups[len(snapshot):]:  # added after wrapping: refused at the next step()
                 g["params"] = []
             for i in todo:
                 if i not in unused:
@@ -130,60 +123,28 @@ class LazyStep:
         their updates are applied now, before the read, so it sees what a synchronous step gives."""
         i = indices[0]
         self._dc_tell("early read", f"dcredit_opt: parameter '{self._dc_names[i]}' was read before the place "
-                                    f"where the first iteration read it first ({self._dc_reader_of(i)}), so its "
+                                    f"where the first iteration read it first ({self._dc_lazy.reader_of(i)}), so its "
                                     "update was applied at that read: the result is the same, but that update "
                                     "did not overlap the forward. Said once.")
         self._dc_apply(indices)
 
-    def _dc_defer(self) -> None:
-        """End of a lazy ``step()``: from here on, a graph that reads a pending parameter before its update is
-        applied shows in that parameter's gradient accumulator (Note [Graph reads] in csrc/torch/bindings.cc)."""
-        pending = [p for p, waits in zip(self._dc_params, self._dc_pending) if waits]
-        if pending:
-            _ext.load().forget_graph_reads(pending)
-            self._dc_guard.arm(self._dc_params)
-        self._dc_deferred = True
-        self._dc_ahead = 0
-
     def _dc_before_forward(self, module: torch.nn.Module) -> None:
         """Forward pre-hook of a module that first reads some of our parameters."""
-        own = self._dc_apply_at.get(module)
+        lazy = self._dc_lazy
+        own = lazy.own(module)
         if not own:
             return
         if self._dc_timeline is not None:
             self._dc_timeline.on_forward(own[0])
         if self._dc_recorder is not None:
             self._dc_recorder.on_forward(own)
-        if self._dc_npending:
-            self._dc_apply(own + self._dc_done_ahead(own))
+        if lazy.npending:
+            # on a GPU, final is enqueued (Note [Stream-ordered waits])
+            self._dc_apply(own + lazy.done_ahead(own, self._dc_tally.rows, self._dc_engine.tensor_final))
         else:
-            self._dc_guard.leave_if_idle()
-
-    def _dc_done_ahead(self, own) -> tuple[int, ...]:
-        """Pending tensors read later in the forward whose reduced gradients are final already, in first-read
-        order up to the first that is not: applied together with ``own`` (Note [Lazy step]). Tensors with
-        embedding rows wait for their own module (their rows are gathered apart from the blocks)."""
-        order, pending, rows_of = self._dc_read_order, self._dc_pending, self._dc_tally.rows
-        done = self._dc_engine.tensor_final  # on a GPU: enqueued (Note [Stream-ordered waits])
-        found = []
-        k = self._dc_ahead
-        while k < len(order):
-            i = order[k]
-            if pending[i] and i not in own and i not in rows_of:
-                if not done(i):
-                    break
-                found.append(i)
-            k += 1
-        self._dc_ahead = k
-        return tuple(found)
+            lazy.guard.leave_if_idle()
 
     # ---- the checks ---------------------------------------------------------------
-
-    def _dc_check_graph_reads(self, todo) -> None:
-        """Raise if autograd read a pending parameter since the lazy ``step()``: that read saw the old value."""
-        found = _ext.load().first_graph_read([self._dc_params[i] for i in todo])
-        if found >= 0:
-            raise self._dc_read_before_update(todo[found])
 
     def _dc_check_frozen(self) -> None:
         """A parameter frozen at wrap time and unfrozen since would be stepped with its local gradient."""
@@ -240,95 +201,13 @@ class LazyStep:
         self._dc_synchronized = False
         return True
 
-    def _dc_stale_read(self, i: int) -> DCreditError:
-        learned = self._dc_reader_of(i)
-        return DCreditError(
-            f"parameter '{self._dc_names[i]}' was read by this forward before its update from the last step() "
-            f"was applied (its gradient is being computed while the update still waits; dcredit_opt learned in "
-            f"the first iteration that it is first read {learned}, but this iteration read it earlier or "
-            "elsewhere, e.g. another branch or a functional use). Nothing of this gradient was used. Call "
-            "optimizer.synchronize() after step() before such a forward, or pass "
-            "Config(lazy_step='off') to apply every update in step()")
-
-    def _dc_read_before_update(self, i: int) -> DCreditError:
-        learned = self._dc_reader_of(i)
-        return DCreditError(
-            f"parameter '{self._dc_names[i]}' was read (by an op that autograd records) before its update from "
-            f"the last step() was applied, so that read used the old value. dcredit_opt learned in the first "
-            f"iteration that it is first read {learned}, and applies its update there, but this iteration read it "
-            "earlier or elsewhere (another branch, a functional use, a read outside the model). It was not updated "
-            "(nor any parameter of a module this forward has not reached yet). Call optimizer.synchronize() after step() before such a forward, or pass Config(lazy_step='off') to "
-            "apply every update in step()")
-
-    def _dc_reader_of(self, i: int) -> str:
-        for module, own in self._dc_apply_at.items():
-            if i in own:
-                return f"by the forward of a {type(module).__name__}"
-        return "outside any module's forward"
-
     # ---- learning where parameters are first read (Note [First read]) ---------------
-
-    def _dc_start_learning(self) -> None:
-        self._dc_tracer = FirstReadTracer(self._dc_params, self)
-        self._dc_tracer.start()
 
     def _dc_end_learning(self) -> None:
         """Leave the tracer (on the training thread) and install the apply points it found."""
-        tracer = self._dc_tracer
-        if tracer is None or not tracer.close():
-            return
-        self._dc_tracer = None
-        if self._dc_learned or getattr(self, "_dc_closed", False):
-            return
-        self._dc_learned = True
-        if self._dc_recorder is not None:
-            for i, ns in tracer.first_read_ns.items():
-                if tracer.readers[i] is not None:
-                    self._dc_recorder.on_forward((i,), ns)
-        by_module: dict = {}
-        eager = []
-        for i in range(len(self._dc_params)):
-            ref = tracer.readers.get(i)
-            module = ref() if ref is not None else None
-            if module is None:
-                eager.append(i)
-            else:
-                by_module.setdefault(module, []).append(i)
-        me = self._dc_keeper
-        for module, own in by_module.items():
-            self._dc_apply_at[module] = tuple(own)
-            _drop_inert_hooks(module)
-            self._dc_module_hooks.append(module.register_forward_pre_hook(_weak_forward_hook(me)))
-        # model.state_dict()/load_state_dict() of any module the forward ran, or
-        # below it, must see applied updates: of those, the ones that hold any
-        # of our parameters (a teacher's forward ran too; its modules are not
-        # ours to hook; a parent of both covers ours in its state_dict).
-        ours = {id(p) for p in self._dc_params}
-        hooked = set()
-        for top in list(tracer.modules):
-            for module in top.modules():
-                if id(module) not in hooked:
-                    hooked.add(id(module))
-                    if _holds_any(module, ours):
-                        _drop_inert_hooks(module)
-                        self._dc_module_hooks.append(module.register_state_dict_pre_hook(_weak_apply_hook(me)))
-                        self._dc_module_hooks.append(
-                            module.register_load_state_dict_pre_hook(_weak_apply_hook(me)))
-        self._dc_eager = tuple(eager)
-        self._dc_read_order = tuple(sorted((i for own in by_module.values() for i in own),
-                                           key=lambda i: tracer.first_read_ns.get(i, 0)))
-        self._dc_propose_rows(tracer)
-        if eager:
-            unread = [self._dc_names[i] for i in eager if i not in tracer.readers]
-            outside = [self._dc_names[i] for i in eager if i in tracer.readers]
-            parts = []
-            if outside:
-                parts.append(f"{len(outside)} read outside any module's forward (e.g. '{outside[0]}')")
-            if unread:
-                parts.append(f"{len(unread)} not read by the first forward after step() (e.g. '{unread[0]}')")
-            self._dc_tell("eager", f"dcredit_opt: of {len(self._dc_params)} parameters, {' and '.join(parts)}: "
-                                   "their updates are applied in step(), without overlap (Note [First read])")
-
+        tracer = self._dc_lazy.end_learning(self._dc_recorder, getattr(self, "_dc_closed", False))
+        if tracer is not None:
+            self._dc_propose_rows(tracer)
 
     def _dc_propose_rows(self, tracer) -> None:
         """What this rank proposes for Note [Embedding rows] (in rows.py), from what the tracer saw; every
@@ -394,12 +273,12 @@ class Keeper:
         return self.strong if self.strong is not None else self._ref()
 
 
-def _weak_forward_hook(keeper: Keeper) -> _ForwardHook:
+def weak_forward_hook(keeper: Keeper) -> _ForwardHook:
     _ForwardHook.prepare()
     return _ForwardHook(keeper)
 
 
-def _weak_apply_hook(keeper: Keeper) -> _ApplyHook:
+def weak_apply_hook(keeper: Keeper) -> _ApplyHook:
     return _ApplyHook(keeper)
 
 
@@ -418,7 +297,7 @@ def _weak_apply_hook(keeper: Keeper) -> _ApplyHook:
 # copy traces it away: no cost either). Inert state-dict
 # hooks stay (called only at state_dict()/load_state_dict(), they cost
 # nothing per step); a copy wrapped by a new optimizer sheds every inert hook
-# where it installs its own (_dc_end_learning), so save/load/wrap cycles do
+# where it installs its own (LazyUpdates.end_learning), so save/load/wrap cycles do
 # not pile them up. Loading such a pickle imports dcredit_opt (these class
 # names are in it), as a whole-module pickle imports every class it holds.
 # The values a pickle holds are those after the pending updates: the
@@ -451,8 +330,9 @@ class _ForwardHook:
             opt = self.keeper()
             if opt is None:
                 return
-            if not opt._dc_npending and opt._dc_timeline is None and opt._dc_recorder is None:
-                opt._dc_guard.leave_if_idle()
+            lazy = opt._dc_lazy
+            if not lazy.npending and opt._dc_timeline is None and opt._dc_recorder is None:
+                lazy.guard.leave_if_idle()
                 return
         self._run(self.keeper, module)
 
@@ -524,7 +404,7 @@ def _drop_inert_forward_hooks(module: torch.nn.Module) -> None:
             module.__dict__.get(extra, {}).pop(key, None)
 
 
-def _drop_inert_hooks(module: torch.nn.Module) -> None:
+def drop_inert_hooks(module: torch.nn.Module) -> None:
     """Remove the inert hooks a copied model carries (Note [Pickled hooks]). Not from inside a state-dict
     hook of ``module`` (those dicts are iterated then): from ``step()``, where apply points are installed."""
     _drop_inert_forward_hooks(module)
@@ -535,6 +415,6 @@ def _drop_inert_hooks(module: torch.nn.Module) -> None:
                 del hooks[key]
 
 
-def _holds_any(module: torch.nn.Module, ours: set) -> bool:
+def holds_any(module: torch.nn.Module, ours: set) -> bool:
     """Whether ``module`` or a module below it holds a parameter whose id is in ``ours``."""
     return any(p is not None and id(p) in ours for m in module.modules() for p in m._parameters.values())

@@ -109,13 +109,13 @@ from .gradients import (
     weak_rows_hook,
 )
 from .layout import fixed_plan
-from .lazy import Keeper, LazyStep, copy_hyper, watch_module_hooks_when_compiled
+from .lazy import LazyStep, watch_module_hooks_when_compiled
 from .notices import Notices
 from .planner.plan import Plan
 from .planner.profile import RING_STAGE_RATIOS
 from .planning import DECOUPLING_POLICIES
-from .reads import PendingReadGuard
 from .reduce_ops import HOROVOD_OP_CODES, Average, ReduceOp
+from .updates import LazyUpdates
 from .usage import UsageTally
 
 log = logging.getLogger("dcredit_opt")
@@ -290,27 +290,14 @@ class _DistributedOptimizer:
         self._dc_marked = per_tensor(T, "B")  # handed to the scheduler in this iteration
         self._dc_final = [False] * T  # reduction waited for at a read of p.grad (Note [Gradient reads])
         self._dc_group_ids = _group_ids(self.param_groups)  # what was wrapped (Note [Replaced gradients])
-        self._dc_pending = [False] * T
-        self._dc_npending = 0
         self._dc_open = False
         self._dc_flushed = False
         self._dc_synchronized = False
         self._dc_skip = False
-        self._dc_snapshot = None
         self._dc_replan = False  # this step() stages a plan: it must be eager
-        self._dc_versions_checked = True  # the first apply after a lazy step() checks every pending slot
-        self._dc_reduced = False  # pending updates whose blocks a new iteration has already waited for
-        self._dc_deferred = False  # pending updates are lazy: a graph read of them before their apply is stale
-        self._dc_tracer = None  # Note [First read]: watching the first iteration after the first step()
-        self._dc_learned = False
-        self._dc_apply_at = weakref.WeakKeyDictionary()  # module -> tensors whose update its forward applies
-        self._dc_eager = tuple(range(T))  # tensors applied in step() even when lazy
-        self._dc_read_order: tuple[int, ...] = ()  # lazily applied tensors in first-read order (Note [Lazy step])
-        self._dc_ahead = 0  # where the next pre-hook's look for finished updates starts in _dc_read_order
-        self._dc_module_hooks = []
-        self._dc_keeper = Keeper(self)
-        self._dc_guard = PendingReadGuard(self._dc_keeper)  # Note [Guarded reads] in reads.py
         self._dc_told = Notices()
+        # Note [Lazy step]: the updates that wait for their first read, and where each is applied.
+        self._dc_lazy = LazyUpdates(self, names, params, self._dc_told)
         self._dc_backend = backends.create(config.backend, config.channels, config.timeout_s)
         self._dc_engine = self._dc_backend.engine
         me = weakref.ref(self)
@@ -318,7 +305,8 @@ class _DistributedOptimizer:
         self._dc_tally = UsageTally(names, params, world, self._dc_backend, config, self._dc_told,
                                     weak_rows_hook(me))
         # The memory behind every gradient, laid out by the plan; the engine reduces in it.
-        self._dc_buffers = GradientBuffers(names, params, self._dc_engine, self._dc_backend, config, self._dc_keeper,
+        self._dc_buffers = GradientBuffers(names, params, self._dc_engine, self._dc_backend, config,
+                                           self._dc_lazy.keeper,
                                            prescale=prescale, postscale=postscale, wire=wire, groups=group_of,
                                            sparse_as_dense=sparse_as_dense)
         # Note [Gradient path]: each gradient's hand-over, in C++; Python where it must.
@@ -376,7 +364,7 @@ class _DistributedOptimizer:
         """Finish reducing this iteration's gradients (and apply any pending update)."""
         self._dc_require_open("synchronize()")
         self._dc_end_learning()
-        if self._dc_npending:
+        if self._dc_lazy.npending:
             self._dc_apply(range(len(self._dc_params)))
         if self._dc_open and not self._dc_synchronized:
             self._dc_check_frozen()
@@ -444,30 +432,21 @@ class _DistributedOptimizer:
             return loss
         if self._dc_config.check_finite:
             self._dc_check_finite()
-        self._dc_snapshot = [copy_hyper(g) for g in self.param_groups]
+        updates = self._dc_lazy
+        updates.take(self.param_groups)
         clear(self._dc_counts)
         self._dc_set_open(False)
-        self._dc_pending = [True] * len(self._dc_params)
-        self._dc_npending = len(self._dc_params)
-        self._dc_reduced = False
-        self._dc_deferred = False
         lazy = self._dc_may_defer(replaced)
         self._dc_replan = False
         self._dc_synchronized = False
         if lazy:
-            for i in dropped:  # p.grad = None after backward(): no update this step, as in plain torch
-                self._dc_pending[i] = False
-            self._dc_npending -= len(dropped)
-            self._dc_versions_checked = False
-            self._dc_apply(self._dc_eager)
-            self._dc_defer()
-            if self._dc_npending:
-                self._dc_keeper.strong = self  # the model's hooks keep us until the updates are applied
+            updates.skip(dropped)  # p.grad = None after backward(): no update this step, as in plain torch
+            self._dc_apply(updates.eager)
+            updates.defer(self)
         else:
             self._dc_step_now()
         self._dc_tell_python_path()
-        if not self._dc_learned and self._dc_tracer is None:
-            self._dc_start_learning()
+        updates.start_learning(self)
         if self._dc_recorder is not None:
             self._dc_recorder.on_step(self._dc_engine.ready_times())
             if self._dc_recorder.done:
@@ -564,7 +543,7 @@ class _DistributedOptimizer:
 
     def _dc_may_defer(self, replaced=()) -> bool:
         """Whether this step()'s updates may wait for their first read (Note [Lazy step])."""
-        if not (self._dc_buffers.plan.overlap_forward and self._dc_config.overlap_forward and self._dc_learned):
+        if not (self._dc_buffers.plan.overlap_forward and self._dc_config.overlap_forward and self._dc_lazy.learned):
             return False
         if replaced:
             # The user's tensor may change after step() (it is theirs): the wrapped step uses it now.
@@ -589,10 +568,11 @@ class _DistributedOptimizer:
                                "optimizer.step() or optimizer.synchronize(): the gradients are being reduced")
         # Our own bookkeeping on gradients, not a read of any parameter: the read guard stands aside (it
         # would examine every call here while updates are pending; Note [Guard cost] in reads.py).
-        with self._dc_guard.paused():
+        lazy = self._dc_lazy
+        with lazy.guard.paused():
             for i, p in enumerate(self._dc_params):
                 g = p.grad
-                if self._dc_pending[i] and self._dc_buffers.is_ours(i, g):
+                if lazy.pending[i] and self._dc_buffers.is_ours(i, g):
                     # The slot holds the reduced gradient a pending update still needs.
                     p.grad = None if set_to_none else torch.zeros_like(p)
             # Reads and writes gradients only, never a parameter's values: the guard need not see it.
@@ -660,7 +640,7 @@ class _DistributedOptimizer:
         the timeout; a failure here is only logged, the job is ending anyway.
         """
         try:
-            if self._dc_flushed or self._dc_npending:
+            if self._dc_flushed or self._dc_lazy.npending:
                 self._dc_engine.wait_all(float(self._dc_config.timeout_s))
         except (RuntimeError, TimeoutError) as e:
             log.warning("dcredit_opt: gradients still in flight at exit did not finish: %s", e)
@@ -693,16 +673,16 @@ class _DistributedOptimizer:
         except (RuntimeError, TimeoutError) as e:  # DCreditError included: said once, the job goes on closing
             log.warning("dcredit_opt: the updates pending at shutdown could not be applied: %s", e)
         self._dc_closed = True
-        self._dc_keeper.strong = None
+        self._dc_lazy.keeper.strong = None
         self._dc_dropped.detach()
         self._dc_drain()
         self._dc_end_timeline()
         self._dc_end_learning()
-        self._dc_guard.remove()
-        for h in self._dc_grad_hooks + self._dc_module_hooks:
+        self._dc_lazy.remove_hooks()
+        for h in self._dc_grad_hooks:
             h.remove()
         self._dc_tally.close()
-        self._dc_grad_hooks, self._dc_module_hooks = [], []
+        self._dc_grad_hooks = []
         self._dc_path.close()
         self._dc_buffers.release()
         self._dc_backend.close()

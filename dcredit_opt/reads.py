@@ -361,12 +361,13 @@ class PendingReadGuard(TorchFunctionMode):
         # new (equal) method object.
         if self.armed and not _dynamo_compiling() and _guard_reads(func):
             opt = self._keeper()
-            if opt is None or not opt._dc_npending:
+            lazy = None if opt is None else opt._dc_lazy
+            if lazy is None or not lazy.npending:
                 self.armed = False
             else:
                 hits = self._addresses.read_by(args, kwargs)
                 if hits:
-                    pending = opt._dc_pending
+                    pending = lazy.pending
                     read = [i for i in dict.fromkeys(hits) if pending[i]]
                     if read:
                         opt._dc_apply_on_read(read)

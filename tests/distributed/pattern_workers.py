@@ -305,7 +305,7 @@ class Job:
         """The worst difference from the reference, read through model.state_dict() (whose hooks must apply
         what is pending) and again from the parameters after closing; a checksum for the ranks to agree on."""
         out = {"diff": state_diff(model.state_dict(), ref.state_dict()), "backend": opt._dc_backend.name,
-               "deferred": getattr(self, "deferred", 0), "eager": [opt._dc_names[i] for i in opt._dc_eager]}
+               "deferred": getattr(self, "deferred", 0), "eager": [opt._dc_names[i] for i in opt._dc_lazy.eager]}
         opt._dc_close()
         out["closed_diff"] = param_diff(model, ref)
         out["checksum"] = checksum(model)
@@ -319,7 +319,7 @@ class Job:
         return out
 
     def note(self, opt) -> None:
-        self.deferred = max(getattr(self, "deferred", 0), int(opt._dc_npending))
+        self.deferred = max(getattr(self, "deferred", 0), int(opt._dc_lazy.npending))
 
     def close(self) -> None:
         for opt in self.opts:
@@ -852,7 +852,7 @@ def p8_shutdown_after_lazy_step(job: Job) -> dict:
     """dc.shutdown() right after a lazy step(); ends the job's process group, so it runs last."""
     model, ref, opt, ropt = job.make(Net, _sgd)
     job.train(model, ref, opt, ropt)
-    lazy_pending = int(opt._dc_npending)  # the last step() deferred these (0: it was not lazy)
+    lazy_pending = int(opt._dc_lazy.npending)  # the last step() deferred these (0: it was not lazy)
     dc.shutdown()
     out = {"pending_before_shutdown": lazy_pending, "diff": state_diff(model.state_dict(), ref.state_dict()),
            "checksum": checksum(model), "backend": opt._dc_backend.name}

@@ -447,7 +447,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
                 nap(model.ctx, "before_step")
             where = f"step() of step {step}"
             opt.step()
-            lazy_steps += bool(opt._dc_npending)  # this step() left updates for the next forward to apply
+            lazy_steps += bool(opt._dc_lazy.npending)  # this step() left updates for the next forward to apply
         where = "synchronize() after the last step"
         opt.synchronize()
         where = "comparing"

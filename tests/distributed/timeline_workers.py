@@ -28,6 +28,6 @@ def train_with_timeline(directory: str, steps: int) -> dict:
         opt.step()
         with open(path) as f:
             loads_after_step.append(len(json.load(f)["traceEvents"]))
-    lazy = opt._dc_deferred
+    lazy = opt._dc_lazy.deferred
     dc.shutdown()
     return {"path": path, "loads_after_step": loads_after_step, "lazy": lazy}

@@ -133,7 +133,7 @@ def test_on_a_gpu_the_lazy_step_waits_on_the_stream_not_on_the_host():
             if s >= 4:
                 with torch.no_grad():
                     model(inputs[8 + s])  # applies every pending update at its first read
-                assert not opt._dc_npending
+                assert not opt._dc_lazy.npending
                 assert not passed.query(), "the forward waited on the host for blocks the device had not finished"
             torch.cuda.synchronize()
         opt.synchronize()

@@ -112,7 +112,7 @@ def test_a_new_optimizer_over_the_same_parameters_takes_over():
     model(torch.randn(2, 4)).sum().backward()
     first.step()
     second = dc.DistributedOptimizer(torch.optim.Adam(model.parameters()), model.named_parameters(), config=CONFIG)
-    assert first._dc_closed and not first._dc_npending
+    assert first._dc_closed and not first._dc_lazy.npending
     with pytest.raises(dc.DCreditError, match="shut down"):
         first.step()
     second.zero_grad()
@@ -134,7 +134,7 @@ def test_an_optimizer_dropped_after_a_lazy_step_still_applies_its_updates():
             o.zero_grad()
             m(torch.randn(5, 4, generator=torch.Generator().manual_seed(s))).pow(2).mean().backward()
             o.step()
-    assert opt._dc_npending, "the last step was not lazy: this test needs the lazy path"
+    assert opt._dc_lazy.npending, "the last step was not lazy: this test needs the lazy path"
     gone = weakref.ref(opt)
     del opt
     assert gone() is not None, "dropped with updates pending: nothing would apply them"

@@ -181,7 +181,8 @@ def test_each_constant_is_defined_once():
     assert {name: modules for name, modules in where.items() if len(modules) > 1} == {}
 
 
-OWNERS = {"dcredit_opt.usage": ("UsageTally",), "dcredit_opt.buffers": ("GradientBuffers",)}
+OWNERS = {"dcredit_opt.usage": ("UsageTally",), "dcredit_opt.buffers": ("GradientBuffers",),
+          "dcredit_opt.updates": ("LazyUpdates",)}
 """The objects that own a part of the optimizer's state (issue A1), by module: their private fields are
 read and written through ``self`` in their own methods only; others use their methods and public fields."""
 
@@ -189,7 +190,11 @@ RETIRED = ("_dc_used", "_dc_usage", "_dc_rows", "_dc_rows_proposal", "_dc_tally_
            "_dc_rows_agreed", "_dc_start_tally", "_dc_exchange_rows", "_dc_agree_on_rows", "_dc_rows_only",
            "_dc_plan", "_dc_layout", "_dc_slots", "_dc_watched", "_dc_versions", "_dc_delayed", "_dc_sparse",
            "_dc_sparse_as_dense", "_dc_prescale", "_dc_postscale", "_dc_wire", "_dc_numels", "_dc_wire_dtypes",
-           "_dc_sums_delayed", "_dc_check_writes", "_dc_check_casts")
+           "_dc_sums_delayed", "_dc_check_writes", "_dc_check_casts",
+           "_dc_pending", "_dc_npending", "_dc_snapshot", "_dc_versions_checked", "_dc_reduced", "_dc_deferred",
+           "_dc_tracer", "_dc_learned", "_dc_apply_at", "_dc_eager", "_dc_read_order", "_dc_ahead",
+           "_dc_module_hooks", "_dc_guard", "_dc_start_learning", "_dc_defer", "_dc_done_ahead",
+           "_dc_check_graph_reads", "_dc_stale_read", "_dc_read_before_update", "_dc_reader_of")
 """Fields of the generated optimizer subclass that an owner now holds: no longer anywhere in the package."""
 
 

@@ -199,3 +199,54 @@ def test_the_buffers_find_a_non_finite_gradient_and_a_cast_model():
     params[0].data = params[0].data.double()
     with pytest.raises(DCreditError, match="'p0' is torch.float64"):
         buffers.check_casts()
+
+
+# ---- LazyUpdates -------------------------------------------------------------------------------------------------
+
+
+class _Path:
+    def __init__(self):
+        self.refreshed = []
+
+    def refresh(self, todo):
+        self.refreshed.append(list(todo))
+
+
+def test_a_lazy_step_keeps_the_optimizer_while_updates_wait():
+    from dcredit_opt.updates import LazyUpdates
+
+    class Owner:  # what the keeper holds: the optimizer, weakly unless updates wait
+        pass
+
+    owner = Owner()
+    params = [nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    groups = [{"params": params, "lr": torch.tensor(0.1)}]
+    updates = LazyUpdates(owner, ["a", "b", "c"], params, Notices())
+    updates.take(groups)
+    groups[0]["lr"].fill_(0.5)  # a scheduler's in-place change after step(): not the step's
+    assert updates.snapshot[0]["lr"].item() == pytest.approx(0.1)
+    assert updates.pending == [True] * 3 and updates.npending == 3
+    updates.skip([1])  # p.grad = None: no update
+    assert updates.pending == [True, False, True] and updates.npending == 2
+    updates.defer(owner)
+    assert updates.deferred and updates.keeper() is owner and updates.keeper.strong is owner
+    path = _Path()
+    updates.applied([0], path)
+    assert updates.npending == 1 and path.refreshed == [[0]] and updates.keeper.strong is owner
+    updates.applied([2], path)
+    assert updates.npending == 0 and updates.keeper.strong is None  # nothing waits: a dropped optimizer may go
+    updates.remove_hooks()
+
+
+def test_updates_read_later_join_an_apply_only_up_to_the_first_not_final():
+    from dcredit_opt.updates import LazyUpdates
+
+    params = [nn.Parameter(torch.zeros(2)) for _ in range(4)]
+    updates = LazyUpdates(object.__new__(type("O", (), {})), list("abcd"), params, Notices())
+    updates._read_order = (0, 1, 2, 3)  # as end_learning sets it: first-read order
+    updates.take([{"params": params}])
+    final = {1, 3}
+    assert updates.done_ahead((0,), rows_of={}, done=lambda i: i in final) == (1,)  # 2 is not final: stop there
+    final.add(2)
+    assert updates.done_ahead((2,), rows_of={3: None}, done=lambda i: i in final) == ()  # 3 waits for its rows
+    assert "outside any module's forward" in str(updates.stale_read(0))

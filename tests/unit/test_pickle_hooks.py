@@ -89,7 +89,7 @@ def test_whole_model_saves_and_deep_copies_at_every_step():
         ref_opt.zero_grad()
         (ref(batch(s)) - target).pow(2).mean().backward()
         ref_opt.step()
-        lazy_saves += bool(opt._dc_npending)
+        lazy_saves += bool(opt._dc_lazy.npending)
         loaded = roundtrip(model)  # right after step(), updates pending from the second step on
         same(loaded, ref, f"step {s}, torch.load(torch.save(model))")
         copies = [loaded]
@@ -126,11 +126,11 @@ def test_copies_train_under_plain_torch_without_our_hooks_doing_anything():
     opt = dc.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters(), config=LAZY)
     for s in range(3):
         plain_step(model, opt, s)
-    assert opt._dc_npending, "the step was not lazy: this test needs updates pending"
+    assert opt._dc_lazy.npending, "the step was not lazy: this test needs updates pending"
     copies = {"torch.load": roundtrip(model), "copy.deepcopy": copy.deepcopy(model)}  # applies them (reads)
     plain_step(model, opt, 3)
-    assert opt._dc_npending, "the step was not lazy: this test needs updates pending while the copies train"
-    pending = list(opt._dc_pending)
+    assert opt._dc_lazy.npending, "the step was not lazy: this test needs updates pending while the copies train"
+    pending = list(opt._dc_lazy.pending)
     calls = []
 
     def spy(name):
@@ -149,10 +149,10 @@ def test_copies_train_under_plain_torch_without_our_hooks_doing_anything():
         same(c, fresh, how)
         assert not any(m._forward_pre_hooks for m in c.modules()), f"{how}: an inert forward hook stayed"
         c.load_state_dict(fresh.state_dict())
-        assert list(opt._dc_pending) == pending, f"{how}: the copy's forward or state_dict touched the optimizer"
+        assert list(opt._dc_lazy.pending) == pending, f"{how}: the copy's forward or state_dict touched the optimizer"
         assert not calls, f"{how}: the copy's hooks called the optimizer: {calls}"
     model(batch(9))
-    assert "_dc_before_forward" in calls and opt._dc_npending == 0, "the live model's hooks stopped working"
+    assert "_dc_before_forward" in calls and opt._dc_lazy.npending == 0, "the live model's hooks stopped working"
 
 
 def test_unwrapped_modules_get_nothing_a_parent_of_ours_gets_the_state_dict_hooks():
@@ -163,14 +163,14 @@ def test_unwrapped_modules_get_nothing_a_parent_of_ours_gets_the_state_dict_hook
         out, target = both(batch(s))
         (out - target).pow(2).mean().backward()
         opt.step()
-    assert opt._dc_npending, "the step was not lazy: this test needs updates pending"
+    assert opt._dc_lazy.npending, "the step was not lazy: this test needs updates pending"
     no_hooks_at_all(both.teacher)
     top = our_hooks(both)
     assert top["_state_dict_pre_hooks"] and top["_load_state_dict_pre_hooks"], \
         "the parent's state_dict covers our parameters: it must apply pending updates first"
     assert any(our_hooks(m)["_forward_pre_hooks"] for m in both.student.modules())
     saved = both.state_dict()
-    assert opt._dc_npending == 0, "the parent's state_dict() did not apply what was pending"
+    assert opt._dc_lazy.npending == 0, "the parent's state_dict() did not apply what was pending"
     loaded = roundtrip(both)
     for k, v in loaded.state_dict().items():
         assert torch.equal(v, saved[k]), k
@@ -204,11 +204,11 @@ def test_hooks_pickle_to_inert_ones():
 
     o = Opt()
     keeper = lazy.Keeper(o)
-    hook = lazy._weak_apply_hook(keeper)
+    hook = lazy.weak_apply_hook(keeper)
     for c in (pickle.loads(pickle.dumps(hook)), copy.deepcopy(hook), copy.deepcopy([hook])[0]):
         assert isinstance(c, lazy._InertApplyHook)
         c(nn.Linear(1, 1), "", False)
     assert Opt.calls == 0
     hook(nn.Linear(1, 1), "", False)
     assert Opt.calls == 1
-    assert isinstance(pickle.loads(pickle.dumps(lazy._weak_forward_hook(keeper))), lazy._InertForwardHook)
+    assert isinstance(pickle.loads(pickle.dumps(lazy.weak_forward_hook(keeper))), lazy._InertForwardHook)

@@ -1,0 +1,237 @@
+"""Which updates wait for their first read, and where each is applied (Note [Lazy step] in ``optimizer.py``).
+
+:class:`LazyUpdates` owns that state; the optimizer runs the wrapped step on
+what it says (``lazy.py``), and the model's hooks reach the optimizer through
+its keeper.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from . import _ext
+from .errors import DCreditError
+from .lazy import Keeper, copy_hyper, drop_inert_hooks, holds_any, weak_apply_hook, weak_forward_hook
+from .reads import FirstReadTracer, PendingReadGuard
+
+
+class LazyUpdates:
+    """Owns the lazy step's state (Note [Lazy step]).
+
+    ``pending`` (per tensor) and ``npending``: updates that a lazy ``step()``
+    deferred, with the hyperparameters of that step (``snapshot``); the apply
+    points the first iteration learned (Note [First read] in ``reads.py``):
+    which module's forward applies which updates, in first-read order, and the
+    tensors applied in ``step()`` itself (``eager``); the read guard (Note
+    [Guarded reads]) and the keeper through which the model's hooks reach the
+    optimizer, strongly only while updates wait.
+    """
+
+    def __init__(self, optimizer, names, params, notices):
+        T = len(params)
+        self.keeper = Keeper(optimizer)
+        self.guard = PendingReadGuard(self.keeper)  # Note [Guarded reads] in reads.py
+        self.pending = [False] * T
+        self.npending = 0
+        self.snapshot = None  # the hyperparameters of the step() that deferred the pending updates
+        self.versions_checked = True  # the first apply after a lazy step() checks every pending slot
+        self.reduced = False  # pending updates whose blocks a new iteration has already waited for
+        self.deferred = False  # pending updates are lazy: a graph read of them before their apply is stale
+        self.learned = False  # the apply points are known
+        self.eager = tuple(range(T))  # tensors applied in step() even when lazy
+        self._names = names
+        self._params = params
+        self._notices = notices
+        self._tracer = None  # Note [First read]: watching the first iteration after the first step()
+        self._apply_at = weakref.WeakKeyDictionary()  # module -> tensors whose update its forward applies
+        self._read_order: tuple[int, ...] = ()  # lazily applied tensors in first-read order (Note [Lazy step])
+        self._ahead = 0  # where the next pre-hook's look for finished updates starts in _read_order
+        self._hooks = []
+
+    # ---- a step's updates, from step() to their apply -------------------------------------
+
+    def take(self, groups) -> None:
+        """``step()``: every tensor's update waits, with the hyperparameters in force now (copied)."""
+        self.snapshot = [copy_hyper(g) for g in groups]
+        self.pending = [True] * len(self._params)
+        self.npending = len(self._params)
+        self.reduced = False
+        self.deferred = False
+
+    def skip(self, indices) -> None:
+        """No update for tensors ``indices`` this step (``p.grad = None`` after backward, as in plain torch);
+        the first apply after this lazy step checks every pending slot."""
+        for i in indices:
+            self.pending[i] = False
+        self.npending -= len(indices)
+        self.versions_checked = False
+
+    def defer(self, optimizer) -> None:
+        """End of a lazy ``step()``: from here on, a graph that reads a pending parameter before its update is
+        applied shows in that parameter's gradient accumulator (Note [Graph reads] in csrc/torch/bindings.cc);
+        while updates wait, the model's hooks hold ``optimizer``."""
+        pending = [p for p, waits in zip(self._params, self.pending) if waits]
+        if pending:
+            _ext.load().forget_graph_reads(pending)
+            self.guard.arm(self._params)
+        self.deferred = True
+        self._ahead = 0
+        if self.npending:
+            self.keeper.strong = optimizer  # the model's hooks keep it until the updates are applied
+
+    def applied(self, todo, path) -> None:
+        """The updates of ``todo`` were applied; their accumulators were dropped if they were deferred (Note
+        [Graph reads]): ``path`` hooks the new ones."""
+        for i in todo:
+            self.pending[i] = False
+        self.npending -= len(todo)
+        if self.deferred:
+            path.refresh(todo)
+        if not self.npending:
+            self.guard.remove()  # inside the guard's own handler it only disarms; it leaves at the next chance
+            self.keeper.strong = None  # nothing waits: a dropped optimizer may go
+
+    def all_applied(self) -> None:
+        """An eager step applied every update."""
+        self.pending = [False] * len(self._params)
+        self.npending = 0
+        self.keeper.strong = None
+
+    def apply_points(self) -> dict:
+        """Module -> the tensors whose update its forward applies, as learned (Note [First read])."""
+        return dict(self._apply_at)
+
+    def own(self, module) -> tuple:
+        """The tensors whose update ``module``'s forward applies (Note [Lazy step])."""
+        return self._apply_at.get(module)
+
+    def done_ahead(self, own, rows_of, done) -> tuple[int, ...]:
+        """Pending tensors read later in the forward whose reduced gradients are final already (``done(i)``),
+        in first-read order up to the first that is not: applied together with ``own`` (Note [Lazy step]).
+        Tensors with embedding rows (``rows_of``) wait for their own module (their rows are gathered apart
+        from the blocks)."""
+        order, pending = self._read_order, self.pending
+        found = []
+        k = self._ahead
+        while k < len(order):
+            i = order[k]
+            if pending[i] and i not in own and i not in rows_of:
+                if not done(i):
+                    break
+                found.append(i)
+            k += 1
+        self._ahead = k
+        return tuple(found)
+
+    # ---- reads that came too early ------------------------------------------------------------
+
+    def check_graph_reads(self, todo) -> None:
+        """Raise if autograd read a pending parameter since the lazy ``step()``: that read saw the old value."""
+        found = _ext.load().first_graph_read([self._params[i] for i in todo])
+        if found >= 0:
+            raise self.read_before_update(todo[found])
+
+    def stale_read(self, i: int) -> DCreditError:
+        learned = self.reader_of(i)
+        return DCreditError(
+            f"parameter '{self._names[i]}' was read by this forward before its update from the last step() "
+            f"was applied (its gradient is being computed while the update still waits; dcredit_opt learned in "
+            f"the first iteration that it is first read {learned}, but this iteration read it earlier or "
+            "elsewhere, e.g. another branch or a functional use). Nothing of this gradient was used. Call "
+            "optimizer.synchronize() after step() before such a forward, or pass "
+            "Config(lazy_step='off') to apply every update in step()")
+
+    def read_before_update(self, i: int) -> DCreditError:
+        learned = self.reader_of(i)
+        return DCreditError(
+            f"parameter '{self._names[i]}' was read (by an op that autograd records) before its update from "
+            f"the last step() was applied, so that read used the old value. dcredit_opt learned in the first "
+            f"iteration that it is first read {learned}, and applies its update there, but this iteration read it "
+            "earlier or elsewhere (another branch, a functional use, a read outside the model). It was not updated "
+            "(nor any parameter of a module this forward has not reached yet). Call optimizer.synchronize() after "
+            "step() before such a forward, or pass Config(lazy_step='off') to apply every update in step()")
+
+    def reader_of(self, i: int) -> str:
+        for module, own in self._apply_at.items():
+            if i in own:
+                return f"by the forward of a {type(module).__name__}"
+        return "outside any module's forward"
+
+    # ---- learning where parameters are first read (Note [First read]) ---------------------------
+
+    def start_learning(self, optimizer) -> None:
+        """Watch the next iteration's reads (until ``end_learning``), unless the apply points are known."""
+        if self.learned or self._tracer is not None:
+            return
+        self._tracer = FirstReadTracer(self._params, optimizer)
+        self._tracer.start()
+
+    def stop_recording(self) -> None:
+        """The first gradient of an iteration: the forward being watched has ended (possibly on autograd's
+        device thread: the tracer is left in ``end_learning``)."""
+        if self._tracer is not None:
+            self._tracer.stop_recording()
+
+    def end_learning(self, recorder, closed: bool):
+        """Leave the tracer (on the training thread) and install the apply points it found. Returns the
+        tracer when it has just learned them (for what else it saw), else None."""
+        tracer = self._tracer
+        if tracer is None or not tracer.close():
+            return None
+        self._tracer = None
+        if self.learned or closed:
+            return None
+        self.learned = True
+        if recorder is not None:
+            for i, ns in tracer.first_read_ns.items():
+                if tracer.readers[i] is not None:
+                    recorder.on_forward((i,), ns)
+        by_module: dict = {}
+        eager = []
+        for i in range(len(self._params)):
+            ref = tracer.readers.get(i)
+            module = ref() if ref is not None else None
+            if module is None:
+                eager.append(i)
+            else:
+                by_module.setdefault(module, []).append(i)
+        me = self.keeper
+        for module, own in by_module.items():
+            self._apply_at[module] = tuple(own)
+            drop_inert_hooks(module)
+            self._hooks.append(module.register_forward_pre_hook(weak_forward_hook(me)))
+        # model.state_dict()/load_state_dict() of any module the forward ran, or
+        # below it, must see applied updates: of those, the ones that hold any
+        # of our parameters (a teacher's forward ran too; its modules are not
+        # ours to hook; a parent of both covers ours in its state_dict).
+        ours = {id(p) for p in self._params}
+        hooked = set()
+        for top in list(tracer.modules):
+            for module in top.modules():
+                if id(module) not in hooked:
+                    hooked.add(id(module))
+                    if holds_any(module, ours):
+                        drop_inert_hooks(module)
+                        self._hooks.append(module.register_state_dict_pre_hook(weak_apply_hook(me)))
+                        self._hooks.append(module.register_load_state_dict_pre_hook(weak_apply_hook(me)))
+        self.eager = tuple(eager)
+        self._read_order = tuple(sorted((i for own in by_module.values() for i in own),
+                                        key=lambda i: tracer.first_read_ns.get(i, 0)))
+        if eager:
+            unread = [self._names[i] for i in eager if i not in tracer.readers]
+            outside = [self._names[i] for i in eager if i in tracer.readers]
+            parts = []
+            if outside:
+                parts.append(f"{len(outside)} read outside any module's forward (e.g. '{outside[0]}')")
+            if unread:
+                parts.append(f"{len(unread)} not read by the first forward after step() (e.g. '{unread[0]}')")
+            self._notices.tell("eager", f"dcredit_opt: of {len(self._params)} parameters, {' and '.join(parts)}: "
+                                        "their updates are applied in step(), without overlap (Note [First read])")
+        return tracer
+
+    def remove_hooks(self) -> None:
+        """At close: the guard and the apply points go."""
+        self.guard.remove()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
