@@ -1,6 +1,6 @@
 """The lazy step's half of the wrapper: applying deferred updates where they are first read.
 
-See Note [Lazy step] in ``optimizer.py`` and Note [First read] in
+See Note [Lazy step] in ``updates.py`` and Note [First read] in
 ``reads.py``. :class:`LazyStep` holds the methods of the generated optimizer
 subclass that run the wrapped step; which updates wait, and where each is
 applied, is :class:`LazyUpdates`'s (``updates.py``). The model's hooks

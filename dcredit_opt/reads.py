@@ -2,7 +2,7 @@
 
 Note [First read]
 -----------------
-The lazy step (Note [Lazy step] in ``optimizer.py``) may defer a
+The lazy step (Note [Lazy step] in ``updates.py``) may defer a
 parameter's update only until the first read of that parameter after
 ``step()``, wherever that read happens: in its own module's forward, in a
 parent's forward (an ``nn.ParameterList`` entry, ``F.linear(h,

@@ -1,6 +1,6 @@
 """Which optimizers the lazy step may run on a subset of their parameters.
 
-The lazy step (Note [Lazy step] in ``optimizer.py``) applies one parameter's
+The lazy step (Note [Lazy step] in ``updates.py``) applies one parameter's
 update by running the wrapped optimizer's ``step()`` with only that
 parameter in its groups. That equals the synchronous step only when the
 update of each parameter depends on nothing but that parameter, its

@@ -1,8 +1,62 @@
-"""Which updates wait for their first read, and where each is applied (Note [Lazy step] in ``optimizer.py``).
+"""Which updates wait for their first read, and where each is applied.
 
 :class:`LazyUpdates` owns that state; the optimizer runs the wrapped step on
 what it says (``lazy.py``), and the model's hooks reach the optimizer through
 its keeper.
+
+Note [Lazy step]
+----------------
+With phase 2 on, ``step()`` flushes the scheduler and returns at once: the
+remaining blocks are still travelling, highest priority (nearest the input)
+first. The update of each parameter is applied later, on the main thread,
+just before the first read of that parameter in the next iteration, by
+running the wrapped optimizer's own ``step()`` on that parameter with the
+hyperparameters that were in force when ``step()`` was called (copied:
+a tensor learning rate that a scheduler changes in place does not leak in).
+Where the first read happens is learned once (Note [First read] in
+``reads.py``): the update is applied in a forward pre-hook of the module
+whose forward reads the parameter first, and in ``step()`` itself for a
+parameter read outside any forward (an EMA right after ``step()``) or not
+read while we watched. Each module applies the updates it reads first, and
+with them, in the same wrapped step, the updates of parameters read later
+whose reduced gradients are already final (in first-read order, up to the
+first that is not): where communication has finished by the time the next
+forward starts (one GPU, a fast network, a compute-bound model) one wrapped
+step then applies nearly everything, instead of one per module, each with
+the optimizer's Python and kernel launches. Applying an update earlier than
+its first read changes nothing the training sees: the update is the one
+synchronous training makes (same gradient, same hyperparameters), the
+parameter is not read in between, and the stale-read checks below run on
+it at that apply as they would have at its own. Optimizer state therefore
+stays exactly what a synchronous step would have made. ``synchronize()``,
+``state_dict()``/``load_state_dict()`` of the optimizer and of every module
+the forward ran, and ``step()`` apply what is pending first.
+
+The lazy step defers only what it can prove safe, and checks the rest:
+
+- Only optimizers whose update is per parameter (``separable.py``), with no
+  step hooks; any other steps eagerly, with one notice saying why.
+- An early read: a read of a pending parameter before the module we
+  learned (another branch, a peek in the parent, code between ``step()`` and
+  the next forward) applies its update first (Note [Guarded reads] in
+  ``reads.py``). Behind that, a graph read the guard could not see (another
+  thread, compiled code) shows in the parameter's gradient accumulator (Note
+  [Graph reads] in ``csrc/torch/bindings.cc``): every apply checks that
+  first, and so does the start of the backward, for updates still pending
+  then, before the rank launches anything: a ``DCreditError`` naming the
+  parameter. Last line: a pending parameter's tensor hook raises before
+  autograd touches the gradient slot.
+- A gradient written while it is being reduced (``clip_grad_norm_``,
+  ``model.zero_grad(set_to_none=False)``, user code between ``backward()``
+  and ``step()`` or between ``step()`` and the next forward) moves its slot's
+  version counter; ``step()`` and every apply compare it with the version
+  taken when the gradient was handed to the scheduler, and raise before
+  applying anything. Each slot is a tensor of its own over the buffer's
+  storage (not a view), so it has its own counter, and the collectives,
+  which write the blocks through other tensors, never move it.
+- ``GradScaler.step(opt)`` passes the scaler to ``step()``
+  (``_step_supports_amp_scaling``): the gradients are reduced first, then
+  unscaled and checked for Inf/NaN, so every rank skips the same steps.
 """
 
 from __future__ import annotations
