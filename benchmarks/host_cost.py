@@ -16,12 +16,14 @@ width 8 on 32x32 images (161 parameter tensors, batch norm in every block).
 Three ways to train it, each in its own process, one at a time, the rounds
 interleaving them: ``plain`` (the SGD optimizer alone), ``ddp`` (DDP at a
 world of one over Gloo) and ``dc`` (``dc.DistributedOptimizer`` at a world of
-one over Gloo; it measures and plans in the warm-up). Each process runs 30
-warm-up iterations, then ``--iters`` timed ones, and reports every
-iteration's wall time and its training thread's CPU time per iteration.
-Printed: medians per way, and ``dc`` against ``plain`` and ``ddp`` with
-bootstrap intervals over processes (``benchmarks/stats.py``). A benchmark,
-not a test: it prints numbers and checks nothing.
+one over Gloo; it measures and plans in the warm-up), and, with ``--ways
+plain,dc,dc-link``, ``dc-link``: the same planned for the link alone
+(``Config(collective_host_s=0)``). Each process runs 30 warm-up iterations,
+then ``--iters`` timed ones, and reports every iteration's wall time, its
+training thread's CPU time per iteration and, for ours, the collectives per
+iteration of its plan. Printed: medians per way, and ``dc`` against the
+others with bootstrap intervals over processes (``benchmarks/stats.py``). A
+benchmark, not a test: it prints numbers and checks nothing.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ import time
 
 from benchmarks.netem import LoopbackNetwork
 
-WAYS = ("plain", "ddp", "dc")
+WAYS = ("plain", "ddp", "dc", "dc-link")
+"""``dc-link`` is ``dc`` planned for the link alone (``Config(collective_host_s=0)``): what charging each
+collective's host time in the plan is worth. Not run unless ``--ways`` names it."""
 WARMUP = 30
 
 
@@ -75,11 +79,12 @@ def run_one(way: str, iters: int, model_name: str = "gpt") -> dict:
         close = dist.destroy_process_group
     if way == "ddp":
         net = torch.nn.parallel.DistributedDataParallel(model)
-    elif way == "dc":
+    elif way in ("dc", "dc-link"):
         import dcredit_opt as dc
 
         dc.init()
-        opt = dc.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
+        config = dc.Config(collective_host_s=0.0) if way == "dc-link" else None
+        opt = dc.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), config=config)
 
         def close():
             dc.shutdown()
@@ -100,7 +105,7 @@ def run_one(way: str, iters: int, model_name: str = "gpt") -> dict:
         walls.append(time.perf_counter() - t)
     cpu = (time.thread_time() - cpu0) / iters
     collectives = None
-    if way == "dc":
+    if way != "plain" and way != "ddp":
         from dcredit_opt.planner.plan import stages_of
 
         collectives = len(stages_of(opt.plan))
@@ -125,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--iters", type=int, default=150)
     p.add_argument("--model", choices=MODELS, default="gpt")
+    p.add_argument("--ways", default="plain,ddp,dc", help=f"comma-separated, of {', '.join(WAYS)}")
     p.add_argument("--one", choices=WAYS, help=argparse.SUPPRESS)  # a child process
     args = p.parse_args(argv)
     if args.one:
@@ -133,23 +139,27 @@ def main(argv: list[str] | None = None) -> None:
 
     from benchmarks.stats import speedup_interval
 
-    runs: dict[str, list[dict]] = {w: [] for w in WAYS}
+    ways = args.ways.split(",")
+    unknown = sorted(set(ways) - set(WAYS))
+    if unknown or "dc" not in ways:
+        p.error(f"--ways must include dc and name only {', '.join(WAYS)}; got {args.ways!r}")
+    runs: dict[str, list[dict]] = {w: [] for w in ways}
     net = LoopbackNetwork(1)
     for _ in range(args.rounds):
-        for way in WAYS:
+        for way in ways:
             runs[way].append(_launch(way, args.iters, net, args.model))
     params = runs["dc"][0]["params"]
     print(f"# host cost, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
           f"{args.rounds} rounds x {args.iters} iterations, a world of one, {args.model}-shaped model "
           f"({params} parameter tensors)")
     med = {}
-    for way in WAYS:
+    for way in ways:
         med[way] = statistics.median(t for r in runs[way] for t in r["iter_s"])
         cpu = statistics.median(r["train_cpu_s"] for r in runs[way])
         plans = sorted({r["collectives"] for r in runs[way] if r.get("collectives") is not None})
         where = f"   collectives per iteration (plans of the {len(runs[way])} processes): {plans}" if plans else ""
-        print(f"{way:6s} iteration {med[way] * 1e3:7.2f} ms (median)   training thread CPU {cpu * 1e3:7.2f} ms{where}")
-    for base in ("plain", "ddp"):
+        print(f"{way:7s} iteration {med[way] * 1e3:7.2f} ms (median)   training thread CPU {cpu * 1e3:7.2f} ms{where}")
+    for base in [w for w in ("plain", "ddp", "dc-link") if w in ways]:
         ci = speedup_interval([r["iter_s"] for r in runs[base]], [r["iter_s"] for r in runs["dc"]])
         ratio = med["dc"] / med[base]
         text = f"[{1 / ci[1]:.2f}, {1 / ci[0]:.2f}]" if ci else "-"
