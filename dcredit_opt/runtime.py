@@ -362,16 +362,16 @@ class _Heartbeat:
             except Exception:  # noqa: BLE001 - the store is gone: nobody can read a beat any more
                 return
             self._stop.wait(HEARTBEAT_S)
+        try:  # said by this thread, so that close() never waits on a store that stopped answering
+            self._beat_store.add(self.left_keys[self.rank], 1)
+        except Exception as e:  # noqa: BLE001 - the store is gone: nobody will ask
+            log.debug("dcredit_opt: could not mark this rank's leaving in the store: %s", e)
 
     def close(self) -> None:
-        """Stop beating, and say so: a rank that left in order (after an error of its own too) is not lost."""
+        """Stop beating, and say so: a rank that left in order (after an error of its own too) is not lost.
+        Waits briefly: if the store no longer answers, the thread is left behind, a daemon."""
         self._stop.set()
-        self._thread.join(timeout=1.0 + HEARTBEAT_S)  # longer only if the store stopped: then left, a daemon
-        if not self._thread.is_alive():
-            try:
-                self._beat_store.add(self.left_keys[self.rank], 1)
-            except Exception as e:  # noqa: BLE001 - the store is gone: nobody will ask
-                log.debug("dcredit_opt: could not mark this rank's leaving in the store: %s", e)
+        self._thread.join(timeout=1.0 + HEARTBEAT_S)
 
     def find_lost(self) -> tuple | None:
         """``(ranks, why)``: the ranks lost and how we know; ``([], why)`` when every rank still beats; None

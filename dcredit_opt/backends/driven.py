@@ -68,6 +68,7 @@ class DrivenBackend:
     def __init__(self, transport, timeout_s: float):
         self.engine = _ext.load().Engine.manual(float(timeout_s))
         self._transport = transport
+        self._timeout_s = float(timeout_s)
         self._pump = _Pump(self.engine, transport, float(timeout_s), self.name, runtime.rank())
         # Closed when the optimizer is garbage collected without _dc_close(),
         # and at interpreter exit. Our own atexit entry, registered after
@@ -102,13 +103,30 @@ class DrivenBackend:
 
     def sweep_collectives(self):
         """Blocking ``allreduce(tensor)`` and ``barrier()`` on this backend's own transport, for the profiler's
-        sweep (nothing is in flight then)."""
-        return self._transport.allreduce, self._transport.barrier
+        sweep (nothing is in flight then); each waits at most ``timeout_s`` (a ``DCreditError`` past it)."""
+        t = self._timeout_s
+        return (self._bounded(lambda buf: self._transport.allreduce(buf, t), "profiling, the all-reduce sweep"),
+                self._bounded(lambda: self._transport.barrier(t), "profiling, a barrier of the sweep"))
 
     def stage_collectives(self):
         """Blocking ``(reduce_scatter(buf), all_gather(buf))`` on this backend's own transport, for the
-        profiler's stage sweep (``profiler.measure_stage_ratios``)."""
-        return self._transport.reduce_scatter, self._transport.all_gather
+        profiler's stage sweep (``profiler.measure_stage_ratios``), bounded as ``sweep_collectives``."""
+        t = self._timeout_s
+        return (self._bounded(lambda buf: self._transport.reduce_scatter(buf, t), "profiling, the reduce-scatter sweep"),
+                self._bounded(lambda buf: self._transport.all_gather(buf, t), "profiling, the all-gather sweep"))
+
+    def _bounded(self, collective, where: str):
+        """``collective`` raising its failure as a ``DCreditError`` that says where; one that never finished
+        (a peer stopped or died) also makes the process able to exit (``abandon``: MPI_Finalize would wait
+        for that peer forever)."""
+        def run(*args):
+            try:
+                return collective(*args)
+            except (RuntimeError, TimeoutError) as e:
+                if isinstance(e, TimeoutError):
+                    self._transport.abandon(True)
+                raise runtime.at_rank(e, where) from e
+        return run
 
     def cost_per_block_us(self) -> tuple[float, float, int]:
         """Mean CPU time per block of the driver (launch taken -> collective started) and of the

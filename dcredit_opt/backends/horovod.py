@@ -99,18 +99,24 @@ class _HorovodTransport:
     def describe(self, block: int) -> str:
         return f"Horovod tensor '{self._names[block]}'" if block < len(self._names) else "unknown block"
 
-    def allreduce(self, tensor) -> None:
-        self._hvd.allreduce_(tensor, name=f"{self._prefix}.sweep.{tensor.numel()}", op=self._hvd.Sum)
+    # The profiler's sweep: blocking for the caller, each wait bounded by ``timeout_s`` (``_wait``).
+    def allreduce(self, tensor, timeout_s: float) -> None:
+        self._wait(self._hvd.allreduce_async_(tensor, name=f"{self._prefix}.sweep.{tensor.numel()}",
+                                              op=self._hvd.Sum), "an all-reduce of the profiler's sweep", timeout_s)
 
-    def barrier(self) -> None:
-        self._hvd.barrier()
+    def barrier(self, timeout_s: float) -> None:
+        self._wait(self._hvd.allreduce_async_(torch.zeros(1), name=f"{self._prefix}.sweep.barrier", op=self._hvd.Sum),
+                   "a barrier of the profiler's sweep", timeout_s)
 
-    def reduce_scatter(self, tensor) -> None:
-        self._hvd.reducescatter(tensor, name=f"{self._prefix}.sweep.rs.{tensor.numel()}", op=self._hvd.Sum)
+    def reduce_scatter(self, tensor, timeout_s: float) -> None:
+        self._wait(self._hvd.reducescatter_async(tensor, name=f"{self._prefix}.sweep.rs.{tensor.numel()}",
+                                                 op=self._hvd.Sum), "a reduce-scatter of the profiler's sweep",
+                   timeout_s)
 
-    def all_gather(self, tensor) -> None:
+    def all_gather(self, tensor, timeout_s: float) -> None:
         shard = tensor[:tensor.numel() // self._hvd.size()].clone()
-        tensor.copy_(self._hvd.allgather(shard, name=f"{self._prefix}.sweep.ag.{tensor.numel()}"))
+        tensor.copy_(self._wait(self._hvd.allgather_async(shard, name=f"{self._prefix}.sweep.ag.{tensor.numel()}"),
+                                "an all-gather of the profiler's sweep", timeout_s))
 
     def exchange_rows(self, ids, values, flag: bool, timeout_s: float):
         """Note [Embedding rows]: counts, then every rank's packed ids and rows (Horovod's all-gather takes

@@ -135,20 +135,24 @@ class _MPITransport:
     def describe(self, block: int) -> str:
         return f"{self._arrays[block].size} elements" if block < len(self._arrays) else "unknown block"
 
-    def allreduce(self, tensor) -> None:
-        self._comms[0].Allreduce(self._MPI.IN_PLACE, tensor.numpy(), op=self._MPI.SUM)
+    # The profiler's sweep: blocking for the caller, each wait bounded by ``timeout_s`` (``_wait``).
+    def allreduce(self, tensor, timeout_s: float) -> None:
+        _wait(self._comms[0].Iallreduce(self._MPI.IN_PLACE, tensor.numpy(), op=self._MPI.SUM), timeout_s,
+              "an all-reduce of the profiler's sweep")
 
-    def barrier(self) -> None:
-        self._comms[0].Barrier()
+    def barrier(self, timeout_s: float) -> None:
+        _wait(self._comms[0].Ibarrier(), timeout_s, "a barrier of the profiler's sweep")
 
-    def reduce_scatter(self, tensor) -> None:
+    def reduce_scatter(self, tensor, timeout_s: float) -> None:
         a = tensor.numpy()
-        self._comms[0].Reduce_scatter_block(a, np.empty(a.size // self._comms[0].Get_size(), a.dtype),
-                                            op=self._MPI.SUM)
+        shard = np.empty(a.size // self._comms[0].Get_size(), a.dtype)  # alive until the wait is over
+        _wait(self._comms[0].Ireduce_scatter_block(a, shard, op=self._MPI.SUM), timeout_s,
+              "a reduce-scatter of the profiler's sweep")
 
-    def all_gather(self, tensor) -> None:
+    def all_gather(self, tensor, timeout_s: float) -> None:
         a = tensor.numpy()
-        self._comms[0].Allgather(a[:a.size // self._comms[0].Get_size()].copy(), a)
+        shard = a[:a.size // self._comms[0].Get_size()].copy()  # alive until the wait is over
+        _wait(self._comms[0].Iallgather(shard, a), timeout_s, "an all-gather of the profiler's sweep")
 
     def start_tally(self, counts) -> None:
         assert self._tally is None, "a tally is already in flight"
