@@ -1,6 +1,7 @@
 """Our host work per iteration where compute is small: a world of one, on the CPU.
 
     .venv/bin/python -m benchmarks.host_cost [--model gpt|transformer|resnet50] [--rounds 4] [--iters 150]
+    .venv/bin/python -m benchmarks.host_cost --together [--rounds 8] [--block 25] [--ways plain,ddp,dc,dc-link]
 
 On a fast GPU an iteration of the benchmark's models takes milliseconds, and
 what the optimizer does on the host (the gradient hooks, the read guard,
@@ -24,6 +25,12 @@ training thread's CPU time per iteration and, for ours, the collectives per
 iteration of its plan. Printed: medians per way, and ``dc`` against the
 others with bootstrap intervals over processes (``benchmarks/stats.py``). A
 benchmark, not a test: it prints numbers and checks nothing.
+
+With ``--together`` every way runs in one process on its own copy of the
+model, taking turns in blocks of ``--block`` iterations: on a machine that
+other jobs share (the 2-core development machine always is), load then weighs
+on every way alike, and the ratios are the figures to quote; the intervals
+are over turns.
 """
 
 from __future__ import annotations
@@ -115,6 +122,63 @@ def run_one(way: str, iters: int, model_name: str = "gpt") -> dict:
             "collectives": collectives}
 
 
+def run_together(ways: list[str], rounds: int, block: int, model_name: str) -> dict:
+    """In this process: every way on its own copy of the model, taking turns in blocks of ``block``
+    iterations (the first of each block, after the switch, not counted), ``rounds`` blocks each, so that
+    whatever else the machine runs weighs on every way alike. Our optimizers apply what is pending before
+    each switch (``synchronize()``), so no way runs with another's read guard armed."""
+    import torch
+    import torch.distributed as dist
+
+    import dcredit_opt as dc
+    from benchmarks.models import loss_fn
+    from dcredit_opt.planner.plan import stages_of
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    dc.init()
+    runners, collectives, params = {}, {}, 0
+    for way in ways:
+        model, x, y = _model_and_batch(model_name)
+        params = len(list(model.parameters()))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        net = torch.nn.parallel.DistributedDataParallel(model) if way == "ddp" else model
+        if way in ("dc", "dc-link"):
+            config = dc.Config(collective_host_s=0.0) if way == "dc-link" else None
+            opt = dc.DistributedOptimizer(opt, named_parameters=model.named_parameters(), config=config)
+        runners[way] = (net, opt, x, y)
+    walls = {w: [] for w in ways}
+    cpus = {w: [] for w in ways}
+
+    def turn(way: str, iters: int, keep: bool) -> None:
+        net, opt, x, y = runners[way]
+        block_walls = []
+        cpu0 = time.thread_time()
+        for _ in range(iters):
+            t = time.perf_counter()
+            opt.zero_grad()
+            loss_fn(net(x), y).backward()
+            opt.step()
+            block_walls.append(time.perf_counter() - t)
+        if keep:
+            walls[way].append(block_walls[1:])
+            cpus[way].append((time.thread_time() - cpu0) / iters)
+        if hasattr(opt, "synchronize"):
+            opt.synchronize()
+
+    for way in ways:
+        turn(way, WARMUP, keep=False)
+    for _ in range(rounds):
+        for way in ways:
+            turn(way, block, keep=True)
+    for way in ways:
+        if hasattr(runners[way][1], "plan"):
+            collectives[way] = len(stages_of(runners[way][1].plan))
+    dc.shutdown()
+    dist.destroy_process_group()
+    return {"walls": walls, "cpus": cpus, "collectives": collectives, "params": params}
+
+
 def _launch(way: str, iters: int, net: LoopbackNetwork, model: str) -> dict:
     env = dict(os.environ, MASTER_ADDR=net.master_addr, MASTER_PORT=str(net.next_port()), OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-m", "benchmarks.host_cost", "--one", way, "--iters", str(iters),
@@ -131,10 +195,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=150)
     p.add_argument("--model", choices=MODELS, default="gpt")
     p.add_argument("--ways", default="plain,ddp,dc", help=f"comma-separated, of {', '.join(WAYS)}")
+    p.add_argument("--together", action="store_true",
+                   help="every way in one process, taking turns in blocks of --block iterations (--rounds blocks "
+                        "each): on a busy machine, the comparison to trust")
+    p.add_argument("--block", type=int, default=25)
     p.add_argument("--one", choices=WAYS, help=argparse.SUPPRESS)  # a child process
+    p.add_argument("--child-together", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
         print(json.dumps(run_one(args.one, args.iters, args.model)))
+        return
+    if args.child_together:
+        print(json.dumps(run_together(args.ways.split(","), args.rounds, args.block, args.model)))
         return
 
     from benchmarks.stats import speedup_interval
@@ -143,8 +215,11 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(ways) - set(WAYS))
     if unknown or "dc" not in ways:
         p.error(f"--ways must include dc and name only {', '.join(WAYS)}; got {args.ways!r}")
-    runs: dict[str, list[dict]] = {w: [] for w in ways}
     net = LoopbackNetwork(1)
+    if args.together:
+        _report_together(args, ways, net)
+        return
+    runs: dict[str, list[dict]] = {w: [] for w in ways}
     for _ in range(args.rounds):
         for way in ways:
             runs[way].append(_launch(way, args.iters, net, args.model))
@@ -161,6 +236,35 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{way:7s} iteration {med[way] * 1e3:7.2f} ms (median)   training thread CPU {cpu * 1e3:7.2f} ms{where}")
     for base in [w for w in ("plain", "ddp", "dc-link") if w in ways]:
         ci = speedup_interval([r["iter_s"] for r in runs[base]], [r["iter_s"] for r in runs["dc"]])
+        ratio = med["dc"] / med[base]
+        text = f"[{1 / ci[1]:.2f}, {1 / ci[0]:.2f}]" if ci else "-"
+        print(f"dc / {base}: {ratio:.2f}x the time {text}; {(med['dc'] - med[base]) * 1e3:+.2f} ms per iteration "
+              f"({(med['dc'] - med[base]) / params * 1e6:+.1f} us per parameter)")
+
+
+def _report_together(args, ways: list[str], net: LoopbackNetwork) -> None:
+    from benchmarks.stats import speedup_interval
+
+    env = dict(os.environ, MASTER_ADDR=net.master_addr, MASTER_PORT=str(net.next_port()), OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "benchmarks.host_cost", "--child-together", "--ways", ",".join(ways),
+                          "--rounds", str(args.rounds), "--block", str(args.block), "--model", args.model],
+                         env=env, capture_output=True, text=True, timeout=1800, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"the run failed:\n{out.stderr[-2000:]}")
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    params = r["params"]
+    print(f"# host cost, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, one process, "
+          f"{args.rounds} turns of {args.block} iterations per way, a world of one, {args.model}-shaped model "
+          f"({params} parameter tensors)")
+    med = {}
+    for way in ways:
+        med[way] = statistics.median(t for block in r["walls"][way] for t in block)
+        cpu = statistics.median(r["cpus"][way])
+        plan = r["collectives"].get(way)
+        where = f"   collectives per iteration: {plan}" if plan is not None else ""
+        print(f"{way:7s} iteration {med[way] * 1e3:7.2f} ms (median)   training thread CPU {cpu * 1e3:7.2f} ms{where}")
+    for base in [w for w in ("plain", "ddp", "dc-link") if w in ways]:
+        ci = speedup_interval(r["walls"][base], r["walls"]["dc"])  # over turns
         ratio = med["dc"] / med[base]
         text = f"[{1 / ci[1]:.2f}, {1 / ci[0]:.2f}]" if ci else "-"
         print(f"dc / {base}: {ratio:.2f}x the time {text}; {(med['dc'] - med[base]) * 1e3:+.2f} ms per iteration "
