@@ -1,0 +1,334 @@
+"""Adaptive re-planning, the pure part: what the blocks' own timings say about the link and the compute,
+whether that moved for long enough to re-plan, and the profile to re-plan with.
+
+Note [Adaptive re-planning]
+---------------------------
+The first plan is made from a profile measured in the first iterations. While
+training, each rank watches two things it already has, on a few iterations of
+every check window (``Config.replan_every`` steps):
+
+- the link: the scheduler's trace (per block its launch and end), merged into
+  busy periods (the union of overlapping ``[launch, end]`` intervals, any
+  channel). A period of ``c`` collectives carrying ``b`` bytes in ``s`` seconds
+  is one sample ``(b / c, s / c)`` of the per-collective cost; the window's
+  samples are fitted to ``alpha + beta * bytes`` (:func:`.cost.fit_alpha_beta`)
+  when their sizes spread by at least :data:`SIZE_SPREAD`, otherwise only
+  ``beta`` is scaled (:func:`link_estimate`);
+- the compute: the backward span, from the first gradient ready to the last
+  (the scheduler's ready times), as a scale on every tensor's forward and
+  backward time. A forward and a backward of the same layers change together
+  (a longer sequence, a bigger batch, a slower core), and the backward is the
+  part measured without any communication wait in it.
+
+Neither is compared with the profile: the measurements depend on the plan
+(concurrent collectives, a lazy step's CPU use), so each plan's first check
+window is its *baseline*, gathered from every rank, and later windows are
+compared with that baseline. A ratio of two measurements taken the same way
+cancels the estimator's own bias, so an unchanged world reads 1.0.
+
+Every rank sends its window (:class:`Window`, JSON) to every rank; every rank
+computes the same :class:`Estimate` from the gathered lists
+(:func:`combine`): the job's compute is its slowest rank's (synchronous
+training waits for it), and its link the rank that measured the *least*
+slow-down (a collective cannot end before its last rank joins it, so a rank
+waiting for a slower peer measures the peer, not the link).
+:class:`Hysteresis` then says whether an estimate moved by more than the
+threshold for ``patience`` checks in a row; only then does rank 0 plan on the
+rescaled profile (:func:`rescale`), and the fresh plan replaces the current
+one only if the simulator predicts it faster, under the same new profile, by
+more than the threshold (:func:`worth_switching`). Either way the rescaled
+profile becomes the current one and the window becomes the new baseline, so a
+change is acted on once, and a world that flips back is a new change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Sequence
+
+from .cost import fit_alpha_beta
+from .profile import Profile
+
+SIZE_SPREAD = 2.0
+"""A window's per-collective sizes must span at least this factor (largest over smallest) for a fit of both
+alpha and beta; below it only beta is scaled (the intercept is not identifiable from one size)."""
+
+RATIO_RANGE = (1 / 16, 16.0)
+"""Scales outside this range are a broken measurement (a stall, a clock jump), not a link or a model: clamped."""
+
+
+# ---- one rank's measurements -------------------------------------------------------------------------------
+
+
+def busy_periods(rows: Sequence[Sequence[int]], block_bytes: Sequence[int]) -> list[tuple[int, int, float]]:
+    """``(collectives, bytes, seconds)`` of each busy period of one iteration's trace.
+
+    ``rows`` are ``Engine.trace()`` tuples ``(block, channel, window, group, seq, release_ns, launch_ns,
+    end_ns)``; blocks not launched or not finished are left out. A period is a maximal union of
+    overlapping ``[launch, end]`` intervals, over every channel.
+    """
+    spans = sorted((r[6], r[7], int(block_bytes[r[0]])) for r in rows if r[6] and r[7] and r[7] >= r[6])
+    out: list[tuple[int, int, float]] = []
+    start = end = None
+    count = nbytes = 0
+    for launch, finish, b in spans:
+        if end is not None and launch <= end:
+            end = max(end, finish)
+            count += 1
+            nbytes += b
+            continue
+        if end is not None:
+            out.append((count, nbytes, (end - start) / 1e9))
+        start, end, count, nbytes = launch, finish, 1, b
+    if end is not None:
+        out.append((count, nbytes, (end - start) / 1e9))
+    return out
+
+
+def backward_span(ready_ns: Sequence[int]) -> float | None:
+    """Seconds from the first gradient ready to the last (None with fewer than two)."""
+    ready = [t for t in ready_ns if t > 0]
+    if len(ready) < 2:
+        return None
+    return (max(ready) - min(ready)) / 1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """One rank's measurements over one check window, per observed iteration: what it sends to the others."""
+
+    iterations: int
+    """Iterations observed."""
+    span_s: float | None
+    """Median backward span (first gradient ready to last), seconds; None if none was seen."""
+    busy_s: float
+    """Link busy time per iteration (the union of the blocks' ``[launch, end]``), seconds."""
+    collectives: float
+    """Collectives per iteration."""
+    nbytes: float
+    """Bytes per iteration."""
+    alpha_s: float | None
+    """Fitted per-collective start-up, seconds; None where the sizes did not spread (:data:`SIZE_SPREAD`)."""
+    beta_s_per_byte: float | None
+    """Fitted per-collective seconds per byte; None with ``alpha_s``."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Window:
+        names = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(data, dict) or set(data) != names:
+            raise ValueError(f"a re-planning window must be an object with fields {sorted(names)}, got {data!r}")
+        return cls(**data)
+
+
+class WindowRecorder:
+    """Collects one rank's observed iterations; :meth:`take` closes the window and starts the next."""
+
+    def __init__(self) -> None:
+        self._periods: list[tuple[int, int, float]] = []
+        self._spans: list[float] = []
+        self._iterations = 0
+
+    @property
+    def iterations(self) -> int:
+        return self._iterations
+
+    def add(self, rows: Sequence[Sequence[int]], block_bytes: Sequence[int], ready_ns: Sequence[int]) -> None:
+        """One finished iteration: its trace rows, each block's bytes, each tensor's ready time."""
+        self._periods += busy_periods(rows, block_bytes)
+        span = backward_span(ready_ns)
+        if span is not None:
+            self._spans.append(span)
+        self._iterations += 1
+
+    def take(self) -> Window | None:
+        """The window so far (None if nothing was observed), and a fresh start."""
+        periods, spans, n = self._periods, self._spans, self._iterations
+        self._periods, self._spans, self._iterations = [], [], 0
+        if n == 0:
+            return None
+        alpha = beta = None
+        if periods:
+            x = [b / c for c, b, _ in periods]
+            y = [s / c for c, _, s in periods]
+            lo, hi = min(x), max(x)
+            if lo > 0 and hi >= SIZE_SPREAD * lo:
+                a, b = fit_alpha_beta(x, y)
+                if b > 0:
+                    alpha, beta = a, b
+        return Window(iterations=n, span_s=statistics.median(spans) if spans else None,
+                      busy_s=sum(s for _, _, s in periods) / n, collectives=sum(c for c, _, _ in periods) / n,
+                      nbytes=sum(b for _, b, _ in periods) / n, alpha_s=alpha, beta_s_per_byte=beta)
+
+
+# ---- the job's estimate, the same on every rank ------------------------------------------------------------
+
+
+def _clamp(x: float) -> float:
+    lo, hi = RATIO_RANGE
+    return min(hi, max(lo, x))
+
+
+def link_estimate(base: Window, now: Window) -> tuple[float, float, float] | None:
+    """``(link_scale, alpha_scale, beta_scale)`` of one rank: ``now`` against its ``base`` window.
+
+    ``link_scale`` is the link time measured now over the link time the baseline's fit predicts for the same
+    traffic (so a plan's changing mix of sizes does not read as a change). Where both windows fitted alpha
+    and beta, those scale by their own ratios; otherwise alpha stays and beta alone takes the change.
+    None where a window carried nothing.
+    """
+    if base.nbytes <= 0 or now.nbytes <= 0 or base.busy_s <= 0 or now.busy_s <= 0:
+        return None
+    if base.alpha_s is not None:
+        a_b, b_b = base.alpha_s, base.beta_s_per_byte
+    else:
+        a_b, b_b = 0.0, base.busy_s / base.nbytes
+    predicted = a_b * now.collectives + b_b * now.nbytes
+    if predicted <= 0:
+        return None
+    scale = _clamp(now.busy_s / predicted)
+    if base.alpha_s is not None and now.alpha_s is not None and a_b > 0:
+        return scale, _clamp(now.alpha_s / a_b), _clamp(now.beta_s_per_byte / b_b)
+    # beta alone: the same start-ups, the rest of the change is per byte
+    per_byte = (scale * predicted - a_b * now.collectives) / (b_b * now.nbytes)
+    return scale, 1.0, _clamp(max(per_byte, 0.0))
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """What moved since the baseline, for the whole job: scales (1.0 = unchanged)."""
+
+    compute: float
+    """Backward span now over the baseline's, of the slowest rank (each side)."""
+    link: float
+    """Link time now over the baseline's prediction for the same traffic."""
+    alpha: float
+    """Scale of the all-reduce start-up."""
+    beta: float
+    """Scale of the all-reduce time per byte."""
+    link_rank: int
+    """The rank whose link measurement was taken (the least slowed)."""
+    span_s: tuple[float, float]
+    """The job's backward span, baseline and now, seconds (for messages)."""
+
+
+def combine(base: Sequence[Window | None], now: Sequence[Window | None]) -> Estimate | None:
+    """The job's estimate from every rank's baseline and current window (rank order), or None where some rank
+    observed nothing. A pure function of the gathered windows: every rank computes the same."""
+    if len(base) != len(now) or not base or any(w is None for w in (*base, *now)):
+        return None
+    spans_b = [w.span_s for w in base]
+    spans_n = [w.span_s for w in now]
+    if any(s is None for s in (*spans_b, *spans_n)) or max(spans_b) <= 0:
+        compute, span = 1.0, (0.0, 0.0)
+    else:
+        compute, span = _clamp(max(spans_n) / max(spans_b)), (max(spans_b), max(spans_n))
+    links = [(r, link_estimate(b, n)) for r, (b, n) in enumerate(zip(base, now))]
+    links = [(est[0], r, est) for r, est in links if est is not None]
+    if links:
+        _, rank, (link, alpha, beta) = min(links)
+    else:  # nothing travelled (a world of one, every gradient unused): only the compute can move
+        rank, link, alpha, beta = -1, 1.0, 1.0, 1.0
+    return Estimate(compute=compute, link=link, alpha=alpha, beta=beta, link_rank=rank, span_s=span)
+
+
+def moved(estimate: Estimate, threshold: float) -> tuple[str, ...]:
+    """The estimates (``"compute"``, ``"link"``) that moved by more than ``threshold`` (a share: 0.1 = 10 %),
+    either way, measured as a ratio (x2 and x0.5 are the same distance)."""
+    limit = math.log1p(threshold)
+    return tuple(name for name, scale in (("compute", estimate.compute), ("link", estimate.link))
+                 if abs(math.log(scale)) > limit)
+
+
+class Hysteresis:
+    """Triggers once some estimate has moved beyond ``threshold`` at ``patience`` consecutive checks."""
+
+    def __init__(self, threshold: float, patience: int):
+        if not threshold >= 0 or patience < 1:
+            raise ValueError(f"threshold must be >= 0 and patience >= 1, got {threshold!r}, {patience!r}")
+        self.threshold = threshold
+        self.patience = patience
+        self._streak = 0
+
+    @property
+    def streak(self) -> int:
+        """Consecutive checks that saw a move."""
+        return self._streak
+
+    def update(self, estimate: Estimate | None) -> bool:
+        """One check's estimate (None: nothing to compare, which breaks a streak); True when it triggers."""
+        if estimate is None or not moved(estimate, self.threshold):
+            self._streak = 0
+            return False
+        self._streak += 1
+        return self._streak >= self.patience
+
+    def reset(self) -> None:
+        self._streak = 0
+
+
+def rescale(profile: Profile, estimate: Estimate) -> Profile:
+    """``profile`` with every tensor's compute scaled by ``estimate.compute`` and the link's alpha and beta by
+    ``estimate.alpha`` and ``estimate.beta`` (sizes, order and stage ratios unchanged)."""
+    c = estimate.compute
+    tensors = tuple(dataclasses.replace(t, fwd_s=t.fwd_s * c, bwd_s=t.bwd_s * c) for t in profile.tensors)
+    return dataclasses.replace(profile, tensors=tensors, alpha_s=profile.alpha_s * estimate.alpha,
+                               beta_s_per_byte=profile.beta_s_per_byte * estimate.beta)
+
+
+def worth_switching(current_s: float, fresh_s: float, threshold: float) -> bool:
+    """Whether a fresh plan predicted at ``fresh_s`` beats the current plan's ``current_s`` (both under the new
+    estimates) by more than ``threshold`` (a share of the fresh plan's time)."""
+    if not (math.isfinite(fresh_s) and fresh_s > 0):
+        return False
+    return not math.isfinite(current_s) or current_s > fresh_s * (1 + threshold)
+
+
+def describe(estimate: Estimate, threshold: float) -> str:
+    """Why: each estimate, with the ones that moved beyond the threshold first."""
+    parts = []
+    span_b, span_n = estimate.span_s
+    compute = f"compute x{estimate.compute:.2f}"
+    if span_b > 0:
+        compute += f" (backward {span_b * 1e3:.1f} ms -> {span_n * 1e3:.1f} ms)"
+    link = f"link x{estimate.link:.2f} (alpha x{estimate.alpha:.2f}, beta x{estimate.beta:.2f}"
+    link += f", as rank {estimate.link_rank} measured it)" if estimate.link_rank >= 0 else ")"
+    which = moved(estimate, threshold)
+    for name, text in (("compute", compute), ("link", link)):
+        parts.append(("moved: " if name in which else "") + text)
+    parts.sort(key=lambda p: not p.startswith("moved"))
+    return "; ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Replan:
+    """One re-plan, as every rank records it (``DistributedOptimizer.replans``)."""
+
+    step: int
+    """The optimizer's ``step()`` (counted from 1 since wrapping) that staged the new plan: every rank's same
+    one; the plan is in force from the next iteration."""
+    reason: str
+    """Which estimates moved, and by how much (:func:`describe`)."""
+    compute: float
+    """Compute scale since the last plan (or last check that kept it)."""
+    link: float
+    """Link scale since then."""
+    predicted_old_s: float
+    """The plan in force, under the new estimates: predicted iteration seconds (the simulator's)."""
+    predicted_new_s: float
+    """The new plan, under the new estimates."""
+    largest_block: tuple[int, int]
+    """Largest block of the old plan and of the new one, in elements (a quick view of what changed)."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def largest_block(partition: Sequence[Sequence[int]]) -> int:
+    """The largest block of a plan's partition, in elements (0 for none)."""
+    return int(max((max(p) for p in partition if len(p)), default=0))
+

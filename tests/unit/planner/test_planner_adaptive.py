@@ -1,0 +1,206 @@
+"""Adaptive re-planning's pure part (Note [Adaptive re-planning] in planner/adaptive.py): the estimators on
+synthetic traces, the decision over gathered windows (the same on every rank whatever each rank measured),
+the hysteresis (no flapping), the rescaled profile."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dcredit_opt
+from dcredit_opt import planning
+from dcredit_opt.planner import adaptive
+from dcredit_opt.planner.adaptive import Estimate, Hysteresis, Window, WindowRecorder
+from dcredit_opt.planner.profile import Profile
+from dcredit_opt.planner.simulate import iteration_time
+from dcredit_opt.planner.synthetic import model_like_profile
+
+MS = 1_000_000  # ns
+PROFILES = Path(dcredit_opt.__file__).parent / "profiles"
+
+
+def serial_trace(sizes, alpha_s, beta_s, start_ns=MS, gap_ns=0, channels=1):
+    """Rows of ``Engine.trace()`` for blocks of ``sizes`` bytes run one after another (a gap of ``gap_ns``
+    between them: 0 makes one busy period), and the bytes per block."""
+    rows, t = [], start_ns
+    for b, n in enumerate(sizes):
+        dur = round((alpha_s + beta_s * n) * 1e9)
+        rows.append((b, b % channels, 1, b, b, t, t, t + dur))
+        t += dur + gap_ns
+    return rows, list(sizes)
+
+
+def window(sizes, alpha_s, beta_s, span_s, iterations=4, gap_ns=MS):
+    rec = WindowRecorder()
+    for _ in range(iterations):
+        rows, nbytes = serial_trace(sizes, alpha_s, beta_s, gap_ns=gap_ns)
+        rec.add(rows, nbytes, [1, 1 + int(span_s * 1e9)])
+    return rec.take()
+
+
+SIZES = [1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 18, 1 << 20]
+
+
+def test_busy_periods_merge_overlapping_blocks_across_channels():
+    rows = [(0, 0, 2, 0, 0, 0, 10, 50), (1, 1, 2, 0, 1, 0, 20, 70),  # overlap: one period 10..70
+            (2, 0, 1, 1, 2, 0, 70, 90),  # touches the end: same period
+            (3, 1, 1, 2, 3, 0, 100, 130),  # a gap: a new period
+            (4, 0, 1, 3, -1, 0, 0, 0)]  # never launched
+    assert adaptive.busy_periods(rows, [8, 16, 4, 32, 64]) == [(3, 28, 80e-9), (1, 32, 30e-9)]
+    assert adaptive.busy_periods([], []) == []
+
+
+def test_backward_span_ignores_tensors_not_ready():
+    assert adaptive.backward_span([0, 5 * MS, 2 * MS, 0]) == pytest.approx(3e-3)
+    assert adaptive.backward_span([0, 5]) is None
+
+
+def test_a_window_fits_alpha_and_beta_where_sizes_spread():
+    w = window(SIZES, 2e-4, 1e-9, 0.05)
+    assert w.iterations == 4 and w.span_s == pytest.approx(0.05)
+    assert w.alpha_s == pytest.approx(2e-4, rel=1e-3) and w.beta_s_per_byte == pytest.approx(1e-9, rel=1e-3)
+    assert w.collectives == len(SIZES) and w.nbytes == sum(SIZES)
+    # one size: no intercept to fit
+    w1 = window([1 << 20] * 5, 2e-4, 1e-9, 0.05)
+    assert w1.alpha_s is None and w1.beta_s_per_byte is None
+    assert WindowRecorder().take() is None
+
+
+def test_a_window_travels_as_json_exactly():
+    w = window(SIZES, 3.3e-4, 1.7e-9, 0.0123)
+    assert Window.from_dict(json.loads(json.dumps(w.to_dict()))) == w
+    with pytest.raises(ValueError, match="fields"):
+        Window.from_dict({"iterations": 1})
+
+
+@pytest.mark.parametrize("spread", [True, False])
+@pytest.mark.parametrize("factor", [0.25, 1.0, 2.0, 4.0])
+def test_link_estimate_reads_a_bandwidth_change(spread, factor):
+    sizes = SIZES if spread else [1 << 20] * 6
+    base = window(sizes, 2e-4, 1e-9, 0.05)
+    now = window(sizes, 2e-4, factor * 1e-9, 0.05)
+    link, alpha, beta = adaptive.link_estimate(base, now)
+    expected = sum(2e-4 + factor * 1e-9 * n for n in sizes) / sum(2e-4 + 1e-9 * n for n in sizes)
+    assert link == pytest.approx(expected, rel=1e-3)
+    if spread:
+        assert alpha == pytest.approx(1.0, rel=1e-2) and beta == pytest.approx(factor, rel=1e-2)
+    else:  # beta alone takes the change: alpha unknown, taken as 0 by the baseline
+        assert alpha == 1.0 and beta == pytest.approx(expected, rel=1e-3)
+
+
+def test_link_estimate_is_one_when_nothing_changed_even_if_the_mix_did():
+    base = window(SIZES, 2e-4, 1e-9, 0.05)
+    now = window(SIZES[::-1] + [1 << 16] * 4, 2e-4, 1e-9, 0.05)
+    assert adaptive.link_estimate(base, now)[0] == pytest.approx(1.0, rel=1e-3)
+
+
+def test_combine_takes_the_slowest_compute_and_the_least_slowed_link():
+    base = [window(SIZES, 2e-4, 1e-9, 0.05), window(SIZES, 2e-4, 1e-9, 0.04)]
+    # rank 1 computes 3x slower; rank 0 waits for it in its collectives, so its link looks 2x slower
+    now = [window(SIZES, 2e-4, 2e-9, 0.05), window(SIZES, 2e-4, 1e-9, 0.12)]
+    est = adaptive.combine(base, now)
+    assert est.compute == pytest.approx(0.12 / 0.05)
+    assert est.link == pytest.approx(1.0, rel=1e-3) and est.link_rank == 1
+    assert adaptive.moved(est, 0.1) == ("compute",)
+    assert adaptive.combine(base, [now[0], None]) is None
+    assert adaptive.combine(base, now[:1]) is None
+    text = adaptive.describe(est, 0.1)
+    assert text.startswith("moved: compute x2.40 (backward 50.0 ms -> 120.0 ms)") and "link x1.00" in text
+
+
+def est(compute=1.0, link=1.0):
+    return Estimate(compute=compute, link=link, alpha=1.0, beta=link, link_rank=0, span_s=(0.0, 0.0))
+
+
+def test_hysteresis_needs_patience_consecutive_moves():
+    h = Hysteresis(0.1, 2)
+    assert [h.update(e) for e in (est(1.5), est(1.05), est(1.5), est(1.5))] == [False, False, False, True]
+    h.reset()
+    assert h.streak == 0
+    assert not h.update(None)
+    assert [h.update(est(link=0.5)) for _ in range(2)] == [False, True]
+    with pytest.raises(ValueError):
+        Hysteresis(0.1, 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(-0.095, 0.095), min_size=1, max_size=50), st.integers(1, 4))
+def test_noise_within_the_threshold_never_triggers(noise, patience):
+    h = Hysteresis(0.1, patience)
+    assert not any(h.update(est(math.exp(a), math.exp(-a))) for a in noise)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 5), st.integers(0, 2**31 - 1))
+def test_ranks_with_different_timings_agree_on_every_decision(world, seed):
+    """Each rank measures its own timings (random skew, noise, a compute change on some ranks at a random
+    check, a link change at another); the windows go through JSON as the runtime gathers them; each rank runs
+    its own hysteresis on what it received. Every rank triggers at the same checks."""
+    rng = random.Random(seed)
+    checks = 12
+    compute_change = {r: rng.choice([1.0, 1.0, 2.5, 0.4]) for r in range(world)}
+    compute_at, link_at = rng.randrange(checks), rng.randrange(checks)
+    link_factor = rng.choice([0.25, 1.0, 4.0])
+
+    def measure(r, k):
+        c = compute_change[r] if k >= compute_at else 1.0
+        f = link_factor if k >= link_at else 1.0
+        skew = 1.0 + rng.random() * 0.5  # waiting for peers: a rank-local inflation of its link times
+        sizes = rng.sample(SIZES, 4)
+        return window(sizes, 2e-4 * skew, f * 1e-9 * skew, (0.03 + 0.01 * r) * c * (1 + rng.random() * 0.05),
+                      iterations=rng.randint(1, 4))
+
+    decisions = [[] for _ in range(world)]
+    hyst = [Hysteresis(0.2, 2) for _ in range(world)]
+    base = None
+    for k in range(checks):
+        gathered = [json.dumps(measure(r, k).to_dict()) for r in range(world)]
+        for r in range(world):  # each rank decodes and decides on its own
+            windows = [Window.from_dict(json.loads(g)) for g in gathered]
+            if base is None:
+                decisions[r].append(("baseline",))
+                continue
+            e = adaptive.combine(base, windows)
+            decisions[r].append((hyst[r].update(e), e))
+        base = base or [Window.from_dict(json.loads(g)) for g in gathered]
+    assert all(d == decisions[0] for d in decisions)
+
+
+def test_rescale_scales_compute_and_link():
+    p = model_like_profile(8, total_params=1_000_000)
+    e = Estimate(compute=2.0, link=3.0, alpha=1.5, beta=3.0, link_rank=0, span_s=(0.0, 0.0))
+    q = adaptive.rescale(p, e)
+    assert q.alpha_s == pytest.approx(p.alpha_s * 1.5) and q.beta_s_per_byte == pytest.approx(p.beta_s_per_byte * 3)
+    assert [t.bwd_s for t in q.tensors] == pytest.approx([2 * t.bwd_s for t in p.tensors])
+    assert [t.fwd_s for t in q.tensors] == pytest.approx([2 * t.fwd_s for t in p.tensors])
+    assert q.numels == p.numels and q.order() == p.order()
+
+
+def test_worth_switching_needs_a_gain_beyond_the_threshold():
+    assert adaptive.worth_switching(1.2, 1.0, 0.1)
+    assert not adaptive.worth_switching(1.05, 1.0, 0.1)
+    assert not adaptive.worth_switching(1.0, 1.0, 0.0)
+    assert adaptive.worth_switching(math.inf, 1.0, 0.1)
+    assert not adaptive.worth_switching(1.0, math.nan, 0.1)
+
+
+def test_a_changed_link_makes_a_fresh_plan_worth_it_where_the_old_one_is_wrong():
+    """The point of it all, in the simulator, on the shipped VGG profile: the link becomes 4x faster; the plan
+    made for the new estimates is predicted faster than the old one under them by more than 10 %. With
+    nothing changed, the fresh plan is predicted no faster (no switch)."""
+    p = Profile.load(PROFILES / "vgg.json")
+    kw = {"channels": 2, "overlap_forward": True}
+    fifo = planning.CHANNEL_FIFO
+    old = planning.make_plan(p, "dcredit", **kw)
+    t_same = iteration_time(planning.make_plan(p, "dcredit", **kw), p, channel_fifo=fifo)
+    assert not adaptive.worth_switching(iteration_time(old, p, channel_fifo=fifo), t_same, 0.0)
+    q = adaptive.rescale(p, est(link=0.25))
+    t_old = iteration_time(old, q, channel_fifo=fifo)
+    t_new = iteration_time(planning.make_plan(q, "dcredit", **kw), q, channel_fifo=fifo)
+    assert adaptive.worth_switching(t_old, t_new, 0.1), (t_old, t_new)
