@@ -81,6 +81,20 @@ class Config:
     10 us per collective between fixed plans of 77 and 403 collectives, and by 15-40 us between D-Credit
     plans of 8, 14 and 77. 0 plans for the link alone."""
 
+    replan_every: int = 10
+    """Adaptive re-planning (how: planner/adaptive.py): every this many steps of a
+    plan, the ranks compare what the blocks' timings and the backward say about the link and the compute with
+    what they said when the plan started; once an estimate has moved by more than ``replan_threshold`` at two
+    checks in a row, rank 0 plans again for the new estimates and every rank switches at the same step (only
+    if the new plan is predicted faster, by more than ``replan_threshold``). Each re-plan is logged (INFO),
+    marked in the timeline and listed in ``opt.replans``. 0 turns it off; also off with ``policy="fixed"``,
+    ``policy="deft"``, ``profile_iters=0`` or one rank."""
+
+    replan_threshold: float = 0.1
+    """How far an estimate must move (as a share: 0.1 = 10 %, a ratio either way) before re-planning is
+    considered, and how much faster the fresh plan must be predicted than the plan in force to be switched
+    to (``replan_every``)."""
+
     timeout_s: float = 30.0
     """Longest wait for any collective or gradient before raising, in seconds: a dead or stalled peer
     makes every other rank raise, naming itself, the block (and its tensors) and the phase."""
@@ -114,7 +128,7 @@ class Config:
         Always ValueError, a wrong type included, so that one ``except`` catches
         every bad setting, from the constructor and from ``DCREDIT_*`` alike.
         """
-        for name in ("block_bytes", "window", "credit_bytes", "channels", "profile_iters"):
+        for name in ("block_bytes", "window", "credit_bytes", "channels", "profile_iters", "replan_every"):
             if isinstance(getattr(self, name), bool):  # bool is an int subclass; never a count
                 raise ValueError(  # noqa: TRY004
                     f"Config.{name} must be an integer, got {getattr(self, name)!r}")
@@ -140,6 +154,12 @@ class Config:
         host = self.collective_host_s
         if isinstance(host, bool) or not isinstance(host, (int, float)) or not 0 <= host < 1:
             raise ValueError(f"Config.collective_host_s must be a number of seconds in [0, 1), got {host!r}")
+        if not isinstance(self.replan_every, int) or self.replan_every < 0 or self.replan_every == 1:
+            raise ValueError(f"Config.replan_every must be 0 (off) or >= 2 steps, got {self.replan_every!r}")
+        if (isinstance(self.replan_threshold, bool) or not isinstance(self.replan_threshold, (int, float))
+                or not 0 <= self.replan_threshold < 10):
+            raise ValueError(f"Config.replan_threshold must be a share in [0, 10) (0.1 = 10 %), got "
+                             f"{self.replan_threshold!r}")
         if not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
             raise ValueError(f"Config.timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
         if self.lazy_step not in ("auto", "on", "off"):

@@ -232,6 +232,12 @@ class RankTimeline:
                 log.warning("dcredit_opt: the timeline writer of %s falls behind; iteration %d and others are "
                             "left out of it", self.path, iteration)
 
+    def mark(self, name: str, args: dict) -> None:
+        """An instant on the "backward" track now, across the process (a re-plan: replanner.py),
+        with ``args`` (JSON-able) shown beside it."""
+        if self._finish.alive:
+            self._batches.put(("mark", time.perf_counter_ns(), name, dict(args)))
+
     def settle(self) -> None:
         """Wait until every iteration handed over is written but the last one (at most ``_SETTLE_S``, said
         once): the writer has a whole iteration for each batch, and the file lags at most one behind."""
@@ -344,7 +350,11 @@ class _Writer:
         try:
             while (batch := batches.get()) is not None:
                 try:
-                    if not self.failed:
+                    if self.failed:
+                        pass
+                    elif isinstance(batch[0], str):
+                        self._mark(*batch[1:])
+                    else:
                         self._write(*batch)
                 except Exception as e:  # noqa: BLE001 - said once; training goes on without the timeline
                     self.failed = True
@@ -391,6 +401,14 @@ class _Writer:
             events += block_events(rows, names, block_tensors, ready_ns, self.pid, self.origin_ns, iteration)
         if events:
             self._append(events)
+
+    def _mark(self, ns: int, name: str, args: dict) -> None:
+        if self.events >= self.max_events:
+            return
+        if self.origin_ns is None:
+            self.origin_ns = ns
+        self._append([{"name": name, "ph": "i", "s": "p", "pid": self.pid, "tid": BACKWARD_TID,
+                       "ts": (ns - self.origin_ns) / 1e3, "args": args}])
 
     def _append(self, events: list[dict], first: bool = False) -> None:
         body = ",\n".join(json.dumps(e, separators=(",", ":")) for e in events).encode()

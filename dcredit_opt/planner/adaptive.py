@@ -1,8 +1,8 @@
 """Adaptive re-planning, the pure part: what the blocks' own timings say about the link and the compute,
 whether that moved for long enough to re-plan, and the profile to re-plan with.
 
-Note [Adaptive re-planning]
----------------------------
+How it works
+------------
 The first plan is made from a profile measured in the first iterations. While
 training, each rank watches two things it already has, on a few iterations of
 every check window (``Config.replan_every`` steps):
@@ -12,8 +12,10 @@ every check window (``Config.replan_every`` steps):
   channel). A period of ``c`` collectives carrying ``b`` bytes in ``s`` seconds
   is one sample ``(b / c, s / c)`` of the per-collective cost; the window's
   samples are fitted to ``alpha + beta * bytes`` (:func:`.cost.fit_alpha_beta`)
-  when their sizes spread by at least :data:`SIZE_SPREAD`, otherwise only
-  ``beta`` is scaled (:func:`link_estimate`);
+  when their sizes spread by at least :data:`SIZE_SPREAD` (otherwise the
+  baseline's link is all per byte), and the link time now is compared with
+  what the baseline's fit predicts for the same traffic; the change is
+  carried by ``beta`` (:func:`link_estimate` says why);
 - the compute: the backward span, from the first gradient ready to the last
   (the scheduler's ready times), as a scale on every tensor's forward and
   backward time. A forward and a backward of the same layers change together
@@ -173,13 +175,15 @@ def _clamp(x: float) -> float:
     return min(hi, max(lo, x))
 
 
-def link_estimate(base: Window, now: Window) -> tuple[float, float, float] | None:
-    """``(link_scale, alpha_scale, beta_scale)`` of one rank: ``now`` against its ``base`` window.
+def link_estimate(base: Window, now: Window) -> tuple[float, float] | None:
+    """``(link_scale, beta_scale)`` of one rank: ``now`` against its ``base`` window.
 
     ``link_scale`` is the link time measured now over the link time the baseline's fit predicts for the same
-    traffic (so a plan's changing mix of sizes does not read as a change). Where both windows fitted alpha
-    and beta, those scale by their own ratios; otherwise alpha stays and beta alone takes the change.
-    None where a window carried nothing.
+    traffic (so a plan's changing mix of sizes does not read as a change). ``beta_scale`` is the scale on
+    the per-byte time that explains it with the start-up left as it was: the fitted intercept and slope of
+    one job's mix trade off against each other within the noise (an unchanged link read alpha x4.9 and beta
+    x0.4 on a busy machine) while their sum over the traffic stays put, and a change of rate, the common
+    change, is a change of beta. None where a window carried nothing.
     """
     if base.nbytes <= 0 or now.nbytes <= 0 or base.busy_s <= 0 or now.busy_s <= 0:
         return None
@@ -191,11 +195,8 @@ def link_estimate(base: Window, now: Window) -> tuple[float, float, float] | Non
     if predicted <= 0:
         return None
     scale = _clamp(now.busy_s / predicted)
-    if base.alpha_s is not None and now.alpha_s is not None and a_b > 0:
-        return scale, _clamp(now.alpha_s / a_b), _clamp(now.beta_s_per_byte / b_b)
-    # beta alone: the same start-ups, the rest of the change is per byte
     per_byte = (scale * predicted - a_b * now.collectives) / (b_b * now.nbytes)
-    return scale, 1.0, _clamp(max(per_byte, 0.0))
+    return scale, _clamp(max(per_byte, 0.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,10 +207,8 @@ class Estimate:
     """Backward span now over the baseline's, of the slowest rank (each side)."""
     link: float
     """Link time now over the baseline's prediction for the same traffic."""
-    alpha: float
-    """Scale of the all-reduce start-up."""
     beta: float
-    """Scale of the all-reduce time per byte."""
+    """Scale of the all-reduce time per byte that explains ``link`` with the start-up unchanged."""
     link_rank: int
     """The rank whose link measurement was taken (the least slowed)."""
     span_s: tuple[float, float]
@@ -230,10 +229,10 @@ def combine(base: Sequence[Window | None], now: Sequence[Window | None]) -> Esti
     links = [(r, link_estimate(b, n)) for r, (b, n) in enumerate(zip(base, now))]
     links = [(est[0], r, est) for r, est in links if est is not None]
     if links:
-        _, rank, (link, alpha, beta) = min(links)
+        _, rank, (link, beta) = min(links)
     else:  # nothing travelled (a world of one, every gradient unused): only the compute can move
-        rank, link, alpha, beta = -1, 1.0, 1.0, 1.0
-    return Estimate(compute=compute, link=link, alpha=alpha, beta=beta, link_rank=rank, span_s=span)
+        rank, link, beta = -1, 1.0, 1.0
+    return Estimate(compute=compute, link=link, beta=beta, link_rank=rank, span_s=span)
 
 
 def moved(estimate: Estimate, threshold: float) -> tuple[str, ...]:
@@ -272,12 +271,11 @@ class Hysteresis:
 
 
 def rescale(profile: Profile, estimate: Estimate) -> Profile:
-    """``profile`` with every tensor's compute scaled by ``estimate.compute`` and the link's alpha and beta by
-    ``estimate.alpha`` and ``estimate.beta`` (sizes, order and stage ratios unchanged)."""
+    """``profile`` with every tensor's compute scaled by ``estimate.compute`` and the link's beta by
+    ``estimate.beta`` (alpha, sizes, order and stage ratios unchanged: :func:`link_estimate`)."""
     c = estimate.compute
     tensors = tuple(dataclasses.replace(t, fwd_s=t.fwd_s * c, bwd_s=t.bwd_s * c) for t in profile.tensors)
-    return dataclasses.replace(profile, tensors=tensors, alpha_s=profile.alpha_s * estimate.alpha,
-                               beta_s_per_byte=profile.beta_s_per_byte * estimate.beta)
+    return dataclasses.replace(profile, tensors=tensors, beta_s_per_byte=profile.beta_s_per_byte * estimate.beta)
 
 
 def worth_switching(current_s: float, fresh_s: float, threshold: float) -> bool:
@@ -295,7 +293,7 @@ def describe(estimate: Estimate, threshold: float) -> str:
     compute = f"compute x{estimate.compute:.2f}"
     if span_b > 0:
         compute += f" (backward {span_b * 1e3:.1f} ms -> {span_n * 1e3:.1f} ms)"
-    link = f"link x{estimate.link:.2f} (alpha x{estimate.alpha:.2f}, beta x{estimate.beta:.2f}"
+    link = f"link x{estimate.link:.2f} (beta x{estimate.beta:.2f}"
     link += f", as rank {estimate.link_rank} measured it)" if estimate.link_rank >= 0 else ")"
     which = moved(estimate, threshold)
     for name, text in (("compute", compute), ("link", link)):
@@ -308,9 +306,9 @@ def describe(estimate: Estimate, threshold: float) -> str:
 class Replan:
     """One re-plan, as every rank records it (``DistributedOptimizer.replans``)."""
 
-    step: int
-    """The optimizer's ``step()`` (counted from 1 since wrapping) that staged the new plan: every rank's same
-    one; the plan is in force from the next iteration."""
+    iteration: int
+    """The optimizer's iteration (counted from 1 since wrapping) whose ``step()`` staged the new plan, the same
+    on every rank; the new plan is in force from the next iteration."""
     reason: str
     """Which estimates moved, and by how much (:func:`describe`)."""
     compute: float

@@ -35,6 +35,8 @@ FIELDS = (
     ("lazy_step", "str"),
     ("profile_iters", "int"),
     ("collective_host_s", "float"),
+    ("replan_every", "int"),
+    ("replan_threshold", "float"),
     ("timeout_s", "float"),
     ("timeline_path", "str | None"),
     ("embedding_rows", "bool"),
@@ -107,6 +109,12 @@ def test_the_configuration_doc_is_generated_and_current():
     ("channels", 2.0),
     ("profile_iters", -1),
     ("profile_iters", 0.5),
+    ("replan_every", -1),
+    ("replan_every", 1),
+    ("replan_every", 2.0),
+    ("replan_threshold", -0.1),
+    ("replan_threshold", math.nan),
+    ("replan_threshold", "0.1"),
     ("timeout_s", 0),
     ("timeout_s", -1.0),
     ("timeout_s", math.nan),
@@ -243,7 +251,7 @@ def test_from_env_reads_os_environ_by_default(monkeypatch):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("field, value", [("block_bytes", True), ("window", False), ("overlap_forward", "no"),
                                           ("check_finite", 3), ("embedding_rows", "yes"), ("timeline_path", 5),
-                                          ("timeout_s", True)])
+                                          ("timeout_s", True), ("replan_every", True), ("replan_threshold", False)])
 def test_wrong_types_are_refused(field, value):
     with pytest.raises(ValueError, match=f"Config.{field}"):
         Config(**{field: value})

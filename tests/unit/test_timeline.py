@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,20 @@ def test_a_dropped_timeline_finishes_its_file(tmp_path):
     thread.join(10)
     assert not thread.is_alive()
     assert any(e["name"].startswith("block ") for e in events_of(path))
+
+
+def test_a_mark_is_an_instant_with_its_args(tmp_path):
+    """A re-plan's mark (replanner.py): an instant across the process, after the iteration
+    recorded before it, with the record in its args."""
+    tl = timeline.RankTimeline(str(tmp_path / "t.json"), rank=0, size=1)
+    base = time.perf_counter_ns()
+    tl.record(rows(base), [base + 100, base + 200, base + 300], NAMES, BLOCK_TENSORS, 1)
+    tl.mark("re-plan", {"iteration": 7, "reason": "moved: link x0.25"})
+    tl.close(NAMES)
+    marks = [e for e in events_of(tl.path) if e["name"] == "re-plan"]
+    assert len(marks) == 1 and marks[0]["ph"] == "i" and marks[0]["s"] == "p"
+    assert marks[0]["args"] == {"iteration": 7, "reason": "moved: link x0.25"} and marks[0]["ts"] > 0
+    tl.mark("re-plan", {})  # after close: ignored
 
 
 def test_max_events_stops_recording_and_the_file_stays_whole(tmp_path):

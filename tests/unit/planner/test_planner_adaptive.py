@@ -1,4 +1,4 @@
-"""Adaptive re-planning's pure part (Note [Adaptive re-planning] in planner/adaptive.py): the estimators on
+"""Adaptive re-planning's pure part (how: planner/adaptive.py): the estimators on
 synthetic traces, the decision over gathered windows (the same on every rank whatever each rank measured),
 the hysteresis (no flapping), the rescaled profile."""
 
@@ -85,13 +85,13 @@ def test_link_estimate_reads_a_bandwidth_change(spread, factor):
     sizes = SIZES if spread else [1 << 20] * 6
     base = window(sizes, 2e-4, 1e-9, 0.05)
     now = window(sizes, 2e-4, factor * 1e-9, 0.05)
-    link, alpha, beta = adaptive.link_estimate(base, now)
+    link, beta = adaptive.link_estimate(base, now)
     expected = sum(2e-4 + factor * 1e-9 * n for n in sizes) / sum(2e-4 + 1e-9 * n for n in sizes)
     assert link == pytest.approx(expected, rel=1e-3)
-    if spread:
-        assert alpha == pytest.approx(1.0, rel=1e-2) and beta == pytest.approx(factor, rel=1e-2)
-    else:  # beta alone takes the change: alpha unknown, taken as 0 by the baseline
-        assert alpha == 1.0 and beta == pytest.approx(expected, rel=1e-3)
+    if spread:  # the fit knows the start-up: beta's own change
+        assert beta == pytest.approx(factor, rel=1e-2)
+    else:  # the baseline's link is all per byte: beta takes the whole change
+        assert beta == pytest.approx(expected, rel=1e-3)
 
 
 def test_link_estimate_is_one_when_nothing_changed_even_if_the_mix_did():
@@ -115,7 +115,7 @@ def test_combine_takes_the_slowest_compute_and_the_least_slowed_link():
 
 
 def est(compute=1.0, link=1.0):
-    return Estimate(compute=compute, link=link, alpha=1.0, beta=link, link_rank=0, span_s=(0.0, 0.0))
+    return Estimate(compute=compute, link=link, beta=link, link_rank=0, span_s=(0.0, 0.0))
 
 
 def test_hysteresis_needs_patience_consecutive_moves():
@@ -174,9 +174,9 @@ def test_ranks_with_different_timings_agree_on_every_decision(world, seed):
 
 def test_rescale_scales_compute_and_link():
     p = model_like_profile(8, total_params=1_000_000)
-    e = Estimate(compute=2.0, link=3.0, alpha=1.5, beta=3.0, link_rank=0, span_s=(0.0, 0.0))
+    e = Estimate(compute=2.0, link=3.0, beta=3.5, link_rank=0, span_s=(0.0, 0.0))
     q = adaptive.rescale(p, e)
-    assert q.alpha_s == pytest.approx(p.alpha_s * 1.5) and q.beta_s_per_byte == pytest.approx(p.beta_s_per_byte * 3)
+    assert q.alpha_s == p.alpha_s and q.beta_s_per_byte == pytest.approx(p.beta_s_per_byte * 3.5)
     assert [t.bwd_s for t in q.tensors] == pytest.approx([2 * t.bwd_s for t in p.tensors])
     assert [t.fwd_s for t in q.tensors] == pytest.approx([2 * t.fwd_s for t in p.tensors])
     assert q.numels == p.numels and q.order() == p.order()
