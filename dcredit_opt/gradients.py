@@ -83,6 +83,8 @@ class GradientHooks:
         if self._dc_timeline is not None and self._dc_iteration:
             self._dc_timeline.record(self._dc_engine.trace(), self._dc_engine.ready_times(), self._dc_names,
                                      self._dc_buffers.layout.block_tensors, self._dc_iteration)
+        if self._dc_replanner is not None and self._dc_iteration:  # re-planning's watch (replanner.py)
+            self._dc_replanner.observe(self._dc_engine, self._dc_buffers.layout.block_bytes)
         if self._dc_staged_plan is not None:
             # Every rank stages the same plan at the same step(), so every
             # rank switches here, in the same iteration. The step() that staged

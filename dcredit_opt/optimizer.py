@@ -38,6 +38,7 @@ from . import (
     devices,
     grouping,
     profiler,
+    replanner,
     runtime,
     separable,
     timeline,
@@ -277,6 +278,9 @@ class _DistributedOptimizer:
                              if config.policy != "fixed" and config.profile_iters > 0 and params else None)
         self._dc_timeline = (timeline.RankTimeline(config.timeline_path, runtime.rank(), runtime.size())
                              if config.timeline_path else None)
+        # Re-planning while training (replanner.py): watches the blocks and the backward, re-plans with the others.
+        self._dc_replanner = (replanner.Replanner(config, [p.dtype for p in params])
+                              if replanner.wanted(config, world, bool(params)) else None)
         self._dc_iteration = 0
         self._dc_set_plan(fixed_plan(
             [p.numel() for p in params], [p.element_size() for p in params], config.block_bytes,
@@ -382,6 +386,12 @@ class _DistributedOptimizer:
         updates.take(self.param_groups)
         clear(self._dc_counts)
         self._dc_set_open(False)
+        if self._dc_replanner is not None and self._dc_recorder is None:  # a re-plan is staged as the first plan is
+            buffers = self._dc_buffers
+            fresh = self._dc_replanner.check(self._dc_iteration, buffers.plan, self._dc_profile,
+                                             lambda: buffers.numels(self._dc_tally.rows_only()), self._dc_timeline)
+            if fresh is not None:
+                self._dc_staged_plan, self._dc_replan = fresh, True
         lazy = self._dc_may_defer(replaced)
         self._dc_replan = False
         self._dc_synchronized = False
@@ -571,6 +581,12 @@ class _DistributedOptimizer:
     def plan(self) -> Plan:
         """The plan in force (the staged one, once profiling has produced it)."""
         return self._dc_staged_plan or self._dc_buffers.plan
+
+    @property
+    def replans(self) -> list:
+        """Every re-plan so far, oldest first, the same on every rank (``planner.adaptive.Replan`` records: the
+        iteration, why, the predicted iteration times before and after); empty with re-planning off."""
+        return [] if self._dc_replanner is None else self._dc_replanner.replans
 
     @property
     def profile(self):

@@ -182,7 +182,7 @@ def test_each_constant_is_defined_once():
 
 
 OWNERS = {"dcredit_opt.usage": ("UsageTally",), "dcredit_opt.buffers": ("GradientBuffers",),
-          "dcredit_opt.updates": ("LazyUpdates",)}
+          "dcredit_opt.updates": ("LazyUpdates",), "dcredit_opt.replanner": ("Replanner",)}
 """The objects that own a part of the optimizer's state (issue A1), by module: their private fields are
 read and written through ``self`` in their own methods only; others use their methods and public fields."""
 

@@ -1,0 +1,95 @@
+"""What each rank runs in test_replan.py: adaptive re-planning while training (planner/adaptive.py).
+
+The world changes mid-run: from step ``change_at`` on, the backward of
+``mid`` sleeps, longer on rank 1 than on rank 0 (a slower model, slower on
+one rank), so the compute estimate moves for real. What rank 0 plans then
+depends on the simulator's verdict for this toy model, which may well be
+"keep the plan"; ``forced=True`` makes rank 0's planner return a plan with
+other blocks and call it faster, so that a switch surely happens and its
+mechanics (the same step on every rank, an eager staging step, synchronous
+results across the switch) are what is tested.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+import dcredit_opt as dc
+from dcredit_opt import replanner
+from dcredit_opt.layout import fixed_plan
+from dcredit_opt.planner import adaptive
+
+from .workers import OPTIMIZERS, Net, _join, batch, loss_of, max_diff, reference_grads
+
+
+def _force_replans() -> None:
+    """Rank 0's planner returns equal blocks of a size that alternates between re-plans, and the simulator
+    calls the plan with the smaller largest block the faster one."""
+    sizes = iter([64, 512] * 100)
+
+    def make_plan(profile, policy, *, channels, overlap_forward=True):
+        return fixed_plan(list(profile.numels), [4] * profile.num_tensors, next(sizes), 2, channels, 0,
+                          overlap_forward)
+
+    def iteration_time(plan, profile, channel_fifo=False):
+        return float(adaptive.largest_block(plan.partition))
+
+    replanner.make_plan = make_plan
+    replanner.iteration_time = iteration_time
+
+
+def _slow_down(model: Net, seconds) -> None:
+    """``seconds()`` of sleep in the backward, when ``mid.weight``'s gradient is computed."""
+    model.mid.weight.register_hook(lambda grad: time.sleep(seconds()))
+
+
+def train(steps: int = 24, change_at: int = 9, passes: int = 1, optimizers: int = 1, forced: bool = True,
+          replan_every: int = 3, sleep_ms: tuple = (15, 30), timeline_path: str | None = None) -> dict:
+    """Train through the change; the re-plans each optimizer recorded, and the worst difference from
+    synchronous training."""
+    _join(False)
+    world, rank = dc.size(), dc.rank()
+    if forced and rank == 0:
+        _force_replans()
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    now = {"step": 0}
+    _slow_down(model, lambda: sleep_ms[rank % len(sleep_ms)] / 1000 if now["step"] >= change_at else 0.0)
+    config = dc.Config(policy="dcredit", profile_iters=3, replan_every=replan_every, replan_threshold=0.2,
+                       channels=2, timeline_path=timeline_path)
+    named = list(model.named_parameters())
+    if optimizers == 1:
+        parts = [named]
+    else:
+        parts = [[(n, p) for n, p in named if n.startswith(("inp", "mid"))],
+                 [(n, p) for n, p in named if not n.startswith(("inp", "mid"))]]
+    opts = [dc.DistributedOptimizer(OPTIMIZERS["sgd"]([p for _, p in part]), named_parameters=part,
+                                    backward_passes_per_step=passes, config=config) for part in parts]
+    ref_params = dict(ref.named_parameters())
+    ropts = [OPTIMIZERS["sgd"]([ref_params[n] for n, _ in part]) for part in parts]
+    staged_eagerly = []
+    for step in range(steps):
+        now["step"] = step
+        for opt in opts:
+            opt.zero_grad()
+        for k in range(passes):
+            loss_of(model, batch(step * passes + k, rank)).backward()
+        before = [len(opt.replans) for opt in opts]
+        for opt in opts:
+            opt.step()
+        for opt, n in zip(opts, before):
+            if len(opt.replans) > n:  # the staging step() applied every update: nothing waits in the old slots
+                staged_eagerly.append(opt._dc_lazy.npending == 0)
+        reference_grads(ref, step, world, passes=passes)
+        for ropt in ropts:
+            ropt.step()
+    for opt in opts:
+        opt.synchronize()
+    out = {"diff": max_diff(model, ref), "replans": [[r.to_dict() for r in opt.replans] for opt in opts],
+           "staged_eagerly": staged_eagerly, "plans": [opt.plan.to_dict() for opt in opts]}
+    dc.shutdown()
+    return out
