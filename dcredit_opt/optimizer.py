@@ -388,8 +388,9 @@ class _DistributedOptimizer:
         self._dc_set_open(False)
         if self._dc_replanner is not None and self._dc_recorder is None:  # a re-plan is staged as the first plan is
             buffers = self._dc_buffers
-            fresh = self._dc_replanner.check(self._dc_iteration, buffers.plan, self._dc_profile,
-                                             lambda: buffers.numels(self._dc_tally.rows_only()), self._dc_timeline)
+            fresh = self._dc_replanner.check(
+                self._dc_iteration, buffers.plan, self._dc_profile, lambda: buffers.numels(self._dc_tally.rows_only()),
+                self._dc_timeline, wait_blocks=lambda: self._dc_wait_all("re-planning's check, waiting for the blocks"))
             if fresh is not None:
                 self._dc_staged_plan, self._dc_replan = fresh, True
         lazy = self._dc_may_defer(replaced)

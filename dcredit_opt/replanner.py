@@ -45,6 +45,16 @@ NOT_REPLANNED = ("deft",)
 """Policies that are not re-planned while training: a DeFT plan switch drops the delayed sum in flight."""
 
 
+def control_on_gpu() -> bool:
+    """Whether the control plane's collectives run on the GPU (the default group is NCCL's).
+
+    There they go on the default group's communicator, beside our channels' communicators, issued by the
+    training thread in no fixed order with the blocks our launching thread issues; concurrent NCCL
+    communicators can deadlock when their kernels meet in different orders on different ranks. So there a
+    check first waits until this step's blocks are done."""
+    return runtime.control_device().type == "cuda"
+
+
 def wanted(config: Config, world_size: int, has_params: bool) -> bool:
     """Whether an optimizer with ``config`` re-plans: a planned policy, profiling on, more than one rank."""
     return (config.replan_every > 0 and config.policy != "fixed" and config.policy not in NOT_REPLANNED
@@ -69,6 +79,7 @@ class Replanner:
         self._profile = None  # rank 0: the profile the plan in force was made for, rescaled at each decision
         self._off = False  # rank 0 failed to plan once: said, and re-planning stops on every rank
         self._replans: list[adaptive.Replan] = []
+        self._quiet_first = control_on_gpu()
 
     @property
     def replans(self) -> list[adaptive.Replan]:
@@ -81,13 +92,15 @@ class Replanner:
             self._observe_next = False
             self._window.add(engine.trace(), block_bytes, engine.ready_times())
 
-    def check(self, iteration: int, plan: Plan, profile, numels, timeline=None) -> Plan | None:
+    def check(self, iteration: int, plan: Plan, profile, numels, timeline=None, wait_blocks=None) -> Plan | None:
         """Once per ``step()`` with a planned plan in force: the plan to stage now, or None.
 
         ``plan`` is the plan in force, ``profile`` what profiling measured (rank 0; None elsewhere),
         ``numels()`` the elements each tensor has in blocks now (called only when re-planning), ``iteration``
-        the optimizer's iteration (for the record), ``timeline`` the optimizer's ``RankTimeline`` or None. Collective every
-        ``replan_every`` steps of a plan: every rank calls it at the same steps.
+        the optimizer's iteration (for the record), ``timeline`` the optimizer's ``RankTimeline`` or None,
+        ``wait_blocks()`` waits until this step's blocks are done (called before a check's collectives when the
+        control plane is on the GPU). Collective every ``replan_every`` steps of a plan: every rank calls it at
+        the same steps.
         """
         if self._off:
             return None
@@ -102,6 +115,8 @@ class Replanner:
         self._observe_next = self._steps > 1 and position >= self._every - self._samples
         if position:
             return None
+        if self._quiet_first and wait_blocks is not None:
+            wait_blocks()
         return self._decide(iteration, plan, numels, timeline)
 
     # ---- the check ------------------------------------------------------------------------------------------

@@ -46,14 +46,34 @@ def _slow_down(model: Net, seconds) -> None:
     model.mid.weight.register_hook(lambda grad: time.sleep(seconds()))
 
 
+def _watch_checks(opts: list, seen: list) -> None:
+    """The control plane taken for the GPU's (replanner.control_on_gpu): at each check's gather, whether every
+    optimizer's scheduler had nothing in flight."""
+    replanner.control_on_gpu = lambda: True
+    gather = replanner.runtime.all_gather_text
+
+    def watched(text, name):
+        if name == "replan.window":
+            seen.append(all(opt._dc_engine.idle() for opt in opts))
+        return gather(text, name)
+
+    replanner.runtime.all_gather_text = watched
+
+
 def train(steps: int = 24, change_at: int = 9, passes: int = 1, optimizers: int = 1, forced: bool = True,
-          replan_every: int = 3, sleep_ms: tuple = (15, 30), timeline_path: str | None = None) -> dict:
+          replan_every: int = 3, sleep_ms: tuple = (15, 30), timeline_path: str | None = None,
+          gpu_control: bool = False) -> dict:
     """Train through the change; the re-plans each optimizer recorded, and the worst difference from
-    synchronous training."""
+    synchronous training. ``gpu_control``: as if the control plane were on the GPU, recording whether the
+    blocks were all done at each check's collective."""
     _join(False)
     world, rank = dc.size(), dc.rank()
     if forced and rank == 0:
         _force_replans()
+    quiet: list = []
+    opts: list = []
+    if gpu_control:
+        _watch_checks(opts, quiet)
     torch.manual_seed(0)
     model = Net()
     ref = copy.deepcopy(model)
@@ -67,8 +87,8 @@ def train(steps: int = 24, change_at: int = 9, passes: int = 1, optimizers: int 
     else:
         parts = [[(n, p) for n, p in named if n.startswith(("inp", "mid"))],
                  [(n, p) for n, p in named if not n.startswith(("inp", "mid"))]]
-    opts = [dc.DistributedOptimizer(OPTIMIZERS["sgd"]([p for _, p in part]), named_parameters=part,
-                                    backward_passes_per_step=passes, config=config) for part in parts]
+    opts += [dc.DistributedOptimizer(OPTIMIZERS["sgd"]([p for _, p in part]), named_parameters=part,
+                                     backward_passes_per_step=passes, config=config) for part in parts]
     ref_params = dict(ref.named_parameters())
     ropts = [OPTIMIZERS["sgd"]([ref_params[n] for n, _ in part]) for part in parts]
     staged_eagerly = []
@@ -90,6 +110,6 @@ def train(steps: int = 24, change_at: int = 9, passes: int = 1, optimizers: int 
     for opt in opts:
         opt.synchronize()
     out = {"diff": max_diff(model, ref), "replans": [[r.to_dict() for r in opt.replans] for opt in opts],
-           "staged_eagerly": staged_eagerly, "plans": [opt.plan.to_dict() for opt in opts]}
+           "staged_eagerly": staged_eagerly, "plans": [opt.plan.to_dict() for opt in opts], "quiet_checks": quiet}
     dc.shutdown()
     return out

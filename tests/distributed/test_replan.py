@@ -53,6 +53,17 @@ def test_two_optimizers_replan_each_on_its_own():
 
 
 @pytest.mark.timeout(120)
+def test_with_the_control_plane_on_the_gpu_a_check_waits_for_the_blocks_in_flight():
+    """replanner.control_on_gpu: under NCCL a check's collectives go on the default group's communicator beside
+    our channels', so none may run while blocks are in flight; taken as if there, on Gloo, every check's
+    gather finds every block done, and training still equals synchronous training across the re-plans."""
+    results = spawn.run(replan_workers.train, 2, timeout_s=100, gpu_control=True)
+    _check(results)
+    for r in results:
+        assert r["quiet_checks"] and all(r["quiet_checks"]), f"blocks in flight at a check: {r['quiet_checks']}"
+
+
+@pytest.mark.timeout(120)
 def test_nothing_changes_nothing_replans():
     """No change, the real planner: noise may move an estimate now and then on a busy machine, but the fresh
     plan is then the old one, never predicted faster: no re-plan."""
