@@ -61,12 +61,17 @@ _IN_FLIGHT_AT_CLOSE: list = []
 
 def _wait(request, timeout_s: float, what: str) -> None:
     """Wait for an MPI request, polled, so that the wait has a deadline. Past it the request, and the
-    buffer it holds, are kept (``_IN_FLIGHT_AT_CLOSE``): MPI may still write into that buffer."""
+    buffer it holds, are kept (``_IN_FLIGHT_AT_CLOSE``): MPI may still write into that buffer; and the job
+    ends with MPI_Abort at exit, since MPI_Finalize would wait for that request's stalled peer forever (a
+    side collective given up on, with every block done, hung the job at exit)."""
     try:
         runtime.wait_polled(request.Test, timeout_s, lambda: TimeoutError(
             f"mpi: {what} did not arrive within {timeout_s:g} s (a peer may be gone or stalled)"))
     except TimeoutError:
         _IN_FLIGHT_AT_CLOSE.append((request, None))
+        from mpi4py.run import set_abort_status
+
+        set_abort_status(1)
         raise
 
 
