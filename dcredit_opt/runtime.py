@@ -322,7 +322,8 @@ def next_backend_id() -> int:
 # at exit too, marks a rank's leaving: a peer that raised first and is gone is
 # not lost). If the store itself no longer answers and rank 0 hosts it
 # (everywhere but under torchrun, whose agent hosts it), rank 0 is the one
-# lost. A rank that
+# lost; so rank 0, once it has seen a failure, waits at its ``shutdown()`` (a
+# few seconds at most) for the others to leave before its store goes. A rank that
 # is lost never comes back, so the first answer that names one is kept; the
 # cost, up to LOST_WINDOW_S, is paid on the error path only. The thread ends at
 # ``shutdown()``.
@@ -346,6 +347,7 @@ class _Heartbeat:
         self.beat_keys = [_BEAT_KEY.format(incarnation, r) for r in range(size_)]
         self.left_keys = [_LEFT_KEY.format(incarnation, r) for r in range(size_)]
         self.lost: tuple | None = None
+        self.asked = False  # find_lost() was called: a collective failed here
         # Connections made now, while the store answers: making one to a stopped store can hang past any
         # timeout, and a failed operation leaves its connection unusable, so neither is retried.
         self._beat_store = dist.TCPStore(host, port, is_master=False, timeout=_BEAT_TIMEOUT)
@@ -369,9 +371,25 @@ class _Heartbeat:
 
     def close(self) -> None:
         """Stop beating, and say so: a rank that left in order (after an error of its own too) is not lost.
-        Waits briefly: if the store no longer answers, the thread is left behind, a daemon."""
+        Waits briefly: if the store no longer answers, the thread is left behind, a daemon. The store's host,
+        after an error, first lets the others finish asking who is lost (``_linger``)."""
+        if self.asked and self.rank == self.host_rank:
+            self._linger()
         self._stop.set()
         self._thread.join(timeout=1.0 + HEARTBEAT_S)
+
+    def _linger(self) -> None:
+        """Wait, at most LOST_WINDOW_S + 2 s, until every rank not known to be lost has left: the store goes
+        with this process, and a peer still asking would then take this rank for the lost one (it did, under
+        mpiexec, when the host raised first and its job ended with MPI_Abort)."""
+        others = set(range(self.size)) - {self.rank} - set(self.lost[0] if self.lost else ())
+        deadline = time.monotonic() + LOST_WINDOW_S + 2.0
+        try:
+            while others and time.monotonic() < deadline:
+                others = {r for r in others if not self._read_store.add(self.left_keys[r], 0)}
+                time.sleep(0.1)
+        except Exception as e:  # noqa: BLE001 - our own store: only if this process is ending under us
+            log.debug("dcredit_opt: waiting for the others to leave: %s", e)
 
     def find_lost(self) -> tuple | None:
         """``(ranks, why)``: the ranks lost and how we know; ``([], why)`` when every rank still beats; None
@@ -452,6 +470,7 @@ def lost_peer_note() -> str:
     beat = _heartbeat
     if beat is None:
         return ""
+    beat.asked = True
     found = beat.find_lost()
     if found is None:
         return "; the lost peer is unknown (the rendezvous store does not answer)"
@@ -788,6 +807,7 @@ def shutdown() -> None:
         note = lost_peer_note() if failed else ""
     finally:
         _activity = None
+    _abort_mpi_if_a_peer_is_lost()
     _stop_heartbeat()
     world, _world = _world, None
     if world is not None:
@@ -803,6 +823,25 @@ def shutdown() -> None:
         raise CollectiveError(
             f"{rank_}, dc.shutdown(): the last step()'s gradients did not all reduce ({'; '.join(failed)}), so "
             f"its updates were not all applied and the weights are not those of synchronous training{note}")
+
+
+def _abort_mpi_if_a_peer_is_lost() -> None:
+    """In an MPI job, MPI_Finalize at exit waits for every rank: for a stopped one, forever, even when this
+    rank had every block it needed (the peer stopped after the last collective). So if the heartbeat (Note
+    [Lost peers]) says a peer is lost, the process ends with MPI_Abort at exit instead. Costs one look at the
+    store when every peer is well (each beats or has left)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    beat = _heartbeat
+    if beat is None or mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return
+    found = beat.find_lost()
+    if found is None or not found[0]:
+        return
+    from mpi4py.run import set_abort_status
+
+    log.warning("dcredit_opt: rank %s lost (%s): this MPI job ends with MPI_Abort at exit, since MPI_Finalize "
+                "would wait for it forever", ", ".join(map(str, found[0])), found[1])
+    set_abort_status(1)
 
 
 def _engine_failure(user) -> str | None:

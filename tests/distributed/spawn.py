@@ -198,10 +198,32 @@ def exit_after_exit_handlers(code: int = 0) -> None:
     atexit._run_exitfuncs()
     mpi = sys.modules.get("mpi4py.MPI")  # mpi4py finalizes from a C-level exit hook, which os._exit skips
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        if _ABORT_STATUS:  # as mpi4py's hook would: MPI_Finalize would wait for a stopped peer forever
+            mpi.COMM_WORLD.Abort(_ABORT_STATUS[-1])
         mpi.Finalize()
     os._exit(code)
 
 
+_ABORT_STATUS: list = []
+
+
+def _remember_abort_status() -> None:
+    """``mpi4py.run.set_abort_status`` (dcredit_opt's MPI backend calls it when a collective will never
+    finish), remembered for ``exit_after_exit_handlers``: mpi4py's own exit hook, which honours it, is skipped."""
+    try:
+        import mpi4py.run
+    except ImportError:
+        return
+    original = mpi4py.run.set_abort_status
+
+    def remember(status):
+        _ABORT_STATUS.append(status if isinstance(status, int) and status else 1)
+        original(status)
+
+    mpi4py.run.set_abort_status = remember
+
+
 if __name__ == "__main__":
+    _remember_abort_status()
     _main()
     exit_after_exit_handlers()
