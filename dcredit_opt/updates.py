@@ -186,24 +186,27 @@ class LazyUpdates:
             raise self.read_before_update(todo[found])
 
     def stale_read(self, i: int) -> DCreditError:
-        learned = self.reader_of(i)
-        return DCreditError(
-            f"parameter '{self._names[i]}' was read by this forward before its update from the last step() "
-            f"was applied (its gradient is being computed while the update still waits; dcredit_opt learned in "
-            f"the first iteration that it is first read {learned}, but this iteration read it earlier or "
-            "elsewhere, e.g. another branch or a functional use). Nothing of this gradient was used. Call "
-            "optimizer.synchronize() after step() before such a forward, or pass "
-            "Config(lazy_step='off') to apply every update in step()")
+        return self._read_too_early(
+            i, "by this forward before its update from the last step() was applied (its gradient is being computed "
+               "while the update still waits; dcredit_opt learned in the first iteration that it is first read "
+               "{learned}, but this iteration read it earlier or elsewhere, e.g. another branch or a functional use). "
+               "Nothing of this gradient was used.")
 
     def read_before_update(self, i: int) -> DCreditError:
-        learned = self.reader_of(i)
+        return self._read_too_early(
+            i, "(by an op that autograd records) before its update from the last step() was applied, so that read "
+               "used the old value. dcredit_opt learned in the first iteration that it is first read {learned}, and "
+               "applies its update there, but this iteration read it earlier or elsewhere (another branch, a "
+               "functional use, a read outside the model). It was not updated (nor any parameter of a module this "
+               "forward has not reached yet).")
+
+    def _read_too_early(self, i: int, what: str) -> DCreditError:
+        """A pending parameter read before its update (``what`` says how, with ``{learned}`` for where it was
+        learned), and the user's two ways out."""
         return DCreditError(
-            f"parameter '{self._names[i]}' was read (by an op that autograd records) before its update from "
-            f"the last step() was applied, so that read used the old value. dcredit_opt learned in the first "
-            f"iteration that it is first read {learned}, and applies its update there, but this iteration read it "
-            "earlier or elsewhere (another branch, a functional use, a read outside the model). It was not updated "
-            "(nor any parameter of a module this forward has not reached yet). Call optimizer.synchronize() after "
-            "step() before such a forward, or pass Config(lazy_step='off') to apply every update in step()")
+            f"parameter '{self._names[i]}' was read " + what.format(learned=self.reader_of(i)) + " Call "
+            "optimizer.synchronize() after step() before such a forward, or pass Config(lazy_step='off') to apply "
+            "every update in step()")
 
     def reader_of(self, i: int) -> str:
         for module, own in self._apply_at.items():
