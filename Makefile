@@ -9,7 +9,7 @@ STAMP := $(VENV)/.dcredit-deps-$(TORCH_VERSION)
 SOURCES := $(wildcard csrc/core/*.cc csrc/core/*.h csrc/torch/*.cc csrc/torch/*.h) setup.py
 EXT_STAMP := $(VENV)/.dcredit-ext
 
-.PHONY: install test test-unit test-distributed test-cpp demo bench horovod lint sanitize clean
+.PHONY: install test test-unit test-distributed test-cpp demo bench horovod lint sanitize clean faults soak
 
 install: $(EXT_STAMP)
 
@@ -54,6 +54,17 @@ BENCH_ARGS ?= --models vgg,gpt --rates 1gbit --ranks 2 --iters 15 --warmup 3 --r
 	--schemes compute,comm,ddp,horovod,dc-wfbp,dc-mgwfbp,dc-oasr,dc-bytescheduler,dc-usbyte,dc-dear,dc-dcredit
 bench: install horovod
 	$(PY) -m benchmarks.harness $(BENCH_ARGS)
+
+# Issue R1, outside CI. faults: one rank of 2 or 4 killed or stopped in every phase, 20 seeds on each backend
+# (torch/Gloo, mpiexec, horovodrun --gloo); records in FAULTS_OUT (about an hour on 2 busy cores). soak: 4 ranks,
+# 2,000 iterations, seeds 1 and 7; memory, threads and descriptors at iterations 100 and 2,000 (a few minutes).
+FAULTS_OUT ?= /tmp/dcredit-faults.jsonl
+faults: install horovod
+	DC_KILL_SWEEP=1 DC_KILL_SWEEP_OUT=$(FAULTS_OUT) $(PY) -m pytest tests/distributed/test_kill_anywhere.py -q -rA
+
+SOAK_OUT ?= /tmp/dcredit-soak.jsonl
+soak: install
+	DC_SOAK=1 DC_SOAK_OUT=$(SOAK_OUT) $(PY) -m pytest tests/distributed/test_soak.py -q -s
 
 horovod: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" VENV=$(VENV) bash .ci/install_horovod.sh
