@@ -391,10 +391,11 @@ class _Heartbeat:
         except Exception as e:  # noqa: BLE001 - our own store: only if this process is ending under us
             log.debug("dcredit_opt: waiting for the others to leave: %s", e)
 
-    def find_lost(self) -> tuple | None:
+    def find_lost(self, silent_store_names_host: bool = True) -> tuple | None:
         """``(ranks, why)``: the ranks lost and how we know; ``([], why)`` when every rank still beats; None
         when the store cannot tell. Asked on a thread of its own, given up on after a deadline: an operation
-        on a store whose host stopped may not return."""
+        on a store whose host stopped may not return. A store that no longer answers names its host, unless
+        ``silent_store_names_host`` is False: where nothing failed, the host may simply have finished first."""
         if self.lost is not None:
             return self.lost
         answer: list = []
@@ -403,7 +404,7 @@ class _Heartbeat:
         asker.join(timeout=LOST_WINDOW_S + 1.5)
         found = answer[0] if answer else ("store", "TimeoutError")
         if found[0] == "store":
-            if self.host_rank is None or self.host_rank == self.rank:
+            if self.host_rank is None or self.host_rank == self.rank or not silent_store_names_host:
                 return None
             self.lost = ([self.host_rank], f"it hosts the rendezvous store, which no longer answers: {found[1]}")
             return self.lost
@@ -829,12 +830,13 @@ def _abort_mpi_if_a_peer_is_lost() -> None:
     """In an MPI job, MPI_Finalize at exit waits for every rank: for a stopped one, forever, even when this
     rank had every block it needed (the peer stopped after the last collective). So if the heartbeat (Note
     [Lost peers]) says a peer is lost, the process ends with MPI_Abort at exit instead. Costs one look at the
-    store when every peer is well (each beats or has left)."""
+    store when every peer is well (each beats or has left). A store that no longer answers is not taken for
+    a lost host here: in a job where nothing failed, the host (rank 0) has simply finished and gone first."""
     mpi = sys.modules.get("mpi4py.MPI")
     beat = _heartbeat
     if beat is None or mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
         return
-    found = beat.find_lost()
+    found = beat.find_lost(silent_store_names_host=False)
     if found is None or not found[0]:
         return
     from mpi4py.run import set_abort_status
