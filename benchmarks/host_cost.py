@@ -70,56 +70,65 @@ def _model_and_batch(name: str):
     return model, torch.randint(0, 512, (2, 16), generator=gen), torch.randint(0, 512, (2, 16), generator=gen)
 
 
+def _build(way: str, model_name: str):
+    """The model, its batch and its optimizer trained the way ``way``: ``(net, opt, x, y, parameter tensors)``.
+    The default process group (and ``dc.init()`` for ours) must be up for every way but ``plain``."""
+    import torch
+
+    model, x, y = _model_and_batch(model_name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    net = torch.nn.parallel.DistributedDataParallel(model) if way == "ddp" else model
+    if way in ("dc", "dc-link"):
+        import dcredit_opt as dc
+
+        config = dc.Config(collective_host_s=0.0) if way == "dc-link" else None
+        opt = dc.DistributedOptimizer(opt, named_parameters=model.named_parameters(), config=config)
+    return net, opt, x, y, len(list(model.parameters()))
+
+
+def _timed(net, opt, x, y, iters: int) -> tuple[list[float], float]:
+    """``iters`` training iterations: each one's wall time, and the training thread's CPU per iteration."""
+    from benchmarks.models import loss_fn
+
+    walls = []
+    cpu0 = time.thread_time()
+    for _ in range(iters):
+        t = time.perf_counter()
+        opt.zero_grad()
+        loss_fn(net(x), y).backward()
+        opt.step()
+        walls.append(time.perf_counter() - t)
+    return walls, (time.thread_time() - cpu0) / iters
+
+
+def _collectives(opt) -> int | None:
+    """Collectives per iteration of our optimizer's plan; None for the others."""
+    from dcredit_opt.planner.plan import stages_of
+
+    return len(stages_of(opt.plan)) if hasattr(opt, "plan") else None
+
+
 def run_one(way: str, iters: int, model_name: str = "gpt") -> dict:
     """In this process: train the small model ``model_name`` the way ``way`` and return its timings."""
     import torch
     import torch.distributed as dist
 
-    from benchmarks.models import loss_fn
-
     torch.set_num_threads(1)
-    model, x, y = _model_and_batch(model_name)
-    sgd = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    net, opt, close = model, sgd, None
     if way != "plain":
         dist.init_process_group("gloo", rank=0, world_size=1)
-        close = dist.destroy_process_group
-    if way == "ddp":
-        net = torch.nn.parallel.DistributedDataParallel(model)
-    elif way in ("dc", "dc-link"):
+    if way in ("dc", "dc-link"):
         import dcredit_opt as dc
 
         dc.init()
-        config = dc.Config(collective_host_s=0.0) if way == "dc-link" else None
-        opt = dc.DistributedOptimizer(sgd, named_parameters=model.named_parameters(), config=config)
-
-        def close():
-            dc.shutdown()
-            dist.destroy_process_group()
-
-    def step():
-        opt.zero_grad()
-        loss_fn(net(x), y).backward()
-        opt.step()
-
-    for _ in range(WARMUP):
-        step()
-    walls = []
-    cpu0 = time.thread_time()
-    for _ in range(iters):
-        t = time.perf_counter()
-        step()
-        walls.append(time.perf_counter() - t)
-    cpu = (time.thread_time() - cpu0) / iters
-    collectives = None
-    if way != "plain" and way != "ddp":
-        from dcredit_opt.planner.plan import stages_of
-
-        collectives = len(stages_of(opt.plan))
-    if close is not None:
-        close()
-    return {"way": way, "iter_s": walls, "train_cpu_s": cpu, "params": len(list(model.parameters())),
-            "collectives": collectives}
+    net, opt, x, y, params = _build(way, model_name)
+    _timed(net, opt, x, y, WARMUP)
+    walls, cpu = _timed(net, opt, x, y, iters)
+    collectives = _collectives(opt)
+    if way in ("dc", "dc-link"):
+        dc.shutdown()
+    if way != "plain":
+        dist.destroy_process_group()
+    return {"way": way, "iter_s": walls, "train_cpu_s": cpu, "params": params, "collectives": collectives}
 
 
 def run_together(ways: list[str], rounds: int, block: int, model_name: str) -> dict:
@@ -131,38 +140,20 @@ def run_together(ways: list[str], rounds: int, block: int, model_name: str) -> d
     import torch.distributed as dist
 
     import dcredit_opt as dc
-    from benchmarks.models import loss_fn
-    from dcredit_opt.planner.plan import stages_of
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=0, world_size=1)
     dc.init()
-    runners, collectives, params = {}, {}, 0
-    for way in ways:
-        model, x, y = _model_and_batch(model_name)
-        params = len(list(model.parameters()))
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        net = torch.nn.parallel.DistributedDataParallel(model) if way == "ddp" else model
-        if way in ("dc", "dc-link"):
-            config = dc.Config(collective_host_s=0.0) if way == "dc-link" else None
-            opt = dc.DistributedOptimizer(opt, named_parameters=model.named_parameters(), config=config)
-        runners[way] = (net, opt, x, y)
+    runners = {way: _build(way, model_name) for way in ways}
     walls = {w: [] for w in ways}
     cpus = {w: [] for w in ways}
 
     def turn(way: str, iters: int, keep: bool) -> None:
-        net, opt, x, y = runners[way]
-        block_walls = []
-        cpu0 = time.thread_time()
-        for _ in range(iters):
-            t = time.perf_counter()
-            opt.zero_grad()
-            loss_fn(net(x), y).backward()
-            opt.step()
-            block_walls.append(time.perf_counter() - t)
+        net, opt, x, y, _ = runners[way]
+        block_walls, cpu = _timed(net, opt, x, y, iters)
         if keep:
             walls[way].append(block_walls[1:])
-            cpus[way].append((time.thread_time() - cpu0) / iters)
+            cpus[way].append(cpu)
         if hasattr(opt, "synchronize"):
             opt.synchronize()
 
@@ -171,22 +162,40 @@ def run_together(ways: list[str], rounds: int, block: int, model_name: str) -> d
     for _ in range(rounds):
         for way in ways:
             turn(way, block, keep=True)
-    for way in ways:
-        if hasattr(runners[way][1], "plan"):
-            collectives[way] = len(stages_of(runners[way][1].plan))
+    collectives = {way: _collectives(runners[way][1]) for way in ways}
     dc.shutdown()
     dist.destroy_process_group()
-    return {"walls": walls, "cpus": cpus, "collectives": collectives, "params": params}
+    return {"walls": walls, "cpus": cpus, "collectives": collectives, "params": runners[ways[0]][4]}
 
 
-def _launch(way: str, iters: int, net: LoopbackNetwork, model: str) -> dict:
+def _child(net: LoopbackNetwork, timeout_s: float, *args: str) -> dict:
+    """``python -m benchmarks.host_cost *args`` in a process of its own at a world of one; its JSON line."""
     env = dict(os.environ, MASTER_ADDR=net.master_addr, MASTER_PORT=str(net.next_port()), OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "benchmarks.host_cost", "--one", way, "--iters", str(iters),
-                          "--model", model],
-                         env=env, capture_output=True, text=True, timeout=600, check=False)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.host_cost", *args],
+                         env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
     if out.returncode != 0:
-        raise RuntimeError(f"{way} failed:\n{out.stderr[-2000:]}")
+        raise RuntimeError(f"{' '.join(args)} failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _summary(ways: list[str], walls: dict, cpus: dict, plans: dict, params: int) -> None:
+    """Medians per way, then ``dc`` against each other way with a bootstrap interval over ``walls``' lists
+    (launches, or turns). ``walls[way]``: lists of iteration times; ``cpus[way]``: CPU per iteration, one per
+    list; ``plans[way]``: what to say of its collectives ("" for nothing)."""
+    from benchmarks.stats import speedup_interval
+
+    med = {}
+    for way in ways:
+        med[way] = statistics.median(t for times in walls[way] for t in times)
+        cpu = statistics.median(cpus[way])
+        print(f"{way:7s} iteration {med[way] * 1e3:7.2f} ms (median)   training thread CPU {cpu * 1e3:7.2f} ms"
+              f"{plans[way]}")
+    for base in [w for w in ("plain", "ddp", "dc-link") if w in ways]:
+        ci = speedup_interval(walls[base], walls["dc"])
+        ratio = med["dc"] / med[base]
+        text = f"[{1 / ci[1]:.2f}, {1 / ci[0]:.2f}]" if ci else "-"
+        print(f"dc / {base}: {ratio:.2f}x the time {text}; {(med['dc'] - med[base]) * 1e3:+.2f} ms per iteration "
+              f"({(med['dc'] - med[base]) / params * 1e6:+.1f} us per parameter)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -209,66 +218,34 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(run_together(args.ways.split(","), args.rounds, args.block, args.model)))
         return
 
-    from benchmarks.stats import speedup_interval
-
     ways = args.ways.split(",")
     unknown = sorted(set(ways) - set(WAYS))
     if unknown or "dc" not in ways:
         p.error(f"--ways must include dc and name only {', '.join(WAYS)}; got {args.ways!r}")
     net = LoopbackNetwork(1)
+    machine = f"# host cost, {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    model = f"a world of one, {args.model}-shaped model"
     if args.together:
-        _report_together(args, ways, net)
+        r = _child(net, 1800, "--child-together", "--ways", ",".join(ways), "--rounds", str(args.rounds),
+                   "--block", str(args.block), "--model", args.model)
+        print(f"{machine}, one process, {args.rounds} turns of {args.block} iterations per way, {model} "
+              f"({r['params']} parameter tensors)")
+        plans = {w: "" if r["collectives"][w] is None else f"   collectives per iteration: {r['collectives'][w]}"
+                 for w in ways}
+        _summary(ways, r["walls"], r["cpus"], plans, r["params"])  # intervals over turns
         return
     runs: dict[str, list[dict]] = {w: [] for w in ways}
     for _ in range(args.rounds):
         for way in ways:
-            runs[way].append(_launch(way, args.iters, net, args.model))
+            runs[way].append(_child(net, 600, "--one", way, "--iters", str(args.iters), "--model", args.model))
     params = runs["dc"][0]["params"]
-    print(f"# host cost, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"{args.rounds} rounds x {args.iters} iterations, a world of one, {args.model}-shaped model "
-          f"({params} parameter tensors)")
-    med = {}
+    print(f"{machine}, {args.rounds} rounds x {args.iters} iterations, {model} ({params} parameter tensors)")
+    plans = {}
     for way in ways:
-        med[way] = statistics.median(t for r in runs[way] for t in r["iter_s"])
-        cpu = statistics.median(r["train_cpu_s"] for r in runs[way])
-        plans = sorted({r["collectives"] for r in runs[way] if r.get("collectives") is not None})
-        where = f"   collectives per iteration (plans of the {len(runs[way])} processes): {plans}" if plans else ""
-        print(f"{way:7s} iteration {med[way] * 1e3:7.2f} ms (median)   training thread CPU {cpu * 1e3:7.2f} ms{where}")
-    for base in [w for w in ("plain", "ddp", "dc-link") if w in ways]:
-        ci = speedup_interval([r["iter_s"] for r in runs[base]], [r["iter_s"] for r in runs["dc"]])
-        ratio = med["dc"] / med[base]
-        text = f"[{1 / ci[1]:.2f}, {1 / ci[0]:.2f}]" if ci else "-"
-        print(f"dc / {base}: {ratio:.2f}x the time {text}; {(med['dc'] - med[base]) * 1e3:+.2f} ms per iteration "
-              f"({(med['dc'] - med[base]) / params * 1e6:+.1f} us per parameter)")
-
-
-def _report_together(args, ways: list[str], net: LoopbackNetwork) -> None:
-    from benchmarks.stats import speedup_interval
-
-    env = dict(os.environ, MASTER_ADDR=net.master_addr, MASTER_PORT=str(net.next_port()), OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "benchmarks.host_cost", "--child-together", "--ways", ",".join(ways),
-                          "--rounds", str(args.rounds), "--block", str(args.block), "--model", args.model],
-                         env=env, capture_output=True, text=True, timeout=1800, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(f"the run failed:\n{out.stderr[-2000:]}")
-    r = json.loads(out.stdout.strip().splitlines()[-1])
-    params = r["params"]
-    print(f"# host cost, {platform.processor() or platform.machine()}, {os.cpu_count()} cores, one process, "
-          f"{args.rounds} turns of {args.block} iterations per way, a world of one, {args.model}-shaped model "
-          f"({params} parameter tensors)")
-    med = {}
-    for way in ways:
-        med[way] = statistics.median(t for block in r["walls"][way] for t in block)
-        cpu = statistics.median(r["cpus"][way])
-        plan = r["collectives"].get(way)
-        where = f"   collectives per iteration: {plan}" if plan is not None else ""
-        print(f"{way:7s} iteration {med[way] * 1e3:7.2f} ms (median)   training thread CPU {cpu * 1e3:7.2f} ms{where}")
-    for base in [w for w in ("plain", "ddp", "dc-link") if w in ways]:
-        ci = speedup_interval(r["walls"][base], r["walls"]["dc"])  # over turns
-        ratio = med["dc"] / med[base]
-        text = f"[{1 / ci[1]:.2f}, {1 / ci[0]:.2f}]" if ci else "-"
-        print(f"dc / {base}: {ratio:.2f}x the time {text}; {(med['dc'] - med[base]) * 1e3:+.2f} ms per iteration "
-              f"({(med['dc'] - med[base]) / params * 1e6:+.1f} us per parameter)")
+        seen = sorted({r["collectives"] for r in runs[way] if r["collectives"] is not None})
+        plans[way] = f"   collectives per iteration (plans of the {len(runs[way])} processes): {seen}" if seen else ""
+    _summary(ways, {w: [r["iter_s"] for r in runs[w]] for w in ways},
+             {w: [r["train_cpu_s"] for r in runs[w]] for w in ways}, plans, params)  # intervals over processes
 
 
 if __name__ == "__main__":
