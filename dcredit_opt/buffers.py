@@ -13,7 +13,7 @@ import struct
 
 import torch
 
-from . import grouping, rows
+from . import grouping, rows, sparse
 from .compression import block_wire_dtype
 from .delayed import DelayedGradients
 from .errors import DCreditError
@@ -59,6 +59,10 @@ class GradientBuffers:
         self._keeper = keeper  # how a watched gradient reaches its optimizer
         self._groups = groups  # Horovod's groups, merged in every plan (grouping.py)
         self._sparse_as_dense = sparse_as_dense
+        # Note [Sparse gradients] in sparse.py: where a sparse gradient goes instead (``put(i, grad)``, False if
+        # it cannot), and the row indices of each reduced gradient handed to the wrapped step sparse.
+        self.sparse_sink = None
+        self.as_sparse: dict = {}
 
     def _timeout(self) -> float:
         return float(self._config.timeout_s)
@@ -134,6 +138,12 @@ class GradientBuffers:
             if self.prescale != 1.0:
                 slot.mul_(self.prescale)
         else:
+            if g.is_sparse and not self._sparse_as_dense and self.sparse_sink is not None \
+                    and self.sparse_sink(i, g):
+                slot.zero_()  # its rows travel apart (Note [Sparse gradients]); the blocks, if any, carry zeros
+                p.grad = watched
+                self.versions[i] = slot._version
+                return
             if g.is_sparse:
                 if not self._sparse_as_dense:
                     raise DCreditError(
@@ -154,6 +164,10 @@ class GradientBuffers:
 
     def for_step(self, i: int) -> torch.Tensor:
         """The reduced gradient of tensor ``i`` as the wrapped step takes it (sparse if it came sparse)."""
+        if self.as_sparse:
+            ids = self.as_sparse.get(i)
+            if ids is not None:
+                return sparse.as_sparse(self.slots[i], ids)
         return self.slots[i].to_sparse() if self.sparse[i] else self.slots[i]
 
     def release(self) -> None:

@@ -115,7 +115,7 @@ class GradientHooks:
             if not self._dc_marked[i]:
                 self._dc_stage(i, p)
                 self._dc_marked[i] = True
-        if self._dc_tally.rows:  # before the flush releases the last blocks: less queued ahead of them
+        if self._dc_tally.exchanging:  # before the flush releases the last blocks: less queued ahead of them
             self._dc_tally.exchange_rows(buffers.slots, buffers.versions, buffers.postscale)
         if buffers.delayed is not None:  # Note [Delayed updates]: the previous step's sum in, this step's out
             buffers.swap_delayed()

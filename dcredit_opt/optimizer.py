@@ -256,6 +256,10 @@ class _DistributedOptimizer:
                                            self._dc_lazy.keeper,
                                            prescale=prescale, postscale=postscale, wire=wire, groups=group_of,
                                            sparse_as_dense=sparse_as_dense)
+        if not sparse_as_dense:  # Note [Sparse gradients] in sparse.py: sparse gradients reduced as rows
+            self._dc_tally.take_sparse_gradients()
+            self._dc_buffers.sparse_sink = self._dc_tally.put_sparse
+            self._dc_buffers.as_sparse = self._dc_tally.as_sparse
         # Note [Gradient path]: each gradient's hand-over, in C++; Python where it must.
         self._dc_path = _ext.load().GradientPath(self._dc_engine, params, self._dc_counts, self._dc_marked,
                                                  self._dc_tally.used, self._dc_buffers.versions, WeakSlowPath(me),
@@ -419,6 +423,8 @@ class _DistributedOptimizer:
             return
         if self._dc_bpps > 1:
             why = f"backward_passes_per_step={self._dc_bpps} (each pass's gradients are counted in Python)"
+        elif self._dc_tally.sparse_rows():
+            why = "sparse gradients, reduced as rows (Note [Sparse gradients])"
         elif any(self._dc_buffers.sparse):
             why = "sparse gradients, reduced as dense (sparse_as_dense=True)"
         else:

@@ -20,7 +20,9 @@ step, on every rank alike, and keeps it, as under DDP.
 The same tally carries each rank's proposal of tensors to reduce as
 embedding rows; once every rank proposes the same ones, all take the rows
 path together (Note [Embedding rows] in ``rows.py``). :class:`UsageTally`
-owns both: the flags, the tally, this rank's proposal and the rows agreed.
+owns both: the flags, the tally, this rank's proposal and the rows agreed;
+and the sparse gradients that take the same path (Note [Sparse gradients] in
+``sparse.py``), agreed at the first flush.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ import weakref
 
 import torch
 
-from . import rows, timeline
+from . import rows, sparse, timeline
 from .buffers import clear, per_tensor
+from .errors import DCreditError
 from .runtime import at_rank
 
 
@@ -61,6 +64,74 @@ class UsageTally:
         self._tail = None  # (proposal, its part of the tally), rebuilt when the proposal changes
         self._modules: dict[int, list] = {}  # tensor -> weak references to the embeddings that read it
         self._agreed = False
+        # Note [Sparse gradients]: this rank's sparse gradients of the first iteration, until the first flush
+        # agrees which tensors are sparse (None after it, or when sparse gradients are reduced dense).
+        self._first_sparse: dict | None = None
+        self._sparse_agreed = False  # the first flush has agreed which tensors are sparse
+        self._sparse_replan = False  # the first flush made tensors sparse: the plan must drop their blocks
+        self.as_sparse: dict = {}  # tensor -> row indices of its reduced sparse gradient (GradientBuffers reads it)
+
+    def take_sparse_gradients(self) -> None:
+        """Note [Sparse gradients]: reduce sparse gradients as rows (``sparse_as_dense=False``), where the
+        backend exchanges rows (every backend does) or the job has one rank."""
+        if self._world_size == 1 or getattr(self._backend, "exchanges_rows", False):
+            self._first_sparse = {}
+
+    @property
+    def exchanging(self) -> bool:
+        """Whether the flush exchanges anything: rows agreed, or the first flush's agreement on sparse tensors."""
+        return bool(self.rows) or self._first_sparse is not None
+
+    def put_sparse(self, i: int, grad) -> bool:
+        """This rank's sparse gradient of tensor ``i``, kept for the exchange (Note [Sparse gradients]); False
+        when sparse gradients are reduced dense here (the caller refuses or densifies)."""
+        r = self.rows.get(i)
+        if isinstance(r, sparse.SparseRows):
+            r.put(grad)
+            return True
+        if self._first_sparse is None:
+            if self._sparse_agreed:  # and this one was not among them
+                raise DCreditError(
+                    f"parameter '{self._names[i]}' has a sparse gradient, but no rank's gradient of it was sparse in "
+                    "the first iteration, where dcredit_opt agrees which parameters are reduced as sparse rows (Note "
+                    "[Sparse gradients]). Nothing was reduced. Give it its sparse gradient in the first iteration "
+                    "(on any rank), or pass sparse_as_dense=True to DistributedOptimizer to reduce it as a dense "
+                    "tensor")
+            return False
+        self._first_sparse[i] = sparse.row_sparse(self._names[i], grad)
+        return True
+
+    def sparse_rows(self) -> list:
+        """Tensors whose gradients are reduced as sparse rows."""
+        return [i for i, r in self.rows.items() if isinstance(r, sparse.SparseRows)]
+
+    def _agree_on_sparse(self) -> None:
+        """Note [Sparse gradients], at the first flush: the tensors whose gradient came sparse on some rank take
+        the rows path from now on, on every rank; this iteration's rows are exchanged with the others'."""
+        mine, self._first_sparse = self._first_sparse, None
+        self._sparse_agreed = True
+        T = len(self._params)
+        if self._world_size == 1:
+            agreed = sorted(mine)
+        else:
+            flags = torch.zeros(T, dtype=torch.float32)
+            if mine:
+                flags[list(mine)] = 1.0
+            try:
+                self._backend.allreduce_side(flags, self._timeout())
+            except (RuntimeError, TimeoutError) as e:
+                raise at_rank(e, "end of phase 1, agreeing which parameters have sparse gradients") from e
+            agreed = flags.nonzero().reshape(-1).tolist()
+        if not agreed:
+            return
+        for i in agreed:
+            self.rows[i] = sparse.SparseRows(i, self._params[i], self._names[i], mine.get(i), in_blocks=True)
+        self.rows = dict(sorted(self.rows.items()))  # tensor order on every rank
+        self._sparse_replan = True
+        names = ", ".join(f"'{self._names[i]}'" for i in agreed)
+        self._notices.tell("sparse", f"dcredit_opt: {names} reduced as the rows of their sparse gradients, handed "
+                                     "to the optimizer sparse (Note [Sparse gradients]; sparse_as_dense=True "
+                                     "reduces them dense)")
 
     def _timeout(self) -> float:
         return float(self._config.timeout_s)
@@ -70,14 +141,21 @@ class UsageTally:
         return [i for i, r in self.rows.items() if r.kind == rows.ROWS_ONLY]
 
     def rows_captured(self) -> bool:
-        """Whether some embedding's rows have a gradient this iteration."""
-        return any(r.stand_in is not None and r.stand_in.grad is not None for r in self.rows.values())
+        """Whether some embedding's rows (or sparse gradient) have a gradient this iteration."""
+        return bool(self._first_sparse) or any(
+            r.captured() if isinstance(r, sparse.SparseRows) else r.stand_in is not None and r.stand_in.grad is not None
+            for r in self.rows.values())
 
     def exchange_rows(self, slots, versions, postscale: float) -> None:
         """Note [Embedding rows]: every rank's embedding rows to every rank; a rows-only tensor's other
         gradient (if any rank has one this iteration) all-reduced densely."""
+        if self._first_sparse is not None:
+            self._agree_on_sparse()
         timeout = self._timeout()
         for i, r in self.rows.items():  # built in tensor order on every rank
+            if isinstance(r, sparse.SparseRows):
+                self._exchange_sparse(i, r, slots, versions, postscale)
+                continue
             ids, values = r.take()
             slot = slots[i]
             # W's own gradient, which has no blocks; all zeros (zero_grad(set_to_none=False)) adds nothing.
@@ -98,13 +176,44 @@ class UsageTally:
             if ids.numel():
                 self.used[i] = True
 
+    def _exchange_sparse(self, i, r, slots, versions, postscale: float) -> None:
+        """Note [Sparse gradients]: every rank's rows of tensor ``i`` to every rank, and whether any rank's
+        gradient came dense (then that dense part is all-reduced whole, unless the blocks carry it)."""
+        ids, values, had_rows = r.take()
+        slot = slots[i]
+        dense_here = bool(self.used[i]) and not had_rows  # a gradient, not sparse: dense
+        try:
+            if self._world_size == 1:
+                r.gathered, r.dense = [(ids, values)], dense_here
+            else:
+                r.gathered, r.dense = self._backend.exchange_rows(ids, values, dense_here, self._timeout())
+            if r.dense and not r.in_blocks:
+                self._notices.tell(f"sparse rest {i}", f"dcredit_opt: parameter '{self._names[i]}', reduced as the "
+                                   "rows of its sparse gradient, got a dense gradient on some rank in this "
+                                   "iteration; it is all-reduced whole in step(), without overlap, and the "
+                                   "optimizer gets the dense sum, as in plain torch (Note [Sparse gradients]). "
+                                   "Said once.")
+                if self._world_size > 1:
+                    self._backend.allreduce_side(slot, self._timeout())
+                if postscale != 1.0:
+                    slot.mul_(postscale)
+        except (RuntimeError, TimeoutError) as e:
+            raise at_rank(e, f"end of phase 1, exchanging the sparse gradient of '{self._names[i]}'") from e
+        r.in_blocks = False
+        versions[i] = slot._version
+
     def add_rows(self, indices, slots, versions, scale: float) -> None:
-        """Every rank's embedding rows, times ``scale``, into the reduced gradients of ``indices`` that have them."""
+        """Every rank's embedding rows, times ``scale``, into the reduced gradients of ``indices`` that have them
+        (a sparse gradient's indices into ``as_sparse``)."""
         for i in indices:
             r = self.rows.get(i)
             if r is not None and r.gathered is not None:
                 slot = slots[i]
-                r.add_to(slot, scale)
+                ids = r.add_to(slot, scale)
+                if ids is not None:
+                    self.as_sparse[i] = ids
+                else:
+                    self.as_sparse.pop(i, None)
                 versions[i] = slot._version
 
     def start(self) -> bool:
@@ -137,6 +246,7 @@ class UsageTally:
                 raise at_rank(e, "end of phase 1, summing which gradients each rank computed") from e
         self._usage = usage
         clear(self.used)
+        replan, self._sparse_replan = replan or self._sparse_replan, False
         return replan
 
     def unused_everywhere(self, indices) -> list:
@@ -173,7 +283,9 @@ class UsageTally:
         propose is taken."""
         for i, refs in tracer.embedded_by.items():
             modules = [m for m in (ref() for ref in refs) if m is not None]
-            if modules and i not in grouped and self._params[i].dim() >= 2:
+            # A sparse embedding's rows come in p.grad (Note [Sparse gradients]): no stand-in for its weight.
+            if (modules and i not in grouped and self._params[i].dim() >= 2
+                    and not any(getattr(m, "sparse", False) for m in modules)):
                 self._proposal[i] = rows.TIED if i in tracer.read_otherwise else rows.ROWS_ONLY
                 self._modules[i] = [weakref.ref(m) for m in modules]
 
@@ -182,7 +294,7 @@ class UsageTally:
         take the rows path from the next iteration on, on every rank (all saw the same sums). True when
         some are rows-only."""
         T, world = len(self._params), self._world_size
-        agreed = [i for i in range(T) if sums[T + i] == world]
+        agreed = [i for i in range(T) if sums[T + i] == world and i not in self.rows]
         if not agreed:
             return False
         self._agreed = True
@@ -191,6 +303,7 @@ class UsageTally:
             modules = [m for m in (ref() for ref in self._modules.get(i, ())) if m is not None]
             self.rows[i] = rows.EmbeddingRows(i, self._params[i], self._names[i], modules, kind,
                                               self._on_rows_grad)
+        self.rows = dict(sorted(self.rows.items()))  # tensor order on every rank (sparse ones may be there)
         names = ", ".join(f"'{self._names[i]}'" for i in agreed)
         self._notices.tell("rows", f"dcredit_opt: {names} reduced as the embedding rows each batch looks up, not "
                                    "as a dense tensor (Note [Embedding rows]; Config(embedding_rows=False) turns it "

@@ -1,0 +1,73 @@
+"""Note [Sparse gradients]: sparse gradients (nn.Embedding/nn.EmbeddingBag with sparse=True) reduced as rows
+train like synchronous data parallelism on 2 ranks, on every backend (torch/Gloo, mpiexec, horovodrun); what
+cannot be reduced so is refused on every rank with a DCreditError naming the parameter and the fix.
+
+One launch per backend runs every pattern (a launch costs seconds); the workers are in ``sparse_workers.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from . import sparse_workers as sw
+from . import spawn
+from .test_backends import LAUNCHES, _tool
+
+TOL = 2e-5
+NAMES = [*sw.PATTERNS, *sw.RAISE]
+_launched: dict = {}
+
+
+def _results(backend: str) -> list:
+    if backend not in _launched:
+        try:
+            if backend == "torch":
+                _launched[backend] = spawn.run(sw.patterns, 2, timeout_s=180, names=NAMES)
+            else:
+                spec = LAUNCHES[backend]
+                reason = spec["missing"]()
+                if reason:
+                    _launched[backend] = pytest.skip.Exception(f"{backend}: {reason}")
+                else:
+                    launcher = [_tool(spec["launcher"][0]), *spec["launcher"][1:]]
+                    _launched[backend] = spawn.run_launched(sw.patterns, launcher, 2, timeout_s=240, names=NAMES,
+                                                            backend=spec["backend"],
+                                                            horovod_first=spec["horovod_first"])
+        except spawn.RankFailure as e:
+            _launched[backend] = e
+    out = _launched[backend]
+    if isinstance(out, pytest.skip.Exception):
+        pytest.skip(str(out))
+    if isinstance(out, Exception):
+        pytest.fail(f"the launch on {backend!r} failed: {out}")
+    return out
+
+
+BACKENDS = ["torch", "mpi", "horovod-gloo"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(sw.PATTERNS))
+def test_sparse_gradients_train_like_synchronous(backend, name):
+    per_rank = [r[name] for r in _results(backend)]
+    for rank, r in enumerate(per_rank):
+        assert "error" not in r, f"{name}: rank {rank} raised {r['error']}\n{r.get('traceback', '')}"
+        assert r["max_diff"] < TOL, f"{name}: rank {rank} differs from synchronous training by {r['max_diff']}"
+        assert r["moved"] > 1e-3, f"{name}: the reference did not train"
+        if name == "tied_to_a_dense_layer":  # its gradient is never sparse: reduced in blocks, dense
+            assert r["sparse"] == [] and r["numels"][0] > 0, r
+        else:
+            assert r["sparse"] == ["emb.weight"], r["sparse"]
+            assert r["numels"][0] == 0, "a sparse weight has no blocks after the first iteration"
+    for a, b in zip(per_rank[0]["checksum"], per_rank[1]["checksum"]):
+        assert bool((a == b).all()), f"{name}: the ranks' weights differ"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_sparse_gradient_first_seen_after_the_first_iteration_is_refused(backend):
+    for rank, r in enumerate(_results(backend)):
+        r = r["sparse_first_seen_later"]
+        assert "DCreditError" in r.get("error", ""), f"rank {rank}: {r}"
+        assert "'emb.weight'" in r["error"] and "first iteration" in r["error"] and "sparse_as_dense=True" in r["error"]
