@@ -43,7 +43,7 @@ def _results(backend: str) -> list:
     return out
 
 
-BACKENDS = ["torch", "mpi", "horovod-gloo"]
+BACKENDS = ["torch", "mpi", "horovod-gloo", "horovod-mpi"]
 
 
 @pytest.mark.timeout(300)

@@ -54,6 +54,7 @@ EXPECTED_TO_PASS = (
     "test_gradient_clipping",
     "test_missing_named_parameters",
     "test_no_named_parameters",
+    "test_sparse_embeddings",
     "test_synchronize_step_warning",
 )
 
@@ -69,11 +70,6 @@ KNOWN_FAILURES = {
         why="reads Horovod's private attribute optimizer._parameter_names (a dict parameter -> name), which "
             "dcredit_opt's optimizer does not have",
         error="has no attribute '_parameter_names'"),
-    "test_sparse_embeddings": Known(
-        why="sparse_as_dense=False with sparse gradients (nn.Embedding(sparse=True) + SparseAdam): dcredit_opt "
-            "raises DCreditError asking for sparse_as_dense=True, where Horovod reduces them with "
-            "sparse_allreduce_async (allgather of indices and values); the sparse_as_dense=True half is not reached",
-        error="has a sparse gradient; pass sparse_as_dense=True"),
     "test_delta_optimizer": Known(
         why="op=hvd.Adasum is refused (NotImplementedError); the test skips itself without MPI and GPUs, so under "
             "--gloo on CPUs it never gets that far",

@@ -139,24 +139,37 @@ def test_zero_grad_while_reducing_is_refused():
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
 
 
-def test_sparse_gradient_needs_sparse_as_dense():
-    for sparse_as_dense in (False, True):
-        torch.manual_seed(0)
-        emb = nn.Embedding(10, 3, sparse=True)
-        opt = dc.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1),
-                                      named_parameters=emb.named_parameters(), config=FIXED,
-                                      sparse_as_dense=sparse_as_dense)
-        before = emb.weight.detach().clone()
-        loss = emb(torch.tensor([1, 2])).sum()
-        if not sparse_as_dense:
-            with pytest.raises(dc.DCreditError, match="'weight' has a sparse gradient"):
-                loss.backward()
-            assert torch.equal(before, emb.weight)
-        else:
-            loss.backward()
-            opt.step()
+def test_sparse_gradients_train_with_or_without_sparse_as_dense():
+    # Note [Sparse gradients]: reduced as rows (one rank: its own), or dense with sparse_as_dense=True; SparseAdam
+    # and SGD get them sparse either way and train as plain torch does.
+    for opt_fn in (lambda p: torch.optim.SparseAdam(list(p), lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1)):
+        for sparse_as_dense in (False, True):
+            torch.manual_seed(0)
+            emb = nn.Embedding(10, 3, sparse=True)
+            ref = nn.Embedding(10, 3, sparse=True)
+            ref.load_state_dict(emb.state_dict())
+            opt = dc.DistributedOptimizer(opt_fn(emb.parameters()), named_parameters=emb.named_parameters(),
+                                          config=FIXED, sparse_as_dense=sparse_as_dense)
+            ropt = opt_fn(ref.parameters())
+            for step in range(4):
+                ids = torch.tensor([[1, 2, 2], [5, 1, 6]]) + step
+                for m, o in ((emb, opt), (ref, ropt)):
+                    o.zero_grad()
+                    m(ids).pow(2).sum().backward()
+                    o.step()
             opt.synchronize()
-            assert not torch.equal(before, emb.weight)
+            torch.testing.assert_close(emb.weight, ref.weight)
+            assert opt._dc_tally.sparse_rows() == ([] if sparse_as_dense else [0])
+            opt._dc_close()
+
+
+def test_a_sparse_gradient_with_sparse_dimensions_other_than_rows_is_refused():
+    p = nn.Parameter(torch.zeros(3, 4))
+    opt = dc.DistributedOptimizer(torch.optim.SGD([p], lr=0.1), named_parameters=[("w", p)], config=FIXED)
+    p.grad = torch.eye(3, 4).to_sparse(2)  # two sparse dimensions: not rows
+    with pytest.raises(dc.DCreditError, match="'w' has a sparse gradient of layout .* 2 sparse dimension"):
+        opt.step()
+    assert bool((p == 0).all())
 
 
 def test_step_after_synchronize_without_skip_warns():
