@@ -24,8 +24,9 @@ MISSING = {
     "reducescatter_async": _REDUCESCATTER,
     "grouped_reducescatter": _REDUCESCATTER,
     "grouped_reducescatter_async": _REDUCESCATTER,
-    "sparse_allreduce_async": "sparse tensors are not reduced: use allreduce(tensor.to_dense()), or "
-                              "DistributedOptimizer(..., sparse_as_dense=True) for sparse gradients",
+    "sparse_allreduce_async": "sparse tensors are not reduced by the collectives: use "
+                              "allreduce(tensor.to_dense()); DistributedOptimizer reduces sparse gradients itself "
+                              "(as rows, or dense with sparse_as_dense=True)",
     "join": "uneven inputs are not supported: every rank must run the same number of steps (e.g. "
             "DistributedSampler(..., drop_last=True)); a rank that stops early makes the others raise "
             "a DCreditError (CollectiveTimeout or CollectiveError) within timeout_s",

@@ -45,6 +45,9 @@ gradient before reducing. Every backend exchanges the rows on its side
 channel (a Gloo group, an MPI communicator, Horovod names); with one rank,
 with ``backward_passes_per_step`` above 1, for a weight in a Horovod group,
 or with ``Config(embedding_rows=False)``, embeddings reduce densely.
+A sparse gradient (``nn.Embedding(sparse=True)``) takes this path with no
+stand-in, on every backend and whatever those settings: its rows are
+``p.grad`` itself (Note [Sparse gradients] in ``sparse.py``).
 """
 
 from __future__ import annotations

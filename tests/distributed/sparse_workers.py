@@ -77,10 +77,13 @@ class Job:
         self.backend = backend
         self.opts = []
 
-    def make(self, model_fn, opt_fn, **kw):
+    def make(self, model_fn, opt_fn, config=None, **kw):
         model = model_fn()
         ref = copy.deepcopy(model)
-        config = dc.Config(policy="fixed", block_bytes=128, window=2, channels=2, backend=self.backend)
+        config = dc.Config(**{"policy": "fixed", "block_bytes": 128, "window": 2, "channels": 2,
+                              "backend": self.backend, **(config or {})})
+        if callable(kw.get("groups")):
+            kw["groups"] = kw["groups"](model)
         opt = dc.DistributedOptimizer(opt_fn(model.parameters()), named_parameters=model.named_parameters(),
                                       config=config, **kw)
         self.opts.append(opt)
@@ -202,9 +205,25 @@ def dense_on_rank1_sometimes(job: Job) -> dict:
     return job.result(model, ref, opt)
 
 
+def profiled(job: Job) -> dict:
+    """The default planner: profiled for 3 iterations, then its own plan, staged after the sparse one."""
+    model, ref, opt, ropt = job.make(lambda: EmbedHead(head=True), sgd_momentum,
+                                     config={"policy": "dcredit", "profile_iters": 3})
+    job.train(model, ref, opt, ropt, lambda m, s, r, k: mse(m, s, r), steps=8)
+    return job.result(model, ref, opt, policy=opt.plan.policy)
+
+
+def in_a_group(job: Job) -> dict:
+    """The sparse weight in a Horovod ``groups=`` group with the head's weight: cut out of the group's block."""
+    model, ref, opt, ropt = job.make(lambda: EmbedHead(head=True), sgd,
+                                     groups=lambda m: [[m.emb.weight, m.head.weight]])
+    job.train(model, ref, opt, ropt, lambda m, s, r, k: mse(m, s, r))
+    return job.result(model, ref, opt)
+
+
 def sparse_first_seen_later(job: Job) -> dict:
     """The sparse embedding is not called in the first iteration on any rank: refused at its first use."""
-    model, ref, opt, ropt = job.make(lambda: EmbedHead(head=True), sgd)
+    model, _, opt, _ = job.make(lambda: EmbedHead(head=True), sgd)
     for step in range(3):
         opt.zero_grad()
         if step == 0:
@@ -233,6 +252,8 @@ PATTERNS = {
     "two_backward_passes": two_passes,
     "tied_to_a_dense_layer": tied,
     "dense_on_rank1_sometimes": dense_on_rank1_sometimes,
+    "profiled_plan": profiled,
+    "in_a_horovod_group": in_a_group,
 }
 RAISE = {
     "sparse_first_seen_later": sparse_first_seen_later,
