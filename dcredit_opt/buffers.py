@@ -212,16 +212,18 @@ class GradientBuffers:
                     "Horovod recipe). To clear gradients use optimizer.zero_grad() or model.zero_grad() with "
                     "set_to_none=True")
 
-    def check_casts(self) -> None:
+    def check_casts(self, moved: int) -> None:
         """A model cast or moved after wrapping (``model.to(torch.bfloat16)``, ``.cuda()``): its gradients
-        no longer fit the slots laid out for it. Refused at the first gradient, before anything is launched."""
-        for i, (p, slot) in enumerate(zip(self._params, self.slots)):
-            if p.dtype != slot.dtype or p.device != slot.device:
-                raise DCreditError(
-                    f"parameter '{self._names[i]}' is {p.dtype} on {p.device} now, but was {slot.dtype} on "
-                    f"{slot.device} when dcredit_opt.DistributedOptimizer was built (model.to(), .cuda(), .half() "
-                    "after wrapping): its gradient buffers are laid out for the old dtype and device. Nothing was "
-                    "launched. Cast or move the model first, then build the DistributedOptimizer")
+        no longer fit the slots laid out for it. Refused at the first gradient, before anything is launched.
+        ``moved``: the first parameter whose dtype or device is not its slot's (the gradient path finds it),
+        or -1."""
+        if moved >= 0:
+            i, p, slot = moved, self._params[moved], self.slots[moved]
+            raise DCreditError(
+                f"parameter '{self._names[i]}' is {p.dtype} on {p.device} now, but was {slot.dtype} on "
+                f"{slot.device} when dcredit_opt.DistributedOptimizer was built (model.to(), .cuda(), .half() "
+                "after wrapping): its gradient buffers are laid out for the old dtype and device. Nothing was "
+                "launched. Cast or move the model first, then build the DistributedOptimizer")
 
     def first_non_finite(self, rows_only=()) -> int | None:
         """The first tensor whose reduced gradient holds NaN or Inf, or None (the buffers checked whole)."""
@@ -247,6 +249,11 @@ def per_tensor(n: int, fmt: str) -> memoryview:
 def clear(values: memoryview) -> None:
     """Every value of a :func:`per_tensor` array back to zero, in place."""
     values.cast("B")[:] = bytes(values.nbytes)
+
+
+def fill(values: memoryview, value: int) -> None:
+    """Every value of a one-byte :func:`per_tensor` array set to ``value``, in place."""
+    values.cast("B")[:] = bytes([value]) * values.nbytes
 
 
 def slot_in(buffer: torch.Tensor, offset: int, p: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,9 @@ class GradientHooks:
             f"{self._dc_bpps} backward pass(es), or raise backward_passes_per_step.")
 
     def _dc_before_accumulate(self, i: int) -> None:
-        """Tensor hook: runs before autograd adds a gradient to ``p.grad``, so a refusal changes nothing."""
+        """Before autograd adds a gradient to ``p.grad``, so that a refusal changes nothing: called by the C++
+        pre-hook where the update of tensor ``i`` is pending or its passes are all counted (Note [Gradient
+        path])."""
         if self._dc_lazy.pending[i]:
             raise self._dc_lazy.stale_read(i)
         if self._dc_counts[i] >= self._dc_bpps and _will_accumulate(self._dc_params[i]):
@@ -70,7 +72,7 @@ class GradientHooks:
         """
         lazy = self._dc_lazy
         lazy.stop_recording()  # possibly on autograd's device thread: closed in step()
-        self._dc_buffers.check_casts()
+        self._dc_buffers.check_casts(self._dc_path.first_moved())
         if lazy.npending and lazy.deferred:
             # Before this rank launches anything of the new iteration, so that every rank
             # whose forward read the same stale parameter stops here, at the same point.
@@ -228,6 +230,21 @@ class WeakSlowPath:
             opt._dc_on_grad(i, opt._dc_params[i])
 
 
+class WeakBeforeCheck:
+    """The C++ pre-hook's Python check (Note [Gradient path]): ``_dc_before_accumulate`` of a weakly held
+    optimizer, called only where a refusal may apply."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, ref):
+        self._ref = ref
+
+    def __call__(self, i: int) -> None:
+        opt = self._ref()
+        if opt is not None:
+            opt._dc_before_accumulate(i)
+
+
 class WeakHookFailure:
     """The C++ hook's scheduler failure, raised by a weakly held optimizer."""
 
@@ -249,14 +266,6 @@ def weak_rows_hook(ref):
         opt = ref()
         if opt is not None and not opt._dc_open:
             opt._dc_begin()
-    return hook
-
-
-def weak_count_hook(ref, i):
-    def hook(grad):
-        opt = ref()
-        if opt is not None:
-            opt._dc_before_accumulate(i)
     return hook
 
 

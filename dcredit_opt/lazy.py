@@ -141,8 +141,11 @@ class LazyStep:
         if lazy.npending:
             # on a GPU, final is enqueued (Note [Stream-ordered waits])
             self._dc_apply(own + lazy.done_ahead(own, self._dc_tally.rows, self._dc_engine.tensor_final))
-        else:
-            lazy.guard.leave_if_idle()
+        if not lazy.npending:
+            if self._dc_timeline is None and self._dc_recorder is None:
+                lazy.rest()
+            else:  # the hooks go on recording the forward
+                lazy.guard.leave_if_idle()
 
     # ---- the checks ---------------------------------------------------------------
 
@@ -324,25 +327,30 @@ class _ForwardHook:
             cls._run = staticmethod(torch.compiler.disable(_before_forward))
 
     def __call__(self, module, args):
-        # Note [Guard cost]'s counterpart for the apply points: once nothing is pending, a module's forward
-        # costs this check, not a call through the compiler-disabled wrapper (a compiled model still takes it).
-        if not _is_compiling():
-            opt = self.keeper()
-            if opt is None:
-                return
-            lazy = opt._dc_lazy
-            if not lazy.npending and opt._dc_timeline is None and opt._dc_recorder is None:
-                lazy.guard.leave_if_idle()
-                return
-        self._run(self.keeper, module)
+        # Note [Guard cost]'s counterpart for the apply points: once nothing is pending, the first module's
+        # forward to ask sends the hooks to rest (Note [Resting hooks]); a compiled model still takes the call
+        # through the compiler-disabled wrapper, which keeps them for good.
+        if _is_compiling():
+            self._run(self.keeper, module, True)
+            return
+        opt = self.keeper()
+        if opt is None:
+            return
+        lazy = opt._dc_lazy
+        if not lazy.npending and opt._dc_timeline is None and opt._dc_recorder is None:
+            lazy.rest()
+            return
+        self._run(self.keeper, module, False)
 
     def __reduce__(self):
         return _InertForwardHook, ()
 
 
-def _before_forward(keeper: Keeper, module) -> None:
+def _before_forward(keeper: Keeper, module, compiled: bool) -> None:
     opt = keeper()
     if opt is not None:
+        if compiled:
+            opt._dc_lazy.compiled = True
         opt._dc_before_forward(module)
 
 

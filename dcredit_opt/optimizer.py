@@ -49,10 +49,10 @@ from .config import Config
 from .errors import DCreditError
 from .gradients import (
     GradientHooks,
+    WeakBeforeCheck,
     WeakHookFailure,
     WeakSlowPath,
     clear,
-    weak_count_hook,
     weak_rows_hook,
 )
 from .layout import fixed_plan
@@ -262,7 +262,8 @@ class _DistributedOptimizer:
             self._dc_buffers.as_sparse = self._dc_tally.as_sparse
         # Note [Gradient path]: each gradient's hand-over, in C++; Python where it must.
         self._dc_path = _ext.load().GradientPath(self._dc_engine, params, self._dc_counts, self._dc_marked,
-                                                 self._dc_tally.used, self._dc_buffers.versions, WeakSlowPath(me),
+                                                 self._dc_tally.used, self._dc_lazy.pending,
+                                                 self._dc_buffers.versions, WeakSlowPath(me), WeakBeforeCheck(me),
                                                  WeakHookFailure(me))
         self._dc_path.set_passes_per_step(bpps)
         self._dc_python_handovers = 0
@@ -297,11 +298,9 @@ class _DistributedOptimizer:
                                             float(config.timeout_s))
         self._dc_dropped.atexit = False  # at exit, _drain_at_exit drains and the runtime closes
         runtime.register_user(self)
+        # A gradient beyond backward_passes_per_step, or of a parameter whose update is pending, is refused
+        # before autograd adds it to p.grad, which by then is our slot, possibly on the wire.
         self._dc_path.install()
-        self._dc_grad_hooks = []
-        # A gradient beyond backward_passes_per_step is refused before autograd
-        # adds it to p.grad, which by then is our slot, possibly on the wire.
-        self._dc_grad_hooks += [p.register_hook(weak_count_hook(me, i)) for i, p in enumerate(params)]
         watch_module_hooks_when_compiled()
         for p in params:
             _mark_reduced_by(p, me)
@@ -648,10 +647,7 @@ class _DistributedOptimizer:
         self._dc_end_timeline()
         self._dc_end_learning()
         self._dc_lazy.remove_hooks()
-        for h in self._dc_grad_hooks:
-            h.remove()
         self._dc_tally.close()
-        self._dc_grad_hooks = []
         self._dc_path.close()
         self._dc_buffers.release()
         self._dc_backend.close()

@@ -219,35 +219,41 @@ class UsageTally:
     def start(self) -> bool:
         """Note [Global usage]: start summing over ranks which tensors had a gradient on each. True when
         the last tally made tensors rows-only: the plan must be rebuilt without their blocks."""
-        proposal = tuple(self._proposal)
-        here = bytearray(self.used)
-        T = len(here)
-        # Built from the bytes and a per-proposal tail, not element by element: this runs every iteration.
-        if self._tail is None or self._tail[0] != proposal:
-            tail = torch.tensor([*(k > 0 for k in proposal), *(k == rows.ROWS_ONLY for k in proposal)],
-                                dtype=torch.int32)
-            self._tail = (proposal, tail)
-        counts = torch.empty(3 * T, dtype=torch.int32)
-        if T:
-            counts[:T] = torch.frombuffer(here, dtype=torch.uint8)
-        counts[T:] = self._tail[1]
-        usage = _Usage(bytes(here), counts)
+        here = bytes(self.used)
         replan = False
         if self._world_size == 1:
-            usage.everywhere = usage.here
+            usage = _Usage(here, None)  # nothing to sum: what this rank had is what every rank had
+            usage.everywhere = here
         else:
+            usage = _Usage(here, self._counts(here))
             last = self._usage
             try:
                 self._backend.wait_tally(self._timeout())  # the last one, if nothing needed it
                 if last is not None and not self._agreed:
                     replan = self._agree_on_rows(last.counts.tolist())
-                self._backend.start_tally(counts)
+                self._backend.start_tally(usage.counts)
             except (RuntimeError, TimeoutError) as e:
                 raise at_rank(e, "end of phase 1, summing which gradients each rank computed") from e
         self._usage = usage
         clear(self.used)
         replan, self._sparse_replan = replan or self._sparse_replan, False
         return replan
+
+    def _counts(self, here: bytes) -> torch.Tensor:
+        """What this rank adds to the tally: per tensor, whether it had a gradient here; then this rank's
+        proposal for Note [Embedding rows] (rows wanted, rows only). Built from the bytes and a per-proposal
+        tail, not element by element: this runs every iteration."""
+        proposal = tuple(self._proposal)
+        T = len(here)
+        if self._tail is None or self._tail[0] != proposal:
+            tail = torch.tensor([*(k > 0 for k in proposal), *(k == rows.ROWS_ONLY for k in proposal)],
+                                dtype=torch.int32)
+            self._tail = (proposal, tail)
+        counts = torch.empty(3 * T, dtype=torch.int32)
+        if T:
+            counts[:T] = torch.frombuffer(bytearray(here), dtype=torch.uint8)
+        counts[T:] = self._tail[1]
+        return counts
 
     def unused_everywhere(self, indices) -> list:
         """Of tensors ``indices``, those no rank computed a gradient for in the iteration being applied."""
@@ -322,7 +328,7 @@ class _Usage:
 
     __slots__ = ("counts", "everywhere", "here")
 
-    def __init__(self, here: list, counts: torch.Tensor):
+    def __init__(self, here: bytes, counts: torch.Tensor | None):
         self.here = here
         self.counts = counts
         self.everywhere = None

@@ -219,8 +219,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // (kept alive with the path); `slow(i)` and `failed(i, message)` are its Python fallbacks.
   py::class_<GradientPath>(m, "GradientPath")
       .def(py::init([](Engine& engine, std::vector<at::Tensor> params, const py::buffer& counts,
-                       const py::buffer& marked, const py::buffer& used, const py::buffer& versions,
-                       py::object slow, py::object failed) {
+                       const py::buffer& marked, const py::buffer& used, const py::buffer& pending,
+                       const py::buffer& versions, py::object slow, py::object before, py::object failed) {
              const size_t n = params.size();
              auto pointer = [n](const py::buffer& b, ssize_t itemsize, const char* name) {
                py::buffer_info info = b.request(/*writable=*/true);
@@ -237,11 +237,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                  std::move(params), [e](int32_t t) { e->MarkReady(t, /*record_event=*/true); },
                  static_cast<int32_t*>(pointer(counts, 4, "counts")),
                  static_cast<uint8_t*>(pointer(marked, 1, "marked")), static_cast<uint8_t*>(pointer(used, 1, "used")),
-                 static_cast<int64_t*>(pointer(versions, 8, "versions")), std::move(slow), std::move(failed));
+                 static_cast<uint8_t*>(pointer(pending, 1, "pending")),
+                 static_cast<int64_t*>(pointer(versions, 8, "versions")), std::move(slow), std::move(before),
+                 std::move(failed));
            }),
            py::arg("engine"), py::arg("params"), py::arg("counts"), py::arg("marked"), py::arg("used"),
-           py::arg("versions"), py::arg("slow"), py::arg("failed"), py::keep_alive<1, 2>(), py::keep_alive<1, 4>(),
-           py::keep_alive<1, 5>(), py::keep_alive<1, 6>(), py::keep_alive<1, 7>())
+           py::arg("pending"), py::arg("versions"), py::arg("slow"), py::arg("before"), py::arg("failed"),
+           py::keep_alive<1, 2>(), py::keep_alive<1, 4>(), py::keep_alive<1, 5>(), py::keep_alive<1, 6>(),
+           py::keep_alive<1, 7>(), py::keep_alive<1, 8>())
       .def("set_slots", &GradientPath::SetSlots, py::arg("slots"), py::arg("watched"))
       .def("set_open", &GradientPath::SetOpen, py::arg("open"))
       .def("set_flushed", &GradientPath::SetFlushed, py::arg("flushed"))
@@ -251,7 +254,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("refresh", &GradientPath::Refresh, py::arg("indices"))
       .def("close", &GradientPath::Close)
       .def("take_slow_count", &GradientPath::TakeSlowCount,
-           "Gradients that took the Python path since the last call.");
+           "Gradients that took the Python path since the last call.")
+      .def("first_moved", &GradientPath::FirstMoved,
+           "The first parameter whose dtype or device is no longer its slot's, or -1.");
 
   // The state machine of Note [Stream-ordered waits], alone, for tests on any machine.
   py::class_<FinalGate>(m, "FinalGate")

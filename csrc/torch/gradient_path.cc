@@ -3,6 +3,7 @@
 
 #include <torch/csrc/Exceptions.h>
 
+#include <algorithm>
 #include <atomic>
 #include <exception>
 #include <string>
@@ -10,7 +11,7 @@
 
 namespace dcredit {
 
-struct GradientPath::State {
+struct GradientPath::State : std::enable_shared_from_this<GradientPath::State> {
   std::mutex mu;
   bool closed = false;
   bool open = false;
@@ -24,16 +25,46 @@ struct GradientPath::State {
   int32_t* counts = nullptr;
   uint8_t* marked = nullptr;
   uint8_t* used = nullptr;
+  uint8_t* pending = nullptr;
   int64_t* versions = nullptr;
   PyObject* slow = nullptr;    // borrowed: GradientPath holds the reference until Close()
+  PyObject* before = nullptr;  // idem
   PyObject* failed = nullptr;  // idem
   std::atomic<int64_t> slow_count{0};
+  // Per tensor: the pre-hook saw a gradient that the post-hook has not taken yet.
+  std::vector<uint8_t> pre_seen;
+
+  // Runs on autograd's thread before tensor i's gradient is added to p.grad;
+  // the GIL is not held. Python only where a refusal may apply.
+  void BeforeGradient(int32_t i) {
+    std::unique_lock<std::mutex> lock(mu);
+    if (closed) return;
+    pre_seen[i] = 1;
+    if (!pending[i] && counts[i] < passes) return;
+    lock.unlock();
+    CallPython(before, i, nullptr);
+  }
+
+  // Tensor i's pre-hook, on the parameter (see the class comment).
+  void AddPreHook(int32_t i);
 
   // Runs on autograd's thread for tensor i's accumulator, after it has added
   // the gradient to p.grad; the GIL is not held.
   void OnGradient(int32_t i) {
     std::unique_lock<std::mutex> lock(mu);
     if (closed) return;
+    const bool checked = pre_seen[i] != 0;
+    pre_seen[i] = 0;
+    if (!checked) {
+      // A Python hook registered since emptied the parameter's hook list: the pre-hook goes back, and
+      // this gradient gets its checks (after autograd added it) and the Python path.
+      AddPreHook(i);
+      slow_count.fetch_add(1, std::memory_order_relaxed);
+      lock.unlock();
+      CallPython(before, i, nullptr);
+      CallPython(slow, i, nullptr);
+      return;
+    }
     if (!(open && !flushed && passes == 1 && counts[i] == 0) || !Stage(i)) {
       slow_count.fetch_add(1, std::memory_order_relaxed);
       lock.unlock();
@@ -105,6 +136,22 @@ struct GradientPath::State {
 
 namespace {
 
+class PreHook : public torch::autograd::FunctionPreHook {
+ public:
+  PreHook(std::shared_ptr<GradientPath::State> state, int32_t index) : state_(std::move(state)), index_(index) {}
+
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& values) override {
+    state_->BeforeGradient(index_);
+    return values;
+  }
+
+  bool Of(const GradientPath::State* state) const { return state_.get() == state; }
+
+ private:
+  std::shared_ptr<GradientPath::State> state_;
+  int32_t index_;
+};
+
 class PostHook : public torch::autograd::FunctionPostHook {
  public:
   PostHook(std::shared_ptr<GradientPath::State> state, int32_t index) : state_(std::move(state)), index_(index) {}
@@ -122,19 +169,31 @@ class PostHook : public torch::autograd::FunctionPostHook {
 
 }  // namespace
 
+void GradientPath::State::AddPreHook(int32_t i) {
+  // Appended to the parameter's own list, after any Python hook (impl::add_hook wants the list empty).
+  torch::autograd::impl::materialize_autograd_meta(params[i])->hooks_.push_back(
+      std::make_unique<PreHook>(shared_from_this(), i));
+}
+
 GradientPath::GradientPath(std::vector<at::Tensor> params, std::function<void(int32_t)> mark_ready,
-                           int32_t* counts, uint8_t* marked, uint8_t* used, int64_t* versions,
-                           pybind11::object slow, pybind11::object failed)
-    : state_(std::make_shared<State>()), slow_(std::move(slow)), failed_(std::move(failed)) {
+                           int32_t* counts, uint8_t* marked, uint8_t* used, uint8_t* pending, int64_t* versions,
+                           pybind11::object slow, pybind11::object before, pybind11::object failed)
+    : state_(std::make_shared<State>()),
+      slow_(std::move(slow)),
+      before_(std::move(before)),
+      failed_(std::move(failed)) {
   State& s = *state_;
   s.params = std::move(params);
   s.mark_ready = std::move(mark_ready);
   s.counts = counts;
   s.marked = marked;
   s.used = used;
+  s.pending = pending;
   s.versions = versions;
   s.slow = slow_.ptr();
+  s.before = before_.ptr();
   s.failed = failed_.ptr();
+  s.pre_seen.assign(s.params.size(), 0);
   accumulators_.resize(s.params.size());
   keys_.resize(s.params.size(), 0);
 }
@@ -180,7 +239,12 @@ void GradientPath::HookOnto(int32_t i) {
 
 void GradientPath::Install() {
   if (state_->closed) throw std::logic_error("install on a closed gradient path");
-  for (size_t i = 0; i < state_->params.size(); ++i) HookOnto(static_cast<int32_t>(i));
+  if (installed_) throw std::logic_error("install on an installed gradient path");
+  installed_ = true;
+  for (size_t i = 0; i < state_->params.size(); ++i) {
+    state_->AddPreHook(static_cast<int32_t>(i));
+    HookOnto(static_cast<int32_t>(i));
+  }
 }
 
 void GradientPath::Refresh(const std::vector<int64_t>& indices) {
@@ -199,15 +263,28 @@ void GradientPath::Close() {
     if (state_->closed) return;
     state_->closed = true;
     state_->slow = nullptr;
+    state_->before = nullptr;
     state_->failed = nullptr;
     state_->mark_ready = nullptr;
     state_->counts = nullptr;
     state_->marked = nullptr;
     state_->used = nullptr;
+    state_->pending = nullptr;
     state_->versions = nullptr;
   }
   for (size_t i = 0; i < accumulators_.size(); ++i) {
     if (accumulators_[i]) accumulators_[i]->del_post_hook(keys_[i]);
+  }
+  // The pre-hooks, from each parameter's hook list (closed, they would do nothing; gone, they cost nothing).
+  for (const at::Tensor& p : state_->params) {
+    if (torch::autograd::impl::get_autograd_meta(p) == nullptr) continue;
+    auto& hooks = torch::autograd::impl::hooks(p);
+    hooks.erase(std::remove_if(hooks.begin(), hooks.end(),
+                               [this](const std::unique_ptr<torch::autograd::FunctionPreHook>& h) {
+                                 const auto* ours = dynamic_cast<const PreHook*>(h.get());
+                                 return ours != nullptr && ours->Of(state_.get());
+                               }),
+                hooks.end());
   }
   accumulators_.clear();
   std::vector<at::Tensor> params, slots, watched;
@@ -218,9 +295,21 @@ void GradientPath::Close() {
     watched.swap(state_->watched);
   }
   slow_ = pybind11::object();
+  before_ = pybind11::object();
   failed_ = pybind11::object();
 }
 
 int64_t GradientPath::TakeSlowCount() { return state_->slow_count.exchange(0); }
+
+int64_t GradientPath::FirstMoved() {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  const State& s = *state_;
+  for (size_t i = 0; i < s.params.size() && i < s.slots.size(); ++i) {
+    if (s.params[i].scalar_type() != s.slots[i].scalar_type() || s.params[i].device() != s.slots[i].device()) {
+      return static_cast<int64_t>(i);
+    }
+  }
+  return -1;
+}
 
 }  // namespace dcredit

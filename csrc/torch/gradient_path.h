@@ -30,6 +30,18 @@ namespace dcredit {
 // or otherwise unusual gradients; there the hook calls the optimizer's
 // Python method, which does the same work with every check.
 //
+// Before autograd adds a gradient to p.grad, a C++ tensor pre-hook on the
+// parameter checks the two refusals that must come first (the parameter's
+// update is still pending: a stale read; more backward passes than
+// backward_passes_per_step): where either may apply it calls the Python
+// check, which raises. A tensor hook lives on the parameter, not on its
+// accumulator, so it also sees the gradients of an accumulator that a stale
+// graph read made. Python empties a tensor's hook list when a script
+// registers its first Python hook on it; the pre-hook marks each gradient it
+// sees, so a post-hook that finds its gradient unmarked puts the pre-hook
+// back and runs the Python check and hand-over for that gradient (the check
+// comes after autograd added it then: a refusal leaves that p.grad changed).
+//
 // A lazy step makes a pending parameter's next graph use build a new
 // accumulator (Note [Graph reads]); once its update is applied, Refresh()
 // puts the hook on the accumulator that graphs will use from then on.
@@ -42,12 +54,15 @@ class GradientPath {
  public:
   struct State;
 
-  // `counts` (int32), `marked`, `used` (uint8) and `versions` (int64) are the
-  // optimizer's per-tensor arrays (Python buffers kept alive by the caller
-  // until Close()). `slow(i)` runs the Python path for tensor i (with the GIL);
-  // `failed(i, message)` raises the Python error for a scheduler failure.
+  // `counts` (int32), `marked`, `used`, `pending` (uint8) and `versions`
+  // (int64) are the optimizer's per-tensor arrays (Python buffers kept alive
+  // by the caller until Close()). `slow(i)` runs the Python path for tensor i
+  // (with the GIL); `before(i)` the Python checks before a gradient is added
+  // (it raises where one is refused); `failed(i, message)` raises the Python
+  // error for a scheduler failure.
   GradientPath(std::vector<at::Tensor> params, std::function<void(int32_t)> mark_ready, int32_t* counts,
-               uint8_t* marked, uint8_t* used, int64_t* versions, pybind11::object slow, pybind11::object failed);
+               uint8_t* marked, uint8_t* used, uint8_t* pending, int64_t* versions, pybind11::object slow,
+               pybind11::object before, pybind11::object failed);
   ~GradientPath();
 
   // The slots and their watched aliases of the current plan.
@@ -64,6 +79,9 @@ class GradientPath {
   void Close();
   // Gradients that took the Python path since the last call (a count, for tests and the log).
   int64_t TakeSlowCount();
+  // The first parameter whose dtype or device is no longer its slot's (the
+  // model was cast or moved after wrapping), or -1.
+  int64_t FirstMoved();
 
  private:
   void HookOnto(int32_t i);
@@ -72,8 +90,10 @@ class GradientPath {
   // A shared_ptr before torch 2.13, an intrusive_ptr since (see torch_compat.h).
   using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
   std::vector<NodePtr> accumulators_;
+  bool installed_ = false;
   std::vector<uintptr_t> keys_;
   pybind11::object slow_;
+  pybind11::object before_;
   pybind11::object failed_;
 };
 

@@ -250,6 +250,107 @@ def test_path_rejects_state_arrays_of_the_wrong_size():
         with pytest.raises(ValueError, match="counts must be"):
             _ext.load().GradientPath(opt._dc_engine, params, per_tensor(len(params) + 1, "i"),
                                      per_tensor(len(params), "B"), per_tensor(len(params), "B"),
-                                     per_tensor(len(params), "q"), print, print)
+                                     per_tensor(len(params), "B"), per_tensor(len(params), "q"), print, print,
+                                     print)
+    finally:
+        opt._dc_close()
+
+
+def test_a_python_hook_registered_after_wrapping_keeps_every_check():
+    """Python empties a parameter's hook list when a script registers its first Python hook on it, and the C++
+    pre-hook with it (Note [Gradient path]): that parameter's next gradient finds it gone, puts it back and takes
+    the Python path once; after that the refusals hold as before, and training equals plain torch."""
+    model, opt, ref, ropt = pair(EAGER)
+    try:
+        for s in range(3):
+            opt.zero_grad()
+            loss(model, s).backward()
+            opt.step()
+            plain(ref, ropt, s)
+        seen = []
+        model[2].weight.register_hook(lambda g: seen.append(g.shape))
+        before = opt._dc_python_handovers
+        for s in range(3, 6):
+            opt.zero_grad()
+            loss(model, s).backward()
+            opt.step()
+            plain(ref, ropt, s)
+        assert seen == [model[2].weight.shape] * 3
+        assert opt._dc_python_handovers - before == 3 + 1  # the iterations' openers, and the gradient that found it
+        opt.synchronize()
+        assert_same(model, ref)
+        # A second backward before step() is refused before autograd adds its gradient.
+        opt.zero_grad()
+        loss(model, 6).backward()
+        held = [p.grad.clone() for p in model.parameters()]
+        with pytest.raises(dc.DCreditError, match=r"'4.bias' was computed 2 times before step\(\)"):
+            loss(model, 7).backward()
+        assert all(torch.equal(p.grad, h) for p, h in zip(model.parameters(), held))
+    finally:
+        opt._dc_close()
+
+
+def test_a_pre_hook_lost_between_two_passes_still_refuses_the_second():
+    """The pre-hook is emptied away after the first backward of an iteration: the second pass's gradient finds it
+    gone after autograd added it, and the same refusal comes then (late, but it comes)."""
+    model, opt, _, _ = pair(EAGER)
+    try:
+        for s in range(2):
+            opt.zero_grad()
+            loss(model, s).backward()
+            opt.step()
+        opt.zero_grad()
+        loss(model, 2).backward()
+        model[4].bias.register_hook(lambda g: None)  # the first gradient of the second pass
+        with pytest.raises(dc.DCreditError, match=r"'4.bias' was computed 2 times before step\(\)"):
+            loss(model, 3).backward()
+    finally:
+        opt._dc_close()
+
+
+def test_the_gradient_path_finds_a_parameter_cast_after_wrapping():
+    """What refuses a model cast after wrapping at the next backward (the whole case: gradient_patterns.py)."""
+    model, opt, _, _ = pair(EAGER)
+    try:
+        opt.zero_grad()
+        loss(model, 0).backward()
+        opt.step()
+        assert opt._dc_path.first_moved() == -1
+        weight = model[2].weight
+        weight.data = weight.data.double()
+        assert opt._dc_path.first_moved() == 2  # 0.weight, 0.bias, 2.weight
+        weight.data = weight.data.float()
+        assert opt._dc_path.first_moved() == -1
+    finally:
+        opt._dc_close()
+
+
+def _apply_hooks(module):
+    return [h for h in module._forward_pre_hooks.values() if type(h).__name__ == "_ForwardHook"]
+
+
+def test_the_apply_hooks_rest_once_nothing_is_pending_and_come_back_first_at_step():
+    """Note [Resting hooks]: a lazy step() puts the apply points' hooks in their modules, first; once the forward has
+    applied every update they leave, so the rest of it takes torch's fast call path. Training equals plain torch."""
+    model, opt, ref, ropt = pair(LAZY)
+    users = []
+    model[2].register_forward_pre_hook(lambda m, args: users.append(_apply_hooks(m) == []))
+    try:
+        for s in range(6):
+            opt.zero_grad()
+            loss(model, s).backward()
+            opt.step()
+            plain(ref, ropt, s)
+            if s >= 3:  # the plan and the first-read learning have settled
+                assert opt._dc_lazy.npending
+                hooked = [m for m in model if _apply_hooks(m)]
+                assert hooked == [model[0], model[2], model[4]]
+                assert all(next(iter(m._forward_pre_hooks.values())) is _apply_hooks(m)[0] for m in hooked)
+        with torch.no_grad():
+            model(batch(99))
+        assert not opt._dc_lazy.npending and not any(_apply_hooks(m) for m in model)
+        assert users[-1], "the user's pre-hook ran while ours was still in the module"
+        opt.synchronize()
+        assert_same(model, ref)
     finally:
         opt._dc_close()

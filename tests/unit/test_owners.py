@@ -195,10 +195,10 @@ def test_the_buffers_find_a_non_finite_gradient_and_a_cast_model():
     assert buffers.first_non_finite() is None
     buffers.slots[1][0] = float("nan")
     assert buffers.first_non_finite() == 1
-    buffers.check_casts()
+    buffers.check_casts(-1)  # the gradient path found nothing moved (test_gradient_path.py finds it)
     params[0].data = params[0].data.double()
-    with pytest.raises(DCreditError, match="'p0' is torch.float64"):
-        buffers.check_casts()
+    with pytest.raises(DCreditError, match="'p0' is torch.float64 on cpu now, but was torch.float32"):
+        buffers.check_casts(0)
 
 
 # ---- LazyUpdates -------------------------------------------------------------------------------------------------
@@ -225,9 +225,9 @@ def test_a_lazy_step_keeps_the_optimizer_while_updates_wait():
     updates.take(groups)
     groups[0]["lr"].fill_(0.5)  # a scheduler's in-place change after step(): not the step's
     assert updates.snapshot[0]["lr"].item() == pytest.approx(0.1)
-    assert updates.pending == [True] * 3 and updates.npending == 3
+    assert list(updates.pending) == [1] * 3 and updates.npending == 3
     updates.skip([1])  # p.grad = None: no update
-    assert updates.pending == [True, False, True] and updates.npending == 2
+    assert list(updates.pending) == [1, 0, 1] and updates.npending == 2
     updates.defer(owner)
     assert updates.deferred and updates.keeper() is owner and updates.keeper.strong is owner
     path = _Path()
