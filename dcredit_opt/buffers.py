@@ -59,6 +59,7 @@ class GradientBuffers:
         self._keeper = keeper  # how a watched gradient reaches its optimizer
         self._groups = groups  # Horovod's groups, merged in every plan (grouping.py)
         self._sparse_as_dense = sparse_as_dense
+        self._path = None  # the C++ gradient path over these slots (use_path), for the checks in one pass
         # Note [Sparse gradients] in sparse.py: where a sparse gradient goes instead (``put(i, grad)``, False if
         # it cannot), and the row indices of each reduced gradient handed to the wrapped step sparse.
         self.sparse_sink = None
@@ -197,12 +198,21 @@ class GradientBuffers:
         for i in indices:
             self.versions[i] = self.slots[i]._version
 
+    def use_path(self, path) -> None:
+        """The C++ gradient path (Note [Gradient path]) that stages into these slots: the checks below ask it,
+        in one pass, instead of looking at every slot from Python."""
+        self._path = path
+
     def check_writes(self, indices, where: str) -> None:
         """Raise if a gradient slot was written since it was handed to the scheduler (Note [Lazy step])."""
-        slots, versions = self.slots, self.versions
-        for i in indices:
-            if slots[i]._version != versions[i]:
-                raise DCreditError(
+        if self._path is not None:
+            indices = list(indices)
+            first = self._path.first_written(indices) if indices else -1
+            written = [] if first < 0 else [first]
+        else:
+            written = [i for i in indices if self.slots[i]._version != self.versions[i]][:1]
+        for i in written:
+            raise DCreditError(
                     f"the gradient of '{self._names[i]}' was changed in place while dcredit_opt was still "
                     f"reducing it or its update still waited for it (seen in {where}): by "
                     "model.zero_grad(set_to_none=False) or other code writing p.grad between step() and the next "

@@ -140,7 +140,7 @@ class LazyStep:
             self._dc_recorder.on_forward(own)
         if lazy.npending:
             # on a GPU, final is enqueued (Note [Stream-ordered waits])
-            self._dc_apply(own + lazy.done_ahead(own, self._dc_tally.rows, self._dc_engine.tensor_final))
+            self._dc_apply(own + lazy.done_ahead(own, self._dc_tally.rows, self._dc_engine.finals()))
         if not lazy.npending:
             if self._dc_timeline is None and self._dc_recorder is None:
                 lazy.rest()

@@ -265,6 +265,7 @@ class _DistributedOptimizer:
                                                  self._dc_tally.used, self._dc_lazy.pending,
                                                  self._dc_buffers.versions, WeakSlowPath(me), WeakBeforeCheck(me),
                                                  WeakHookFailure(me))
+        self._dc_buffers.use_path(self._dc_path)
         self._dc_path.set_passes_per_step(bpps)
         self._dc_python_handovers = 0
         self._dc_path.set_prescale(prescale)
@@ -402,7 +403,7 @@ class _DistributedOptimizer:
         if lazy:
             updates.skip(dropped)  # p.grad = None after backward(): no update this step, as in plain torch
             self._dc_apply(updates.eager)
-            updates.defer(self)
+            updates.defer(self, self._dc_path.addresses())
         else:
             self._dc_step_now()
         self._dc_tell_python_path()
@@ -467,9 +468,9 @@ class _DistributedOptimizer:
         ``backward()``, and those whose gradient it replaced by another tensor."""
         dropped, replaced = [], []
         buffers = self._dc_buffers
-        for i, (p, w) in enumerate(zip(self._dc_params, buffers.watched)):
-            g = p.grad
-            if g is w or not self._dc_marked[i] or i in self._dc_tally.rows:
+        for i in self._dc_path.not_watched():  # one C++ pass; nearly always none
+            g = self._dc_params[i].grad
+            if not self._dc_marked[i] or i in self._dc_tally.rows:
                 continue
             if g is None:
                 dropped.append(i)
@@ -532,11 +533,12 @@ class _DistributedOptimizer:
         # would examine every call here while updates are pending; Note [Guard cost] in reads.py).
         lazy = self._dc_lazy
         with lazy.guard.paused():
-            for i, p in enumerate(self._dc_params):
-                g = p.grad
-                if lazy.pending[i] and self._dc_buffers.is_ours(i, g):
-                    # The slot holds the reduced gradient a pending update still needs.
-                    p.grad = None if set_to_none else torch.zeros_like(p)
+            if lazy.npending and not set_to_none:  # set to None, as the wrapped zero_grad sets every p.grad
+                pending, params, buffers = lazy.pending, self._dc_params, self._dc_buffers
+                for i, p in enumerate(params):
+                    if pending[i] and buffers.is_ours(i, p.grad):
+                        # The slot holds the reduced gradient a pending update still needs.
+                        p.grad = None if set_to_none else torch.zeros_like(p)
             # Reads and writes gradients only, never a parameter's values: the guard need not see it.
             self._dc_base.zero_grad(self, set_to_none=set_to_none)
 

@@ -319,11 +319,11 @@ class PendingReadGuard(TorchFunctionMode):
         self._where = None  # the parameters' data pointers the address table was built from
         self.armed = False
 
-    def arm(self, params) -> None:
-        """From here on, a read of a pending parameter applies its update first (on the training thread)."""
+    def arm(self, params, where) -> None:
+        """From here on, a read of a pending parameter applies its update first (on the training thread).
+        ``where``: the parameters' data addresses now (one C++ call, not one per parameter)."""
         # Rebuilt only when some parameter's memory moved (a script may replace a parameter's .data):
         # comparing the addresses costs far less than sorting them again at every step().
-        where = [p.data_ptr() for p in params]
         if where != self._where:
             self._addresses, self._where = Addresses(params), where
         stack = torch.overrides._get_current_function_mode_stack()

@@ -144,14 +144,14 @@ class LazyUpdates:
         self.npending -= len(indices)
         self.versions_checked = False
 
-    def defer(self, optimizer) -> None:
+    def defer(self, optimizer, addresses) -> None:
         """End of a lazy ``step()``: from here on, a graph that reads a pending parameter before its update is
         applied shows in that parameter's gradient accumulator (Note [Graph reads] in csrc/torch/bindings.cc);
         while updates wait, the model's hooks hold ``optimizer``."""
         pending = [p for p, waits in zip(self._params, self.pending) if waits]
         if pending:
             _ext.load().forget_graph_reads(pending)
-            self.guard.arm(self._params)
+            self.guard.arm(self._params, addresses)
         self.deferred = True
         self._ahead = 0
         if self.npending:
@@ -186,8 +186,8 @@ class LazyUpdates:
         """The tensors whose update ``module``'s forward applies (Note [Lazy step])."""
         return self._apply_at.get(module)
 
-    def done_ahead(self, own, rows_of, done) -> tuple[int, ...]:
-        """Pending tensors read later in the forward whose reduced gradients are final already (``done(i)``),
+    def done_ahead(self, own, rows_of, done: bytes) -> tuple[int, ...]:
+        """Pending tensors read later in the forward whose reduced gradients are final already (``done[i]``),
         in first-read order up to the first that is not: applied together with ``own`` (Note [Lazy step]).
         Tensors with embedding rows (``rows_of``) wait for their own module (their rows are gathered apart
         from the blocks)."""
@@ -197,7 +197,7 @@ class LazyUpdates:
         while k < len(order):
             i = order[k]
             if pending[i] and i not in own and i not in rows_of:
-                if not done(i):
+                if not done[i]:
                     break
                 found.append(i)
             k += 1

@@ -148,6 +148,12 @@ class Engine {
   bool TensorFinal(int32_t tensor) {
     return (torch_ != nullptr && torch_->TensorFinal(tensor)) || scheduler_->TensorDone(tensor);
   }
+  py::bytes Finals() {
+    const int32_t n = scheduler_->num_tensors();
+    std::string out(static_cast<size_t>(n), '\0');
+    for (int32_t t = 0; t < n; ++t) out[t] = TensorFinal(t) ? 1 : 0;
+    return py::bytes(out);
+  }
 
   Scheduler& scheduler() { return *scheduler_; }
   ManualBackend& manual() {
@@ -256,7 +262,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("take_slow_count", &GradientPath::TakeSlowCount,
            "Gradients that took the Python path since the last call.")
       .def("first_moved", &GradientPath::FirstMoved,
-           "The first parameter whose dtype or device is no longer its slot's, or -1.");
+           "The first parameter whose dtype or device is no longer its slot's, or -1.")
+      .def("first_written", &GradientPath::FirstWritten, py::arg("indices"),
+           "The first of `indices` (every tensor if empty) whose slot was written since its version was "
+           "recorded, or -1.")
+      .def("not_watched", &GradientPath::NotWatched, "The tensors whose p.grad is not their watched alias now.")
+      .def("addresses", &GradientPath::Addresses, "Every parameter's data address, in order.");
 
   // The state machine of Note [Stream-ordered waits], alone, for tests on any machine.
   py::class_<FinalGate>(m, "FinalGate")
@@ -338,6 +349,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "tensor_done", [](Engine& e, int32_t t) { return e.scheduler().TensorDone(t); }, py::arg("tensor"),
           release())
+      .def("finals", &Engine::Finals, "Per tensor, whether tensor_final(t) holds now (bytes, 0 or 1).")
       .def("tensor_final", &Engine::TensorFinal, py::arg("tensor"),
            "Whether wait_tensors_on_stream([tensor]) would return without waiting: its blocks are done, or on a "
            "CUDA device their results are enqueued (Note [Stream-ordered waits]).")

@@ -313,3 +313,47 @@ int64_t GradientPath::FirstMoved() {
 }
 
 }  // namespace dcredit
+
+namespace dcredit {
+
+int64_t GradientPath::FirstWritten(const std::vector<int64_t>& indices) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  const State& s = *state_;
+  if (s.closed) return -1;
+  const int64_t n = static_cast<int64_t>(s.slots.size());
+  auto written = [&s](int64_t i) { return s.slots[i]._version() != s.versions[i]; };
+  if (indices.empty()) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (written(i)) return i;
+    }
+    return -1;
+  }
+  for (int64_t i : indices) {
+    if (i < 0 || i >= n) throw std::out_of_range("first_written: tensor " + std::to_string(i) + " out of range");
+    if (written(i)) return i;
+  }
+  return -1;
+}
+
+std::vector<int64_t> GradientPath::NotWatched() {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  const State& s = *state_;
+  std::vector<int64_t> out;
+  for (size_t i = 0; i < s.params.size() && i < s.watched.size(); ++i) {
+    const at::Tensor& grad = s.params[i].grad();
+    if (!grad.defined() || grad.unsafeGetTensorImpl() != s.watched[i].unsafeGetTensorImpl()) {
+      out.push_back(static_cast<int64_t>(i));
+    }
+  }
+  return out;
+}
+
+std::vector<int64_t> GradientPath::Addresses() {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  std::vector<int64_t> out;
+  out.reserve(state_->params.size());
+  for (const at::Tensor& p : state_->params) out.push_back(reinterpret_cast<int64_t>(p.data_ptr()));
+  return out;
+}
+
+}  // namespace dcredit

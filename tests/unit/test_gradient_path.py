@@ -354,3 +354,30 @@ def test_the_apply_hooks_rest_once_nothing_is_pending_and_come_back_first_at_ste
         assert_same(model, ref)
     finally:
         opt._dc_close()
+
+
+def test_the_checks_in_one_pass_see_what_the_python_loops_saw():
+    """The per-step checks that ask the gradient path in one C++ pass: which p.grad are not the watched aliases
+    (Note [Replaced gradients]), which slot was written since its hand-over (Note [Lazy step]), the parameters'
+    addresses (the read guard's table), and which reduced gradients are final."""
+    model, opt, _, _ = pair(LAZY)
+    try:
+        for s in range(3):
+            opt.zero_grad()
+            loss(model, s).backward()
+            opt.step()
+        opt.synchronize()
+        params, path, T = list(model.parameters()), opt._dc_path, len(list(model.parameters()))
+        assert path.not_watched() == [] and path.first_written([]) == -1
+        assert path.addresses() == [p.data_ptr() for p in params]
+        assert opt._dc_engine.finals() == bytes([1] * T)
+        opt._dc_buffers.slots[3].add_(1.0)  # a write that went around p.grad
+        assert path.first_written([]) == 3 and path.first_written([0, 1, 2]) == -1 and path.first_written([4, 3]) == 3
+        with pytest.raises(IndexError, match="tensor 6 out of range"):
+            path.first_written([6])
+        opt._dc_buffers.versions[3] = opt._dc_buffers.slots[3]._version
+        params[1].grad = None
+        params[4].grad = params[4].grad.clone()
+        assert path.not_watched() == [1, 4]
+    finally:
+        opt._dc_close()

@@ -228,7 +228,7 @@ def test_a_lazy_step_keeps_the_optimizer_while_updates_wait():
     assert list(updates.pending) == [1] * 3 and updates.npending == 3
     updates.skip([1])  # p.grad = None: no update
     assert list(updates.pending) == [1, 0, 1] and updates.npending == 2
-    updates.defer(owner)
+    updates.defer(owner, [p.data_ptr() for p in params])
     assert updates.deferred and updates.keeper() is owner and updates.keeper.strong is owner
     path = _Path()
     updates.applied([0], path)
@@ -245,8 +245,6 @@ def test_updates_read_later_join_an_apply_only_up_to_the_first_not_final():
     updates = LazyUpdates(object.__new__(type("O", (), {})), list("abcd"), params, Notices())
     updates._read_order = (0, 1, 2, 3)  # as end_learning sets it: first-read order
     updates.take([{"params": params}])
-    final = {1, 3}
-    assert updates.done_ahead((0,), rows_of={}, done=lambda i: i in final) == (1,)  # 2 is not final: stop there
-    final.add(2)
-    assert updates.done_ahead((2,), rows_of={3: None}, done=lambda i: i in final) == ()  # 3 waits for its rows
+    assert updates.done_ahead((0,), rows_of={}, done=bytes([0, 1, 0, 1])) == (1,)  # 2 is not final: stop there
+    assert updates.done_ahead((2,), rows_of={3: None}, done=bytes([0, 1, 1, 1])) == ()  # 3 waits for its rows
     assert "outside any module's forward" in str(updates.stale_read(0))
