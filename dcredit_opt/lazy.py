@@ -97,18 +97,28 @@ class LazyStep:
         snapshot = self._dc_lazy.snapshot
         saved_hyper = [{k: g[k] for k in snap} for g, snap in zip(groups, snapshot)]
         saved_grads = [params[i].grad for i in todo]
-        members = [[] for _ in groups]
-        for i in todo:
-            members[self._dc_group_of[i]].append(params[i])
+        # Every update at once (the common case where communication ends before the next forward): the
+        # groups as they are, when they hold exactly our parameters.
+        whole = len(todo) == len(params) and self._dc_whole_groups and len(groups) == len(snapshot)
+        members = None if whole else [[] for _ in groups]
+        if not whole:
+            for i in todo:
+                members[self._dc_group_of[i]].append(params[i])
         try:
-            for g, m, snap in zip(groups, members, snapshot):
-                g["params"] = m
+            for gi, (g, snap) in enumerate(zip(groups, snapshot)):
+                if not whole:
+                    g["params"] = members[gi]
                 g.update(snap)
             for g in groups[len(snapshot):]:  # added after wrapping: refused at the next step()
                 g["params"] = []
-            for i in todo:
-                if i not in unused:
-                    params[i].grad = buffers.for_step(i)
+            if unused or buffers.as_sparse or True in buffers.sparse:
+                for i in todo:
+                    if i not in unused:
+                        params[i].grad = buffers.for_step(i)
+            else:
+                slots = buffers.slots
+                for i in todo:
+                    params[i].grad = slots[i]
             self._dc_base.step(self)
         finally:
             for g, ps in zip(groups, saved_params):
@@ -221,12 +231,17 @@ class LazyStep:
         self._dc_tally.propose_rows(tracer, {t for g in self._dc_groups or () for t in g})
 
 
+_PLAIN = frozenset({float, int, bool, str, type(None)})  # hyperparameters that cannot change in place
+
+
 def copy_hyper(group: dict) -> dict:
     """A group's hyperparameters as of now: tensors copied, so an in-place change later does not leak in."""
     return {k: _detached_copy(v) for k, v in group.items() if k != "params"}
 
 
 def _detached_copy(v):
+    if type(v) in _PLAIN:
+        return v
     if isinstance(v, torch.Tensor):
         return v.detach().clone()
     if isinstance(v, (tuple, list)):

@@ -196,7 +196,7 @@ def _check_process_set(process_set) -> None:
 
 def _group_ids(groups) -> list:
     """The parameters of each group, by identity."""
-    return [[id(p) for p in g["params"]] for g in groups]
+    return [list(map(id, g["params"])) for g in groups]
 
 
 def _check_devices(names, params):
@@ -237,6 +237,9 @@ class _DistributedOptimizer:
         self._dc_marked = per_tensor(T, "B")  # handed to the scheduler in this iteration
         self._dc_final = [False] * T  # reduction waited for at a read of p.grad (Note [Gradient reads])
         self._dc_group_ids = _group_ids(self.param_groups)  # what was wrapped (Note [Replaced gradients])
+        # The groups hold exactly our parameters, in order (none frozen): a wrapped step over every update
+        # can take them as they are.
+        self._dc_whole_groups = [i for ids in self._dc_group_ids for i in ids] == [id(p) for p in params]
         self._dc_open = False
         self._dc_flushed = False
         self._dc_synchronized = False

@@ -205,6 +205,8 @@ class UsageTally:
     def add_rows(self, indices, slots, versions, scale: float) -> None:
         """Every rank's embedding rows, times ``scale``, into the reduced gradients of ``indices`` that have them
         (a sparse gradient's indices into ``as_sparse``)."""
+        if not self.rows:
+            return
         for i in indices:
             r = self.rows.get(i)
             if r is not None and r.gathered is not None:

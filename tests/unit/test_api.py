@@ -246,6 +246,9 @@ class _Unfinished:
     def tensor_final(self, i):
         return i not in self._unfinished and self._engine.tensor_final(i)
 
+    def finals(self):
+        return bytes(0 if i in self._unfinished else f for i, f in enumerate(self._engine.finals()))
+
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
