@@ -76,7 +76,7 @@ class GradientHooks:
         if lazy.npending and lazy.deferred:
             # Before this rank launches anything of the new iteration, so that every rank
             # whose forward read the same stale parameter stops here, at the same point.
-            lazy.check_graph_reads([i for i, waits in enumerate(lazy.pending) if waits])
+            lazy.check_graph_reads([i for i, waits in enumerate(lazy.pending) if waits], self._dc_path)
         # Updates applied with a stream-ordered wait (Note [Stream-ordered waits]) may leave blocks
         # still running on the device: the new iteration's gradients go into the same slots.
         if (lazy.npending or not self._dc_engine.idle()) and not lazy.reduced:

@@ -75,7 +75,7 @@ class LazyStep:
             return
         with lazy.guard.paused():  # the wrapped step reads the parameters it updates: not reads to guard
             if lazy.deferred:
-                lazy.check_graph_reads(todo)
+                lazy.check_graph_reads(todo, self._dc_path)
             self._dc_wait(todo, on_stream=True)  # the wrapped step's kernels go on the current stream
             if not lazy.versions_checked:
                 # The first apply after a lazy step(): every pending slot, so that a write

@@ -406,7 +406,7 @@ class _DistributedOptimizer:
         if lazy:
             updates.skip(dropped)  # p.grad = None after backward(): no update this step, as in plain torch
             self._dc_apply(updates.eager)
-            updates.defer(self, self._dc_path.addresses())
+            updates.defer(self, self._dc_path)
         else:
             self._dc_step_now()
         self._dc_tell_python_path()

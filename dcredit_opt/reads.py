@@ -53,7 +53,7 @@ pass-through: reads inside a compiled graph are not seen.
 Two lines stand behind it. A read the guard cannot see (another thread,
 code compiled by ``torch.compile``) but that autograd records shows in the
 parameter's gradient accumulator (Note [Graph reads] in
-``csrc/torch/bindings.cc``): every apply, and the start of the backward,
+``csrc/torch/gradient_path.cc``): every apply, and the start of the backward,
 raise a ``DCreditError`` naming the parameter before anything is applied or
 launched. A read that neither sees (another thread or compiled code, without
 autograd; a collective or C++ extension handed ``p`` directly) is the

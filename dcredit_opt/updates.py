@@ -41,7 +41,7 @@ The lazy step defers only what it can prove safe, and checks the rest:
   the next forward) applies its update first (Note [Guarded reads] in
   ``reads.py``). Behind that, a graph read the guard could not see (another
   thread, compiled code) shows in the parameter's gradient accumulator (Note
-  [Graph reads] in ``csrc/torch/bindings.cc``): every apply checks that
+  [Graph reads] in ``csrc/torch/gradient_path.cc``): every apply checks that
   first, and so does the start of the backward, for updates still pending
   then, before the rank launches anything: a ``DCreditError`` naming the
   parameter. Last line: a pending parameter's tensor hook raises before
@@ -79,7 +79,6 @@ from __future__ import annotations
 
 import weakref
 
-from . import _ext
 from .buffers import clear, fill, per_tensor
 from .errors import DCreditError
 from .lazy import Keeper, copy_hyper, drop_inert_hooks, holds_any, weak_apply_hook, weak_forward_hook
@@ -144,14 +143,15 @@ class LazyUpdates:
         self.npending -= len(indices)
         self.versions_checked = False
 
-    def defer(self, optimizer, addresses) -> None:
+    def defer(self, optimizer, path) -> None:
         """End of a lazy ``step()``: from here on, a graph that reads a pending parameter before its update is
-        applied shows in that parameter's gradient accumulator (Note [Graph reads] in csrc/torch/bindings.cc);
-        while updates wait, the model's hooks hold ``optimizer``."""
-        pending = [p for p, waits in zip(self._params, self.pending) if waits]
+        applied shows in that parameter's gradient accumulator (Note [Graph reads] in csrc/torch/gradient_path.cc);
+        while updates wait, the model's hooks hold ``optimizer``. ``path``: the gradient path, which does that
+        in C++ and tells the parameters' addresses (the guard's table is rebuilt when one moved)."""
+        pending = [i for i, waits in enumerate(self.pending) if waits]
         if pending:
-            _ext.load().forget_graph_reads(pending)
-            self.guard.arm(self._params, addresses)
+            path.forget_graph_reads(pending)
+            self.guard.arm(self._params, path.addresses())
         self.deferred = True
         self._ahead = 0
         if self.npending:
@@ -206,9 +206,10 @@ class LazyUpdates:
 
     # ---- reads that came too early ------------------------------------------------------------
 
-    def check_graph_reads(self, todo) -> None:
-        """Raise if autograd read a pending parameter since the lazy ``step()``: that read saw the old value."""
-        found = _ext.load().first_graph_read([self._params[i] for i in todo])
+    def check_graph_reads(self, todo, path) -> None:
+        """Raise if autograd read a pending parameter since the lazy ``step()``: that read saw the old value
+        (``path``: the gradient path, which looks in C++)."""
+        found = path.first_graph_read(todo)
         if found >= 0:
             raise self.read_before_update(todo[found])
 

@@ -168,34 +168,6 @@ class Engine {
   ManualBackend* manual_ = nullptr;
 };
 
-// Note [Graph reads]
-// ~~~~~~~~~~~~~~~~~~
-// A leaf's AccumulateGrad node is held by the graphs that read the leaf; the
-// leaf itself keeps only a weak pointer to it, and its tensor hooks live on
-// the leaf, not on the node. After a lazy step() we drop that weak pointer
-// for every parameter whose update waits (forget_graph_reads): the graphs
-// still alive keep their node, and the first op that reads the parameter
-// with autograd afterwards makes a new one. So, at the point where an update
-// is applied, "this parameter has an accumulator" means exactly "a graph made
-// since step() read it before its update": a stale read (first_graph_read).
-void ForgetGraphReads(const std::vector<at::Tensor>& tensors) {
-  for (const at::Tensor& t : tensors) {
-    if (torch::autograd::impl::get_autograd_meta(t) != nullptr) {
-      compat::DropGradAccumulator(t);
-    }
-  }
-}
-
-int64_t FirstGraphRead(const std::vector<at::Tensor>& tensors) {
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    if (torch::autograd::impl::get_autograd_meta(tensors[i]) != nullptr &&
-        torch::autograd::impl::try_get_grad_accumulator(tensors[i])) {
-      return static_cast<int64_t>(i);
-    }
-  }
-  return -1;
-}
-
 }  // namespace
 }  // namespace dcredit
 
@@ -215,11 +187,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Whether this build can reduce blocks on CUDA devices (see cuda_sync.h).
   m.attr("WITH_CUDA") = kWithCuda;
 
-  m.def("forget_graph_reads", &ForgetGraphReads, py::arg("tensors"),
-        "Drop each leaf's link to its gradient accumulator, so that the next read with autograd makes a new "
-        "one (Note [Graph reads]).");
-  m.def("first_graph_read", &FirstGraphRead, py::arg("tensors"),
-        "Index of the first leaf read by a live graph made since forget_graph_reads(), or -1.");
 
   // Note [Gradient path] in gradient_path.h. The per-tensor arrays are the optimizer's writable buffers
   // (kept alive with the path); `slow(i)` and `failed(i, message)` are its Python fallbacks.
@@ -267,7 +234,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "The first of `indices` (every tensor if empty) whose slot was written since its version was "
            "recorded, or -1.")
       .def("not_watched", &GradientPath::NotWatched, "The tensors whose p.grad is not their watched alias now.")
-      .def("addresses", &GradientPath::Addresses, "Every parameter's data address, in order.");
+      .def("addresses", &GradientPath::Addresses, "Every parameter's data address, in order.")
+      .def("forget_graph_reads", &GradientPath::ForgetGraphReads, py::arg("indices"),
+           "Drop the parameters' links to their gradient accumulators (Note [Graph reads]).")
+      .def("first_graph_read", &GradientPath::FirstGraphRead, py::arg("indices"),
+           "The position in `indices` of the first parameter a live graph made since read, or -1.");
 
   // The state machine of Note [Stream-ordered waits], alone, for tests on any machine.
   py::class_<FinalGate>(m, "FinalGate")

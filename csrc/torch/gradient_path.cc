@@ -1,6 +1,8 @@
 // See Note [Gradient path] in gradient_path.h.
 #include "gradient_path.h"
 
+#include "torch_compat.h"
+
 #include <torch/csrc/Exceptions.h>
 
 #include <algorithm>
@@ -354,6 +356,51 @@ std::vector<int64_t> GradientPath::Addresses() {
   out.reserve(state_->params.size());
   for (const at::Tensor& p : state_->params) out.push_back(reinterpret_cast<int64_t>(p.data_ptr()));
   return out;
+}
+
+}  // namespace dcredit
+
+namespace dcredit {
+
+namespace {
+
+const at::Tensor& Param(const std::vector<at::Tensor>& params, int64_t i, const char* call) {
+  if (i < 0 || i >= static_cast<int64_t>(params.size())) {
+    throw std::out_of_range(std::string(call) + ": tensor " + std::to_string(i) + " out of range");
+  }
+  return params[i];
+}
+
+}  // namespace
+
+// Note [Graph reads]
+// ~~~~~~~~~~~~~~~~~~
+// A leaf's AccumulateGrad node is held by the graphs that read the leaf; the
+// leaf itself keeps only a weak pointer to it, and its tensor hooks live on
+// the leaf, not on the node. After a lazy step() we drop that weak pointer
+// for every parameter whose update waits (ForgetGraphReads): the graphs
+// still alive keep their node, and the first op that reads the parameter
+// with autograd afterwards makes a new one. So, at the point where an update
+// is applied, "this parameter has an accumulator" means exactly "a graph made
+// since step() read it before its update": a stale read (FirstGraphRead).
+void GradientPath::ForgetGraphReads(const std::vector<int64_t>& indices) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  for (int64_t i : indices) {
+    const at::Tensor& p = Param(state_->params, i, "forget_graph_reads");
+    if (torch::autograd::impl::get_autograd_meta(p) != nullptr) compat::DropGradAccumulator(p);
+  }
+}
+
+int64_t GradientPath::FirstGraphRead(const std::vector<int64_t>& indices) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  for (size_t k = 0; k < indices.size(); ++k) {
+    const at::Tensor& p = Param(state_->params, indices[k], "first_graph_read");
+    if (torch::autograd::impl::get_autograd_meta(p) != nullptr &&
+        torch::autograd::impl::try_get_grad_accumulator(p)) {
+      return static_cast<int64_t>(k);
+    }
+  }
+  return -1;
 }
 
 }  // namespace dcredit

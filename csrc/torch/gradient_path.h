@@ -90,6 +90,11 @@ class GradientPath {
   // Every parameter's data address, in order (the read guard's table is
   // rebuilt only when one moved).
   std::vector<int64_t> Addresses();
+  // Note [Graph reads] (gradient_path.cc) for the parameters `indices`: drop
+  // their links to their accumulators; the position in `indices` of the
+  // first one a live graph made since has read, or -1.
+  void ForgetGraphReads(const std::vector<int64_t>& indices);
+  int64_t FirstGraphRead(const std::vector<int64_t>& indices);
 
  private:
   void HookOnto(int32_t i);

@@ -205,11 +205,19 @@ def test_the_buffers_find_a_non_finite_gradient_and_a_cast_model():
 
 
 class _Path:
-    def __init__(self):
+    def __init__(self, params=()):
         self.refreshed = []
+        self.forgotten = []
+        self._params = params
 
     def refresh(self, todo):
         self.refreshed.append(list(todo))
+
+    def forget_graph_reads(self, indices):
+        self.forgotten.append(list(indices))
+
+    def addresses(self):
+        return [p.data_ptr() for p in self._params]
 
 
 def test_a_lazy_step_keeps_the_optimizer_while_updates_wait():
@@ -228,9 +236,10 @@ def test_a_lazy_step_keeps_the_optimizer_while_updates_wait():
     assert list(updates.pending) == [1] * 3 and updates.npending == 3
     updates.skip([1])  # p.grad = None: no update
     assert list(updates.pending) == [1, 0, 1] and updates.npending == 2
-    updates.defer(owner, [p.data_ptr() for p in params])
+    path = _Path(params)
+    updates.defer(owner, path)
     assert updates.deferred and updates.keeper() is owner and updates.keeper.strong is owner
-    path = _Path()
+    assert path.forgotten == [[0, 2]]  # the pending ones (Note [Graph reads])
     updates.applied([0], path)
     assert updates.npending == 1 and path.refreshed == [[0]] and updates.keeper.strong is owner
     updates.applied([2], path)
