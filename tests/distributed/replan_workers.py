@@ -7,38 +7,64 @@ depends on the simulator's verdict for this toy model, which may well be
 "keep the plan"; ``forced=True`` makes rank 0's planner return a plan with
 other blocks and call it faster, so that a switch surely happens and its
 mechanics (the same step on every rank, an eager staging step, synchronous
-results across the switch) are what is tested.
+results across the switch) are what is tested. ``decoupled=True`` makes
+every check after a plan's baseline decide to re-plan, on every rank (the
+hysteresis triggers whatever the estimates), and the forced plans decouple
+every tensor, every other one, then none, in turn (two-stage blocks: a
+reduce-scatter in backward, an all-gather at the flush), with ever smaller
+blocks: switches run into, between and out of decoupled plans.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 
 import torch
 
 import dcredit_opt as dc
 from dcredit_opt import replanner
+from dcredit_opt.blockops import REDUCE_SCATTER
 from dcredit_opt.layout import fixed_plan
 from dcredit_opt.planner import adaptive
 
 from .workers import OPTIMIZERS, Net, _join, batch, loss_of, max_diff, reference_grads
 
+DECOUPLED = ("all", "every other", "none")
+"""Which tensors the forced plans decouple with ``decoupled=True``, in turn."""
 
-def _force_replans() -> None:
+DECOUPLED_SIZES = (512, 256, 128, 64)
+"""The forced plans' block bytes with ``decoupled=True``, in turn: each plan's largest block is smaller than
+the last one's, so the forced simulator calls every fresh plan the faster one."""
+
+
+def _force_replans(decoupled: bool = False) -> None:
     """Rank 0's planner returns equal blocks of a size that alternates between re-plans, and the simulator
-    calls the plan with the smaller largest block the faster one."""
-    sizes = iter([64, 512] * 100)
+    calls the plan with the smaller largest block the faster one. With ``decoupled``, the plans decouple
+    the tensors of :data:`DECOUPLED` in turn, with the block sizes of :data:`DECOUPLED_SIZES`."""
+    sizes = iter(DECOUPLED_SIZES if decoupled else [64, 512] * 100)
+    splits = iter(DECOUPLED * 100)
 
     def make_plan(profile, policy, *, channels, overlap_forward=True):
-        return fixed_plan(list(profile.numels), [4] * profile.num_tensors, next(sizes), 2, channels, 0,
+        plan = fixed_plan(list(profile.numels), [4] * profile.num_tensors, next(sizes), 2, channels, 0,
                           overlap_forward)
+        if not decoupled:
+            return plan
+        T, which = profile.num_tensors, next(splits)
+        split = range(T) if which == "all" else range(0, T, 2) if which == "every other" else ()
+        return dataclasses.replace(plan, decoupled=tuple(split))
 
     def iteration_time(plan, profile, channel_fifo=False):
         return float(adaptive.largest_block(plan.partition))
 
     replanner.make_plan = make_plan
     replanner.iteration_time = iteration_time
+
+
+def _force_decisions() -> None:
+    """Every check with every rank's window in (after a plan's baseline) decides to re-plan."""
+    adaptive.Hysteresis.update = lambda self, estimate: estimate is not None
 
 
 def _slow_down(model: Net, seconds) -> None:
@@ -62,14 +88,19 @@ def _watch_checks(opts: list, seen: list) -> None:
 
 def train(steps: int = 24, change_at: int = 9, passes: int = 1, optimizers: int = 1, forced: bool = True,
           replan_every: int = 3, sleep_ms: tuple = (15, 30), timeline_path: str | None = None,
-          gpu_control: bool = False) -> dict:
+          gpu_control: bool = False, decoupled: bool = False, backend: str = "auto",
+          horovod_first: bool = False) -> dict:
     """Train through the change; the re-plans each optimizer recorded, and the worst difference from
     synchronous training. ``gpu_control``: as if the control plane were on the GPU, recording whether the
-    blocks were all done at each check's collective."""
-    _join(False)
+    blocks were all done at each check's collective. ``decoupled``: the forced plans decouple blocks
+    (module docstring). ``backend``: ``Config.backend``, with ``horovod_first`` as in ``workers._join``;
+    the result names the backend the blocks went through, and each step's reduce-scatters and blocks."""
+    _join(horovod_first)
     world, rank = dc.size(), dc.rank()
     if forced and rank == 0:
-        _force_replans()
+        _force_replans(decoupled)
+    if decoupled:
+        _force_decisions()
     quiet: list = []
     opts: list = []
     if gpu_control:
@@ -80,7 +111,7 @@ def train(steps: int = 24, change_at: int = 9, passes: int = 1, optimizers: int 
     now = {"step": 0}
     _slow_down(model, lambda: sleep_ms[rank % len(sleep_ms)] / 1000 if now["step"] >= change_at else 0.0)
     config = dc.Config(policy="dcredit", profile_iters=3, replan_every=replan_every, replan_threshold=0.2,
-                       channels=2, timeline_path=timeline_path)
+                       channels=2, timeline_path=timeline_path, backend=backend)
     named = list(model.named_parameters())
     if optimizers == 1:
         parts = [named]
@@ -91,7 +122,7 @@ def train(steps: int = 24, change_at: int = 9, passes: int = 1, optimizers: int 
                                      backward_passes_per_step=passes, config=config) for part in parts]
     ref_params = dict(ref.named_parameters())
     ropts = [OPTIMIZERS["sgd"]([ref_params[n] for n, _ in part]) for part in parts]
-    staged_eagerly = []
+    staged_eagerly, ops = [], []
     for step in range(steps):
         now["step"] = step
         for opt in opts:
@@ -104,12 +135,15 @@ def train(steps: int = 24, change_at: int = 9, passes: int = 1, optimizers: int 
         for opt, n in zip(opts, before):
             if len(opt.replans) > n:  # the staging step() applied every update: nothing waits in the old slots
                 staged_eagerly.append(opt._dc_lazy.npending == 0)
+        layouts = [opt._dc_buffers.layout.block_op for opt in opts]
+        ops.append([[kinds.count(REDUCE_SCATTER), len(kinds)] for kinds in layouts])
         reference_grads(ref, step, world, passes=passes)
         for ropt in ropts:
             ropt.step()
     for opt in opts:
         opt.synchronize()
     out = {"diff": max_diff(model, ref), "replans": [[r.to_dict() for r in opt.replans] for opt in opts],
-           "staged_eagerly": staged_eagerly, "plans": [opt.plan.to_dict() for opt in opts], "quiet_checks": quiet}
+           "staged_eagerly": staged_eagerly, "plans": [opt.plan.to_dict() for opt in opts], "quiet_checks": quiet,
+           "backend": opts[0]._dc_backend.name, "ops": ops}
     dc.shutdown()
     return out
