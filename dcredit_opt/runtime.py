@@ -322,14 +322,30 @@ def next_backend_id() -> int:
 # at exit too, marks a rank's leaving: a peer that raised first and is gone is
 # not lost). If the store itself no longer answers and rank 0 hosts it
 # (everywhere but under torchrun, whose agent hosts it), rank 0 is the one
-# lost; so rank 0, once it has seen a failure, waits at its ``shutdown()`` (a
-# few seconds at most) for the others to leave before its store goes. A rank that
-# is lost never comes back, so the first answer that names one is kept; the
-# cost, up to LOST_WINDOW_S, is paid on the error path only. The thread ends at
-# ``shutdown()``.
+# lost. A rank that is lost never comes back, so the first answer that names
+# one is kept; the cost, up to LOST_WINDOW_S, is paid on the error path only.
+# The thread ends at ``shutdown()``.
+#
+# A peer may also be lost after the last collective (it stops in its own
+# ``shutdown()``): a survivor then has every block it needs and nothing fails
+# there, yet the job would never end, since every launcher (torchrun,
+# horovodrun, mpiexec's MPI_Finalize) waits for the lost rank. So leaving is
+# checked too (``_Heartbeat.leave()``): the store's host, at its
+# ``shutdown()``, waits until every other rank has left, or has not beaten for
+# EXIT_LOST_WINDOW_S (lost), for at most ``timeout_s``: its store goes with
+# it, and because it waits, a store that is silent when another rank leaves
+# means its host is lost, not that it finished first (one store read, on a
+# thread of its own with a deadline). ``shutdown()`` then raises, naming the
+# lost peer and saying the weights are those of synchronous training, so that
+# the rank exits non-zero and its launcher ends the job (an MPI job with
+# MPI_Abort at exit). A rank more than ``timeout_s`` later to leave than the
+# host is taken for one whose host is lost: the same bound a collective gives.
 
 HEARTBEAT_S = 0.25
 LOST_WINDOW_S = 2.0
+EXIT_LOST_WINDOW_S = 2 * LOST_WINDOW_S
+"""At the host's ``shutdown()`` a peer is lost when it has not beaten for this long: wider than on the error path,
+since here a wrong answer fails a job in which nothing failed."""
 _BEAT_KEY = "dcredit_opt/beat/{}/{}"
 _LEFT_KEY = "dcredit_opt/left/{}/{}"
 _beats_started = 0
@@ -338,6 +354,8 @@ incarnation's keys are its own."""
 _STORE_CLIENT_TIMEOUT = datetime.timedelta(seconds=2)
 _BEAT_TIMEOUT = datetime.timedelta(seconds=10)
 _activity: str | None = None
+_lost_at_exit: tuple | None = None
+"""The peers the last ``shutdown()`` found lost: at exit, the process then ends non-zero (``_shutdown_at_exit``)."""
 """What the process as a whole is doing when it is not training (``"dc.shutdown()"``); errors name it."""
 
 
@@ -369,27 +387,73 @@ class _Heartbeat:
         except Exception as e:  # noqa: BLE001 - the store is gone: nobody will ask
             log.debug("dcredit_opt: could not mark this rank's leaving in the store: %s", e)
 
-    def close(self) -> None:
-        """Stop beating, and say so: a rank that left in order (after an error of its own too) is not lost.
-        Waits briefly: if the store no longer answers, the thread is left behind, a daemon. The store's host,
-        after an error, first lets the others finish asking who is lost (``_linger``)."""
-        if self.asked and self.rank == self.host_rank:
-            self._linger()
+    def leave(self, timeout_s: float) -> tuple | None:
+        """Leave the job (Note [Lost peers]): the peers found lost on the way out, ``(ranks, why)``, or None.
+        The store's host first waits for the others (``_linger``, at most ``timeout_s``); another rank checks
+        that the store still answers (``host_answers``). Then stop beating and say so: a rank that left in
+        order (after an error of its own too) is not lost. Waits briefly for that: if the store no longer
+        answers, the thread is left behind, a daemon."""
+        lost = None
+        if self.host_rank is not None:
+            lost = self._linger(timeout_s) if self.rank == self.host_rank else self.host_answers()
         self._stop.set()
         self._thread.join(timeout=1.0 + HEARTBEAT_S)
+        return lost
 
-    def _linger(self) -> None:
-        """Wait, at most LOST_WINDOW_S + 2 s, until every rank not known to be lost has left: the store goes
-        with this process, and a peer still asking would then take this rank for the lost one (it did, under
-        mpiexec, when the host raised first and its job ended with MPI_Abort)."""
-        others = set(range(self.size)) - {self.rank} - set(self.lost[0] if self.lost else ())
-        deadline = time.monotonic() + LOST_WINDOW_S + 2.0
+    def _linger(self, timeout_s: float) -> tuple | None:
+        """Wait, at most ``timeout_s``, until every other rank has left or is lost (no beat for
+        EXIT_LOST_WINDOW_S): the store goes with this process, and a peer still asking, or still to leave, would
+        then take this rank for the lost one. The lost peers (those found before too), or None."""
+        known = set(self.lost[0]) if self.lost else set()
+        others = set(range(self.size)) - {self.rank} - known
+        moved: dict = {}  # rank -> (its beat count, when it last moved)
+        newly = []
+        deadline = time.monotonic() + timeout_s
         try:
             while others and time.monotonic() < deadline:
-                others = {r for r in others if not self._read_store.add(self.left_keys[r], 0)}
-                time.sleep(0.1)
+                now = time.monotonic()
+                for r in sorted(others):
+                    if self._read_store.add(self.left_keys[r], 0):
+                        others.discard(r)
+                        continue
+                    count = self._read_store.add(self.beat_keys[r], 0)
+                    if moved.get(r, (None,))[0] != count:
+                        moved[r] = (count, now)
+                    elif now - moved[r][1] > EXIT_LOST_WINDOW_S:
+                        newly.append(r)
+                        others.discard(r)
+                if others:
+                    time.sleep(0.1)
         except Exception as e:  # noqa: BLE001 - our own store: only if this process is ending under us
             log.debug("dcredit_opt: waiting for the others to leave: %s", e)
+        if newly:
+            why = f"no heartbeat in the rendezvous store for {EXIT_LOST_WINDOW_S:g} s, and it did not leave"
+            self.lost = (sorted(known | set(newly)), self.lost[1] if self.lost else why)
+        return self.lost
+
+    def host_answers(self) -> tuple | None:
+        """The store's host waits at its ``shutdown()`` until this rank has left (``_linger``): if its store
+        does not answer now, it is lost. One read, on a thread of its own with a deadline (an operation on a
+        stopped store may not return). The lost peers (those found before too), or None."""
+        if self.lost is not None:
+            return self.lost
+        answer: list = []
+
+        def ask() -> None:
+            try:
+                self._read_store.add(self.left_keys[self.host_rank], 0)
+                answer.append(None)
+            except Exception as e:  # noqa: BLE001 - the store does not answer: said below
+                answer.append(type(e).__name__)
+
+        asker = threading.Thread(target=ask, name="dcredit-host-check", daemon=True)
+        asker.start()
+        asker.join(timeout=_STORE_CLIENT_TIMEOUT.total_seconds() + 0.5)
+        if answer and answer[0] is None:
+            return None
+        why = answer[0] if answer else "TimeoutError"
+        self.lost = ([self.host_rank], f"it hosts the rendezvous store, which no longer answers at exit: {why}")
+        return self.lost
 
     def find_lost(self, silent_store_names_host: bool = True) -> tuple | None:
         """``(ranks, why)``: the ranks lost and how we know; ``([], why)`` when every rank still beats; None
@@ -459,11 +523,17 @@ def _start_heartbeat(world: _World) -> None:
         log.warning("dcredit_opt: no heartbeat (Note [Lost peers]): %s", e)
 
 
-def _stop_heartbeat() -> None:
+def _leave_heartbeat(timeout_s: float) -> tuple | None:
+    """Stop beating and leave (Note [Lost peers]): the peers found lost, ``(ranks, why)``, or None."""
     global _heartbeat
     beat, _heartbeat = _heartbeat, None
-    if beat is not None:
-        beat.close()
+    return beat.leave(timeout_s) if beat is not None else None
+
+
+def peer_lost() -> bool:
+    """Whether a peer is known lost (Note [Lost peers]): closing then waits only briefly for what is in flight."""
+    beat = _heartbeat
+    return beat is not None and beat.lost is not None
 
 
 def lost_peer_note() -> str:
@@ -778,6 +848,14 @@ def _shutdown_at_exit() -> None:
         shutdown()
     except Exception as e:  # noqa: BLE001 - the job is ending; say why, do not mask the exit status
         log.warning("dcredit_opt: leaving the job at exit failed: %s", e)
+    if _lost_at_exit and "mpi4py.MPI" not in sys.modules:
+        # A peer is lost (Note [Lost peers]): an exit status of 0 (a script that caught the error, or one that
+        # never called shutdown()) would leave the launcher waiting for it forever, and the exit handlers still
+        # to run (Horovod's shutdown) would wait on it too. An MPI job ends with MPI_Abort at exit instead
+        # (``_abort_mpi_if_lost``).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     _release_store()
 
 
@@ -796,7 +874,13 @@ def shutdown() -> None:
     # communicator was a collective call in some NCCL versions.
     failed = []
     _activity = "dc.shutdown()"
+    # A lost peer already named by an error (the user was told): not raised again below.
+    told = peer_lost()
     try:
+        if _heartbeat is not None and _heartbeat.host_rank not in (None, _heartbeat.rank):
+            # Its host waits for us at its shutdown(): a store silent now means a lost host, and closing need
+            # not wait the whole timeout for a last side collective that can no longer finish.
+            _heartbeat.host_answers()
         for number, user in enumerate(list(_users.values())):
             before = _engine_failure(user)
             user._dc_close()  # a failure while closing is logged there, and raised below once all is closed
@@ -808,15 +892,17 @@ def shutdown() -> None:
         note = lost_peer_note() if failed else ""
     finally:
         _activity = None
-    _abort_mpi_if_a_peer_is_lost()
-    _stop_heartbeat()
+    global _lost_at_exit
+    lost = _leave_heartbeat(_world.timeout_s if _world is not None else 0.0)
+    _lost_at_exit = lost
+    _abort_mpi_if_lost(lost)
     world, _world = _world, None
     if world is not None:
         for group in world.channel_groups:  # those of engines that were never closed
             _destroy_group(group)
         if world.owns_default_group and dist.is_initialized():
             dist.destroy_process_group()
-        if world.owns_horovod:
+        if world.owns_horovod and not lost:  # with a peer lost it would wait on Horovod's loop, stuck on that peer
             world.hvd.shutdown()
     if failed:
         # Issue R1: a peer lost while the last step()'s blocks travelled. Everything is closed; the user learns
@@ -824,25 +910,28 @@ def shutdown() -> None:
         raise CollectiveError(
             f"{rank_}, dc.shutdown(): the last step()'s gradients did not all reduce ({'; '.join(failed)}), so "
             f"its updates were not all applied and the weights are not those of synchronous training{note}")
+    if lost and not told:
+        # Note [Lost peers]: lost after the last collective. Raised so that this rank exits non-zero and its
+        # launcher ends the job, which would otherwise wait for the lost rank forever.
+        plural = "s" if len(lost[0]) > 1 else ""
+        raise CollectiveError(
+            f"{rank_}, dc.shutdown(): a peer was lost after the last collective; every block this rank needed was "
+            f"reduced, so the weights are those of synchronous training; raised so that the job ends (its "
+            f"launcher would wait for the lost rank); lost peer{plural}: rank{plural} "
+            f"{', '.join(map(str, lost[0]))} ({lost[1]})")
 
 
-def _abort_mpi_if_a_peer_is_lost() -> None:
+def _abort_mpi_if_lost(lost: tuple | None) -> None:
     """In an MPI job, MPI_Finalize at exit waits for every rank: for a stopped one, forever, even when this
-    rank had every block it needed (the peer stopped after the last collective). So if the heartbeat (Note
-    [Lost peers]) says a peer is lost, the process ends with MPI_Abort at exit instead. Costs one look at the
-    store when every peer is well (each beats or has left). A store that no longer answers is not taken for
-    a lost host here: in a job where nothing failed, the host (rank 0) has simply finished and gone first."""
+    rank had every block it needed (the peer stopped after the last collective). So when ``shutdown()`` found
+    a peer lost (Note [Lost peers]), the process ends with MPI_Abort at exit instead."""
     mpi = sys.modules.get("mpi4py.MPI")
-    beat = _heartbeat
-    if beat is None or mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
-        return
-    found = beat.find_lost(silent_store_names_host=False)
-    if found is None or not found[0]:
+    if not lost or mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
         return
     from mpi4py.run import set_abort_status
 
     log.warning("dcredit_opt: rank %s lost (%s): this MPI job ends with MPI_Abort at exit, since MPI_Finalize "
-                "would wait for it forever", ", ".join(map(str, found[0])), found[1])
+                "would wait for it forever", ", ".join(map(str, lost[0])), lost[1])
     set_abort_status(1)
 
 

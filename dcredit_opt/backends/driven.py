@@ -252,7 +252,7 @@ class _Pump:
         self._engine.close_launches()
         # After a failure (typically a timeout: a peer is gone) what is in
         # flight will not finish; do not make the exit wait for it again.
-        grace = 1.0 if self._engine.error() is not None else self._timeout_s
+        grace = 1.0 if self._engine.error() is not None or runtime.peer_lost() else self._timeout_s
         for thread in (self._driver, self._completer):
             if thread is not threading.current_thread():
                 thread.join(grace)

@@ -214,7 +214,7 @@ class TorchDistBackend:
     def _wait_at_close(self, wait, what: str) -> None:
         """``wait(grace)`` for a collective still on the side group: as long as any collective, or briefly
         after a failure; a peer that is gone is logged (the channels' own failure says why), not raised."""
-        grace = 1.0 if self.engine.error() is not None else self._timeout_s
+        grace = 1.0 if self.engine.error() is not None or runtime.peer_lost() else self._timeout_s
         try:
             wait(grace)
         except RuntimeError as e:
