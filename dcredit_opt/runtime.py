@@ -94,6 +94,8 @@ def init(timeout_s: float = 30.0, backend: str | None = None) -> None:
         from . import launchers
 
         hvd, owns_hvd = launchers.join_horovod()
+        if owns_hvd:  # hvd.init() registered Horovod's exit handler just now: ours must still run before it
+            _leave_at_exit(again=True)
         _world = _World(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(), owns_default_group=False,
                         timeout_s=timeout_s, kind="horovod", hvd=hvd, owns_horovod=owns_hvd)
         return
@@ -830,14 +832,19 @@ _exit_registered = False
 # store server thread.
 
 
-def _leave_at_exit() -> None:
+def _leave_at_exit(again: bool = False) -> None:
     """A script that ends without ``shutdown()`` leaves the job at exit, in order: optimizers (drained by
     their own exit handlers, registered later, so run first), their channels, then the default group we made,
     before the interpreter's teardown and before mpi4py's and Horovod's own exit handlers (registered earlier,
     so run later). Left to the teardown, Gloo's and the store's threads may be destroyed while joinable, or
     wake in a finalizing interpreter, and abort the process ("terminate called without an active
-    exception"; Note [Orderly exit])."""
+    exception"; Note [Orderly exit]). ``again``: registered anew, to run before a handler registered since (Horovod's,
+    when ``init()`` started Horovod itself: with a peer lost, it waits on Horovod's loop until Horovod's own Gloo
+    timeout, 30 s by default, where ours ends the process at once, Note [Lost peers])."""
     global _exit_registered
+    if again and _exit_registered:
+        atexit.unregister(_shutdown_at_exit)
+        _exit_registered = False
     if not _exit_registered:
         _exit_registered = True
         atexit.register(_shutdown_at_exit)
