@@ -900,8 +900,10 @@ def shutdown() -> None:
     finally:
         _activity = None
     global _lost_at_exit
+    beating = _heartbeat is not None
     lost = _leave_heartbeat(_world.timeout_s if _world is not None else 0.0)
-    _lost_at_exit = lost
+    if beating:  # not again at exit, after a shutdown() that raised for a lost peer: kept for the exit
+        _lost_at_exit = lost
     _abort_mpi_if_lost(lost)
     world, _world = _world, None
     if world is not None:
