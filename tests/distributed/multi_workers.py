@@ -211,13 +211,15 @@ def multi_optimizer(backend: str = "auto", block_bytes: int = 128, horovod_first
     return out
 
 
-def close_before_peer_tally(backend: str, steps: int = 3, delay_s: float = 2.0) -> dict:
+def close_before_peer_tally(backend: str, steps: int = 1, delay_s: float = 2.0) -> dict:
     """An optimizer closed (``_dc_close()``) and another dropped (``del``) while the peer's last tally (Note
     [Global usage]) has not started: rank 1 starts each of its tallies ``delay_s`` late. The closing rank must
     not free the tally's buffer while the peer can still complete the sum into it (MPI writes into it then:
     heap corruption), nor destroy the channel the peer's tally is about to use: each close waits for it
     (``close_s`` on rank 0 covers the delay). Then heap churn, and a third optimizer that must still train like
-    the reference."""
+    the reference. One step per optimizer (3 before: CI time; each step waits out the peer's ``delay_s``): the close
+    that must wait follows the optimizer's last step either way, and the third optimizer still trains after two
+    closes."""
     import gc
 
     from dcredit_opt.backends import mpi

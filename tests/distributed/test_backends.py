@@ -22,7 +22,7 @@ import pytest
 from tests import timing
 
 from . import spawn, workers
-from .test_equivalence import SCENARIOS, _check, check_scenario
+from .test_equivalence import CONFIG_STEPS, SCENARIOS, _check, check_scenario
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -89,7 +89,7 @@ def test_equivalence_on_backend(launch):
                 {"opt": "rmsprop", "phase2": True, "window": -1, "block_bytes": 64, "channels": 3, "backend": backend},
                 {"opt": "adamw", "phase2": False, "window": 2, "block_bytes": 1 << 20, "backend": backend}]
     _check(spawn.run_launched(workers.equivalence, launch["launcher"], 2, timeout_s=400, configs=configs,
-                              horovod_first=launch["horovod_first"]))
+                              steps=CONFIG_STEPS, horovod_first=launch["horovod_first"]))
 
 
 @pytest.mark.timeout(420)
