@@ -21,7 +21,8 @@ injects its fault:
 
 Every rank prints one line per event (``FAULT``, ``RAISED``, ``DONE``) with a wall-clock time, which the test
 reads from the output; a survivor re-raises what it caught, so it leaves through the interpreter, as a job
-would. A survivor that ends without an error compares its weights with synchronous training's.
+would. A survivor that ends without an error, or whose error says its weights are those of synchronous training,
+compares them with synchronous training's (``DONE``, ``CLAIMED``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from torch import nn
 import dcredit_opt as dc
 
 PHASES = ("backward", "forward", "profiling", "staged", "rows", "shutdown")
+SYNC_CLAIM = "so the weights are those of synchronous training"
+"""What ``dc.shutdown()``'s error says when a peer was lost after the last collective (Note [Lost peers])."""
 STEPS = 10
 PROFILE_ITERS = 2
 VOCAB, WIDTH, TOKENS = 64, 16, 6
@@ -199,6 +202,9 @@ def kill_worker(victim: int, mode: str, phase: str, seed: int, collective_timeou
     except Exception as e:
         message = str(e).replace("\n", " ")
         _say(f"RAISED rank={rank} {type(e).__module__}.{type(e).__name__}: {message} |")
+        if SYNC_CLAIM in message:  # a peer lost after the last collective: check what the error claims
+            diff = max_diff_to_reference(model, world)
+            _say(f"CLAIMED rank={rank} sync={diff < 1e-5} max_diff={diff:.3g}")
         raise
     if trace:
         _say(f"TRACE rank={rank} {log}")

@@ -12,6 +12,9 @@ What every case checks (``problems``):
   machine; the sweep records the real times);
 - no process of the job is left once the launch has ended (so no thread and no port either).
 
+A survivor whose error says its weights are those of synchronous training (``dc.shutdown()``, a peer lost after
+the last collective) must hold them: the worker compares them with a reference, as for a clean end.
+
 Two exceptions, both said in the record:
 
 - in the ``shutdown`` phase, a survivor that already had every block it needed when the peer died ends
@@ -43,7 +46,7 @@ import pytest
 from tests import timing
 
 from . import spawn
-from .kill_workers import PHASES, kill_worker
+from .kill_workers import PHASES, SYNC_CLAIM, kill_worker
 from .test_backends import _tool, horovod_missing, mpi_missing
 
 TIMEOUT_S = timing.STALL_TIMEOUT_S
@@ -158,7 +161,7 @@ def run_case(backend: str, seed: int) -> dict:
     fault_line, fault_at = faults[victim]
     record["fault"] = fault_line.split(" where=")[-1].rsplit(" at=", 1)[0]
     record["exit_after_fault_s"] = round(ended - fault_at, 1)
-    raised, done = _events(output, "RAISED"), _events(output, "DONE")
+    raised, done, claimed = _events(output, "RAISED"), _events(output, "DONE"), _events(output, "CLAIMED")
     if backend == "torch" and codes[victim] != -signal.SIGKILL:
         problems.append(f"the victim exited with {codes[victim]}")
     if backend != "torch" and code == 0:
@@ -186,6 +189,11 @@ def run_case(backend: str, seed: int) -> dict:
                 problems.append(f"rank {r} raised {delay:.1f} s after the fault")
             if backend == "torch" and codes[r] != 1:
                 problems.append(f"rank {r} exited with {codes[r]}, not 1")
+            if SYNC_CLAIM in line:
+                record["survivors"][r]["claims_sync"] = True
+                if r not in claimed or "sync=True" not in claimed[r][0]:
+                    problems.append(f"rank {r} says its weights are those of synchronous training, but: "
+                                    f"{claimed[r][0] if r in claimed else 'not checked'}")
         elif r in done:
             line, _ = done[r]
             record["survivors"][r] = {"outcome": "clean"}
