@@ -1,6 +1,8 @@
 """Note [Gradient path] (csrc/torch/gradient_path.h), in a world of one: each gradient's hand-over runs in the
 C++ post-hook on its accumulator, Python only where it must, and training equals plain torch either way."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -379,5 +381,25 @@ def test_the_checks_in_one_pass_see_what_the_python_loops_saw():
         params[1].grad = None
         params[4].grad = params[4].grad.clone()
         assert path.not_watched() == [1, 4]
+    finally:
+        opt._dc_close()
+
+
+def test_the_apply_hooks_stay_while_a_timeline_records_the_forward(tmp_path):
+    """Note [Resting hooks]: the timeline marks each module's forward, so its hooks do not rest."""
+    config = dataclasses.replace(LAZY, timeline_path=str(tmp_path / "timeline.json"))
+    model, opt, ref, ropt = pair(config)
+    try:
+        for s in range(5):
+            opt.zero_grad()
+            loss(model, s).backward()
+            opt.step()
+            plain(ref, ropt, s)
+        with torch.no_grad():
+            model(batch(99))
+        assert not opt._dc_lazy.npending
+        assert [m for m in model if _apply_hooks(m)] == [model[0], model[2], model[4]]
+        opt.synchronize()
+        assert_same(model, ref)
     finally:
         opt._dc_close()
