@@ -37,6 +37,10 @@ class GradientHooks:
         if self._dc_counts[i] >= self._dc_bpps and _will_accumulate(self._dc_params[i]):
             raise self._dc_too_many_passes(i)
 
+    def _dc_hand_over(self, i: int) -> None:
+        """The C++ hook's Python path for tensor ``i`` (Note [Gradient path])."""
+        self._dc_on_grad(i, self._dc_params[i])
+
     def _dc_on_grad(self, i: int, p: torch.Tensor) -> None:
         count = self._dc_counts[i] + 1
         if count > self._dc_bpps:
@@ -216,47 +220,20 @@ class GradientHooks:
             raise at_rank(e, where) from e
 
 
-class WeakSlowPath:
-    """The C++ hook's Python path (Note [Gradient path]): ``_dc_on_grad`` of a weakly held optimizer."""
+class WeakMethod:
+    """A method of a weakly held optimizer, for the C++ hooks to call (Note [Gradient path]): the Python path
+    of a gradient (``_dc_hand_over``), the checks before one is added (``_dc_before_accumulate``), a scheduler
+    failure raised as Python raises it (``_dc_hook_failed``). Does nothing once the optimizer is gone."""
 
-    __slots__ = ("_ref",)
+    __slots__ = ("_name", "_ref")
 
-    def __init__(self, ref):
-        self._ref = ref
+    def __init__(self, ref, name: str):
+        self._ref, self._name = ref, name
 
-    def __call__(self, i: int) -> None:
+    def __call__(self, *args) -> None:
         opt = self._ref()
         if opt is not None:
-            opt._dc_on_grad(i, opt._dc_params[i])
-
-
-class WeakBeforeCheck:
-    """The C++ pre-hook's Python check (Note [Gradient path]): ``_dc_before_accumulate`` of a weakly held
-    optimizer, called only where a refusal may apply."""
-
-    __slots__ = ("_ref",)
-
-    def __init__(self, ref):
-        self._ref = ref
-
-    def __call__(self, i: int) -> None:
-        opt = self._ref()
-        if opt is not None:
-            opt._dc_before_accumulate(i)
-
-
-class WeakHookFailure:
-    """The C++ hook's scheduler failure, raised by a weakly held optimizer."""
-
-    __slots__ = ("_ref",)
-
-    def __init__(self, ref):
-        self._ref = ref
-
-    def __call__(self, i: int, message: str) -> None:
-        opt = self._ref()
-        if opt is not None:
-            opt._dc_hook_failed(i, message)
+            getattr(opt, self._name)(*args)
 
 
 def weak_rows_hook(ref):

@@ -49,9 +49,7 @@ from .config import Config
 from .errors import DCreditError
 from .gradients import (
     GradientHooks,
-    WeakBeforeCheck,
-    WeakHookFailure,
-    WeakSlowPath,
+    WeakMethod,
     clear,
     weak_rows_hook,
 )
@@ -266,8 +264,9 @@ class _DistributedOptimizer:
         # Note [Gradient path]: each gradient's hand-over, in C++; Python where it must.
         self._dc_path = _ext.load().GradientPath(self._dc_engine, params, self._dc_counts, self._dc_marked,
                                                  self._dc_tally.used, self._dc_lazy.pending,
-                                                 self._dc_buffers.versions, WeakSlowPath(me), WeakBeforeCheck(me),
-                                                 WeakHookFailure(me))
+                                                 self._dc_buffers.versions, WeakMethod(me, "_dc_hand_over"),
+                                                 WeakMethod(me, "_dc_before_accumulate"),
+                                                 WeakMethod(me, "_dc_hook_failed"))
         self._dc_buffers.use_path(self._dc_path)
         self._dc_path.set_passes_per_step(bpps)
         self._dc_python_handovers = 0

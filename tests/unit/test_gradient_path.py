@@ -42,6 +42,16 @@ def plain(ref, ropt, s):
     ropt.step()
 
 
+def train(model, opt, steps, ref=None, ropt=None):
+    """Steps ``steps`` (a range) of the wrapped model, and of the plain copy beside it when given."""
+    for s in steps:
+        opt.zero_grad()
+        loss(model, s).backward()
+        opt.step()
+        if ref is not None:
+            plain(ref, ropt, s)
+
+
 def assert_same(model, ref):
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.allclose(p.detach(), q.detach(), atol=1e-6), f"{name} differs from plain torch"
@@ -57,11 +67,7 @@ def test_steady_state_takes_python_once_per_iteration(config):
             opt.step()
             plain(ref, ropt, s)
         before = opt._dc_python_handovers
-        for s in range(4, 10):
-            opt.zero_grad()
-            loss(model, s).backward()
-            opt.step()
-            plain(ref, ropt, s)
+        train(model, opt, range(4, 10), ref, ropt)
         # Only the gradient that opens each iteration goes through Python, and nothing is said about it.
         assert opt._dc_python_handovers - before == 6
         assert "python path" not in opt._dc_told
@@ -192,11 +198,7 @@ def test_user_post_accumulate_hooks_still_run_and_see_the_gradient():
     first = next(model.parameters())
     first.register_post_accumulate_grad_hook(lambda p: seen.append(float(p.grad.abs().sum())))
     try:
-        for s in range(5):
-            opt.zero_grad()
-            loss(model, s).backward()
-            opt.step()
-            plain(ref, ropt, s)
+        train(model, opt, range(5), ref, ropt)
         assert len(seen) == 5 and all(v > 0 for v in seen)
         opt.synchronize()
         assert_same(model, ref)
@@ -206,10 +208,7 @@ def test_user_post_accumulate_hooks_still_run_and_see_the_gradient():
 
 def test_a_closed_optimizer_leaves_backward_alone():
     model, opt, _, _ = pair(LAZY)
-    for s in range(3):
-        opt.zero_grad()
-        loss(model, s).backward()
-        opt.step()
+    train(model, opt, range(3))
     opt._dc_close()
     for p in model.parameters():
         p.grad = None
@@ -220,10 +219,7 @@ def test_a_closed_optimizer_leaves_backward_alone():
 def test_a_scheduler_failure_in_the_hook_is_a_dcredit_error():
     model, opt, _, _ = pair(EAGER)
     try:
-        for s in range(2):
-            opt.zero_grad()
-            loss(model, s).backward()
-            opt.step()
+        train(model, opt, range(2))
         opt.zero_grad()
         out = loss(model, 2)
         # The engine stops after the iteration opens: the next gradient's mark-ready in C++ fails.
@@ -264,19 +260,11 @@ def test_a_python_hook_registered_after_wrapping_keeps_every_check():
     the Python path once; after that the refusals hold as before, and training equals plain torch."""
     model, opt, ref, ropt = pair(EAGER)
     try:
-        for s in range(3):
-            opt.zero_grad()
-            loss(model, s).backward()
-            opt.step()
-            plain(ref, ropt, s)
+        train(model, opt, range(3), ref, ropt)
         seen = []
         model[2].weight.register_hook(lambda g: seen.append(g.shape))
         before = opt._dc_python_handovers
-        for s in range(3, 6):
-            opt.zero_grad()
-            loss(model, s).backward()
-            opt.step()
-            plain(ref, ropt, s)
+        train(model, opt, range(3, 6), ref, ropt)
         assert seen == [model[2].weight.shape] * 3
         assert opt._dc_python_handovers - before == 3 + 1  # the iterations' openers, and the gradient that found it
         opt.synchronize()
@@ -297,10 +285,7 @@ def test_a_pre_hook_lost_between_two_passes_still_refuses_the_second():
     gone after autograd added it, and the same refusal comes then (late, but it comes)."""
     model, opt, _, _ = pair(EAGER)
     try:
-        for s in range(2):
-            opt.zero_grad()
-            loss(model, s).backward()
-            opt.step()
+        train(model, opt, range(2))
         opt.zero_grad()
         loss(model, 2).backward()
         model[4].bias.register_hook(lambda g: None)  # the first gradient of the second pass
@@ -338,16 +323,13 @@ def test_the_apply_hooks_rest_once_nothing_is_pending_and_come_back_first_at_ste
     users = []
     model[2].register_forward_pre_hook(lambda m, args: users.append(_apply_hooks(m) == []))
     try:
-        for s in range(6):
-            opt.zero_grad()
-            loss(model, s).backward()
-            opt.step()
-            plain(ref, ropt, s)
-            if s >= 3:  # the plan and the first-read learning have settled
-                assert opt._dc_lazy.npending
-                hooked = [m for m in model if _apply_hooks(m)]
-                assert hooked == [model[0], model[2], model[4]]
-                assert all(next(iter(m._forward_pre_hooks.values())) is _apply_hooks(m)[0] for m in hooked)
+        train(model, opt, range(3), ref, ropt)  # the plan and the first-read learning settle here
+        for s in range(3, 6):
+            train(model, opt, range(s, s + 1), ref, ropt)
+            assert opt._dc_lazy.npending
+            hooked = [m for m in model if _apply_hooks(m)]
+            assert hooked == [model[0], model[2], model[4]]
+            assert all(next(iter(m._forward_pre_hooks.values())) is _apply_hooks(m)[0] for m in hooked)
         with torch.no_grad():
             model(batch(99))
         assert not opt._dc_lazy.npending and not any(_apply_hooks(m) for m in model)
@@ -364,10 +346,7 @@ def test_the_checks_in_one_pass_see_what_the_python_loops_saw():
     addresses (the read guard's table), and which reduced gradients are final."""
     model, opt, _, _ = pair(LAZY)
     try:
-        for s in range(3):
-            opt.zero_grad()
-            loss(model, s).backward()
-            opt.step()
+        train(model, opt, range(3))
         opt.synchronize()
         params, path, T = list(model.parameters()), opt._dc_path, len(list(model.parameters()))
         assert path.not_watched() == [] and path.first_written([]) == -1
@@ -390,11 +369,7 @@ def test_the_apply_hooks_stay_while_a_timeline_records_the_forward(tmp_path):
     config = dataclasses.replace(LAZY, timeline_path=str(tmp_path / "timeline.json"))
     model, opt, ref, ropt = pair(config)
     try:
-        for s in range(5):
-            opt.zero_grad()
-            loss(model, s).backward()
-            opt.step()
-            plain(ref, ropt, s)
+        train(model, opt, range(5), ref, ropt)
         with torch.no_grad():
             model(batch(99))
         assert not opt._dc_lazy.npending
