@@ -15,10 +15,10 @@ from . import replan_workers, spawn
 TOL = 2e-5
 
 
-def _check(results, optimizers=1, backend="torch", reasons="compute first"):
-    """``reasons``: "compute first" (every re-plan follows an estimate that moved, the first optimizer's first
-    one the compute), "moved" (every re-plan follows an estimate that moved: noise in the link's may come
-    before the compute change on a busy machine), or None (decisions forced)."""
+def _check(results, optimizers=1, backend="torch", reasons="compute"):
+    """``reasons``: "compute" (every re-plan follows an estimate that moved, and one of the first optimizer's
+    follows its compute: noise in the link's estimate may re-plan before the compute change on a busy
+    machine), "moved" (every re-plan follows an estimate that moved), or None (decisions forced)."""
     for rank, r in enumerate(results):
         assert r["backend"] == backend, f"rank {rank}: blocks went through {r['backend']}"
         assert r["ops"] == results[0]["ops"], f"rank {rank} ran other layouts than rank 0"
@@ -32,10 +32,11 @@ def _check(results, optimizers=1, backend="torch", reasons="compute first"):
         for rec in results[0]["replans"][k]:
             assert rec["predicted_new_s"] < rec["predicted_old_s"], rec
             assert reasons is None or rec["reason"].startswith("moved: "), rec["reason"]
-    if reasons == "compute first":
+    if reasons == "compute":
         # the first optimizer's backward holds the slowed layer: its compute moved, by more than the threshold
-        first = results[0]["replans"][0][0]
-        assert first["reason"].startswith("moved: compute x") and first["compute"] > 1.2, first["reason"]
+        recs = results[0]["replans"][0]
+        assert any(rec["reason"].startswith("moved: compute x") and rec["compute"] > 1.2 for rec in recs), \
+            [rec["reason"] for rec in recs]
     return [rec["iteration"] for rec in results[0]["replans"][0]]
 
 
