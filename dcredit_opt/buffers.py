@@ -206,21 +206,19 @@ class GradientBuffers:
     def check_writes(self, indices, where: str) -> None:
         """Raise if a gradient slot was written since it was handed to the scheduler (Note [Lazy step])."""
         if self._path is not None:
-            indices = list(indices)
-            first = self._path.first_written(indices) if indices else -1
-            written = [] if first < 0 else [first]
-        else:
-            written = [i for i in indices if self.slots[i]._version != self.versions[i]][:1]
-        for i in written:
+            i = self._path.first_written(list(indices))
+        else:  # not joined to a gradient path yet (these buffers on their own)
+            i = next((i for i in indices if self.slots[i]._version != self.versions[i]), -1)
+        if i >= 0:
             raise DCreditError(
-                    f"the gradient of '{self._names[i]}' was changed in place while dcredit_opt was still "
-                    f"reducing it or its update still waited for it (seen in {where}): by "
-                    "model.zero_grad(set_to_none=False) or other code writing p.grad between step() and the next "
-                    "forward, or by code that wrote it through another tensor than p.grad. No pending update was "
-                    "applied. Change gradients between loss.backward() and step() through p.grad, or reduce first: "
-                    "optimizer.synchronize(); <change>; `with optimizer.skip_synchronize(): optimizer.step()` (the "
-                    "Horovod recipe). To clear gradients use optimizer.zero_grad() or model.zero_grad() with "
-                    "set_to_none=True")
+                f"the gradient of '{self._names[i]}' was changed in place while dcredit_opt was still "
+                f"reducing it or its update still waited for it (seen in {where}): by "
+                "model.zero_grad(set_to_none=False) or other code writing p.grad between step() and the next "
+                "forward, or by code that wrote it through another tensor than p.grad. No pending update was "
+                "applied. Change gradients between loss.backward() and step() through p.grad, or reduce first: "
+                "optimizer.synchronize(); <change>; `with optimizer.skip_synchronize(): optimizer.step()` (the "
+                "Horovod recipe). To clear gradients use optimizer.zero_grad() or model.zero_grad() with "
+                "set_to_none=True")
 
     def check_casts(self, moved: int) -> None:
         """A model cast or moved after wrapping (``model.to(torch.bfloat16)``, ``.cuda()``): its gradients

@@ -540,7 +540,7 @@ class _DistributedOptimizer:
                 for i, p in enumerate(params):
                     if pending[i] and buffers.is_ours(i, p.grad):
                         # The slot holds the reduced gradient a pending update still needs.
-                        p.grad = None if set_to_none else torch.zeros_like(p)
+                        p.grad = torch.zeros_like(p)
             # Reads and writes gradients only, never a parameter's values: the guard need not see it.
             self._dc_base.zero_grad(self, set_to_none=set_to_none)
 

@@ -187,7 +187,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Whether this build can reduce blocks on CUDA devices (see cuda_sync.h).
   m.attr("WITH_CUDA") = kWithCuda;
 
-
   // Note [Gradient path] in gradient_path.h. The per-tensor arrays are the optimizer's writable buffers
   // (kept alive with the path); `slow(i)` and `failed(i, message)` are its Python fallbacks.
   py::class_<GradientPath>(m, "GradientPath")
@@ -231,8 +230,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("first_moved", &GradientPath::FirstMoved,
            "The first parameter whose dtype or device is no longer its slot's, or -1.")
       .def("first_written", &GradientPath::FirstWritten, py::arg("indices"),
-           "The first of `indices` (every tensor if empty) whose slot was written since its version was "
-           "recorded, or -1.")
+           "The first of `indices` whose slot was written since its version was recorded, or -1.")
       .def("not_watched", &GradientPath::NotWatched, "The tensors whose p.grad is not their watched alias now.")
       .def("addresses", &GradientPath::Addresses, "Every parameter's data address, in order.")
       .def("forget_graph_reads", &GradientPath::ForgetGraphReads, py::arg("indices"),

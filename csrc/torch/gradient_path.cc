@@ -138,6 +138,13 @@ struct GradientPath::State : std::enable_shared_from_this<GradientPath::State> {
 
 namespace {
 
+// Throws std::out_of_range (IndexError in Python) naming `call` unless 0 <= i < n.
+void CheckIndex(size_t n, int64_t i, const char* call) {
+  if (i < 0 || i >= static_cast<int64_t>(n)) {
+    throw std::out_of_range(std::string(call) + ": tensor " + std::to_string(i) + " out of range");
+  }
+}
+
 class PreHook : public torch::autograd::FunctionPreHook {
  public:
   PreHook(std::shared_ptr<GradientPath::State> state, int32_t index) : state_(std::move(state)), index_(index) {}
@@ -252,9 +259,7 @@ void GradientPath::Install() {
 void GradientPath::Refresh(const std::vector<int64_t>& indices) {
   if (state_->closed) return;
   for (int64_t i : indices) {
-    if (i < 0 || i >= static_cast<int64_t>(state_->params.size())) {
-      throw std::out_of_range("refresh: tensor " + std::to_string(i) + " out of range");
-    }
+    CheckIndex(state_->params.size(), i, "refresh");
     HookOnto(static_cast<int32_t>(i));
   }
 }
@@ -314,25 +319,13 @@ int64_t GradientPath::FirstMoved() {
   return -1;
 }
 
-}  // namespace dcredit
-
-namespace dcredit {
-
 int64_t GradientPath::FirstWritten(const std::vector<int64_t>& indices) {
   std::lock_guard<std::mutex> lock(state_->mu);
   const State& s = *state_;
   if (s.closed) return -1;
-  const int64_t n = static_cast<int64_t>(s.slots.size());
-  auto written = [&s](int64_t i) { return s.slots[i]._version() != s.versions[i]; };
-  if (indices.empty()) {
-    for (int64_t i = 0; i < n; ++i) {
-      if (written(i)) return i;
-    }
-    return -1;
-  }
   for (int64_t i : indices) {
-    if (i < 0 || i >= n) throw std::out_of_range("first_written: tensor " + std::to_string(i) + " out of range");
-    if (written(i)) return i;
+    CheckIndex(s.slots.size(), i, "first_written");
+    if (s.slots[i]._version() != s.versions[i]) return i;
   }
   return -1;
 }
@@ -358,21 +351,6 @@ std::vector<int64_t> GradientPath::Addresses() {
   return out;
 }
 
-}  // namespace dcredit
-
-namespace dcredit {
-
-namespace {
-
-const at::Tensor& Param(const std::vector<at::Tensor>& params, int64_t i, const char* call) {
-  if (i < 0 || i >= static_cast<int64_t>(params.size())) {
-    throw std::out_of_range(std::string(call) + ": tensor " + std::to_string(i) + " out of range");
-  }
-  return params[i];
-}
-
-}  // namespace
-
 // Note [Graph reads]
 // ~~~~~~~~~~~~~~~~~~
 // A leaf's AccumulateGrad node is held by the graphs that read the leaf; the
@@ -386,7 +364,8 @@ const at::Tensor& Param(const std::vector<at::Tensor>& params, int64_t i, const 
 void GradientPath::ForgetGraphReads(const std::vector<int64_t>& indices) {
   std::lock_guard<std::mutex> lock(state_->mu);
   for (int64_t i : indices) {
-    const at::Tensor& p = Param(state_->params, i, "forget_graph_reads");
+    CheckIndex(state_->params.size(), i, "forget_graph_reads");
+    const at::Tensor& p = state_->params[i];
     if (torch::autograd::impl::get_autograd_meta(p) != nullptr) compat::DropGradAccumulator(p);
   }
 }
@@ -394,7 +373,8 @@ void GradientPath::ForgetGraphReads(const std::vector<int64_t>& indices) {
 int64_t GradientPath::FirstGraphRead(const std::vector<int64_t>& indices) {
   std::lock_guard<std::mutex> lock(state_->mu);
   for (size_t k = 0; k < indices.size(); ++k) {
-    const at::Tensor& p = Param(state_->params, indices[k], "first_graph_read");
+    CheckIndex(state_->params.size(), indices[k], "first_graph_read");
+    const at::Tensor& p = state_->params[indices[k]];
     if (torch::autograd::impl::get_autograd_meta(p) != nullptr &&
         torch::autograd::impl::try_get_grad_accumulator(p)) {
       return static_cast<int64_t>(k);

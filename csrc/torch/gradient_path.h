@@ -82,8 +82,8 @@ class GradientPath {
   // The first parameter whose dtype or device is no longer its slot's (the
   // model was cast or moved after wrapping), or -1.
   int64_t FirstMoved();
-  // The first of `indices` (every tensor if empty) whose slot was written
-  // since its version was recorded (Note [Lazy step]), or -1.
+  // The first of `indices` whose slot was written since its version was
+  // recorded (Note [Lazy step]), or -1.
   int64_t FirstWritten(const std::vector<int64_t>& indices);
   // The tensors whose p.grad is not their slot's watched alias now.
   std::vector<int64_t> NotWatched();
