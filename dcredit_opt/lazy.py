@@ -98,8 +98,10 @@ class LazyStep:
         saved_hyper = [{k: g[k] for k in snap} for g, snap in zip(groups, snapshot)]
         saved_grads = [params[i].grad for i in todo]
         # Every update at once (the common case where communication ends before the next forward): the
-        # groups as they are, when they hold exactly our parameters.
-        whole = len(todo) == len(params) and self._dc_whole_groups and len(groups) == len(snapshot)
+        # groups as they are, when they hold exactly our parameters, still (a parameter put in a group since
+        # step() is not stepped here; the next step() refuses it).
+        whole = (len(todo) == len(params) and self._dc_whole_groups and len(groups) == len(snapshot)
+                 and group_ids(groups) == self._dc_group_ids)
         members = None if whole else [[] for _ in groups]
         if not whole:
             for i in todo:
@@ -232,6 +234,11 @@ class LazyStep:
 
 
 _PLAIN = frozenset({float, int, bool, str, type(None)})  # hyperparameters that cannot change in place
+
+
+def group_ids(groups) -> list:
+    """The parameters of each group, by identity."""
+    return [list(map(id, g["params"])) for g in groups]
 
 
 def copy_hyper(group: dict) -> dict:

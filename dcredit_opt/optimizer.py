@@ -54,7 +54,7 @@ from .gradients import (
     weak_rows_hook,
 )
 from .layout import fixed_plan
-from .lazy import LazyStep, watch_module_hooks_when_compiled
+from .lazy import LazyStep, group_ids, watch_module_hooks_when_compiled
 from .notices import Notices
 from .planner.plan import Plan
 from .planner.profile import RING_STAGE_RATIOS
@@ -192,11 +192,6 @@ def _check_process_set(process_set) -> None:
         "leave process_set out, or use horovod.torch.DistributedOptimizer for a subset of ranks")
 
 
-def _group_ids(groups) -> list:
-    """The parameters of each group, by identity."""
-    return [list(map(id, g["params"])) for g in groups]
-
-
 def _check_devices(names, params):
     devices.device_of(names, params)  # one device, CPU or CUDA; the rest after runtime.init()
 
@@ -234,7 +229,7 @@ class _DistributedOptimizer:
         self._dc_counts = per_tensor(T, "i")  # backward passes since the last step()
         self._dc_marked = per_tensor(T, "B")  # handed to the scheduler in this iteration
         self._dc_final = [False] * T  # reduction waited for at a read of p.grad (Note [Gradient reads])
-        self._dc_group_ids = _group_ids(self.param_groups)  # what was wrapped (Note [Replaced gradients])
+        self._dc_group_ids = group_ids(self.param_groups)  # what was wrapped (Note [Replaced gradients])
         # The groups hold exactly our parameters, in order (none frozen): a wrapped step over every update
         # can take them as they are.
         self._dc_whole_groups = [i for ids in self._dc_group_ids for i in ids] == [id(p) for p in params]
@@ -484,7 +479,7 @@ class _DistributedOptimizer:
         """Parameters added to (or removed from) the wrapped optimizer after wrapping: their gradients would
         not be reduced, or their updates not made. Refused at the next ``step()``, before anything is applied."""
         groups = self.param_groups
-        if _group_ids(groups) == self._dc_group_ids:
+        if group_ids(groups) == self._dc_group_ids:
             return
         known = {id(p): name for name, p in zip(self._dc_names, self._dc_params)}
         known.update((id(p), name) for name, p in self._dc_frozen)

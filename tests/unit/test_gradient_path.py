@@ -379,3 +379,31 @@ def test_the_apply_hooks_stay_while_a_timeline_records_the_forward(tmp_path):
         assert_same(model, ref)
     finally:
         opt._dc_close()
+
+
+def test_a_parameter_put_in_a_group_after_a_lazy_step_is_not_stepped_by_its_apply():
+    """The wrapped step over every update takes the groups as they are only while they hold exactly what was
+    wrapped: a parameter appended to a group between step() and the next forward is left alone there (its
+    gradient was never reduced), and the next step() refuses it before applying anything."""
+    model, opt, ref, ropt = pair(LAZY)
+    try:
+        train(model, opt, range(4), ref, ropt)
+        assert opt._dc_lazy.npending == 6
+        extra = nn.Parameter(torch.ones(3))
+        extra.grad = torch.ones(3)  # a local gradient: stepping with it would leave synchronous training
+        opt.param_groups[0]["params"].append(extra)
+        with torch.no_grad():
+            model(batch(99))  # applies every pending update
+        assert not opt._dc_lazy.npending
+        assert torch.equal(extra.detach(), torch.ones(3))
+        opt.param_groups[0]["params"].pop()
+        opt.synchronize()
+        assert_same(model, ref)
+        opt.param_groups[0]["params"].append(extra)
+        opt.zero_grad()
+        loss(model, 4).backward()
+        with pytest.raises(dc.DCreditError, match="did not hold when dcredit_opt.DistributedOptimizer was built"):
+            opt.step()
+    finally:
+        opt.param_groups[0]["params"][:] = list(model.parameters())
+        opt._dc_close()
