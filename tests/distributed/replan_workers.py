@@ -39,10 +39,11 @@ DECOUPLED_SIZES = (512, 256, 128, 64)
 the last one's, so the forced simulator calls every fresh plan the faster one."""
 
 
-def _force_replans(decoupled: bool = False) -> None:
+def _force_replans(decoupled: bool = False, always: bool = False) -> None:
     """Rank 0's planner returns equal blocks of a size that alternates between re-plans, and the simulator
-    calls the plan with the smaller largest block the faster one. With ``decoupled``, the plans decouple
-    the tensors of :data:`DECOUPLED` in turn, with the block sizes of :data:`DECOUPLED_SIZES`."""
+    calls the plan with the smaller largest block the faster one (with ``always``, the fresh plan: every
+    decision to re-plan switches). With ``decoupled``, the plans decouple the tensors of :data:`DECOUPLED`
+    in turn, with the block sizes of :data:`DECOUPLED_SIZES`."""
     sizes = iter(DECOUPLED_SIZES if decoupled else [64, 512] * 100)
     splits = iter(DECOUPLED * 100)
 
@@ -55,7 +56,11 @@ def _force_replans(decoupled: bool = False) -> None:
         split = range(T) if which == "all" else range(0, T, 2) if which == "every other" else ()
         return dataclasses.replace(plan, decoupled=tuple(split))
 
+    calls = iter(range(10**6))
+
     def iteration_time(plan, profile, channel_fifo=False):
+        if always:  # the re-planner prices the fresh plan first, then the plan in force
+            return 1.0 + next(calls) % 2
         return float(adaptive.largest_block(plan.partition))
 
     replanner.make_plan = make_plan
@@ -145,5 +150,99 @@ def train(steps: int = 24, change_at: int = 9, passes: int = 1, optimizers: int 
     out = {"diff": max_diff(model, ref), "replans": [[r.to_dict() for r in opt.replans] for opt in opts],
            "staged_eagerly": staged_eagerly, "plans": [opt.plan.to_dict() for opt in opts], "quiet_checks": quiet,
            "backend": opts[0]._dc_backend.name, "ops": ops}
+    dc.shutdown()
+    return out
+
+
+def _skew_windows(rng) -> None:
+    """Each window this rank sends is skewed at random before it leaves: its link time and backward span
+    scaled by factors drawn per window (half of them 1.0, the rest in [0.5, 2]), as a rank with other local
+    timings would measure them."""
+    take = adaptive.WindowRecorder.take
+
+    def factor() -> float:
+        return 1.0 if rng.random() < 0.5 else rng.uniform(0.5, 2.0)
+
+    def skewed(self):
+        w = take(self)
+        if w is None:
+            return None
+        return dataclasses.replace(w, busy_s=w.busy_s * factor(),
+                                   span_s=None if w.span_s is None else w.span_s * factor())
+
+    adaptive.WindowRecorder.take = skewed
+
+
+def _record_estimates(seen: list) -> None:
+    """Every estimate any check computes (what the gathered windows say), in order."""
+    combine = adaptive.combine
+
+    def recorded(base, now):
+        est = combine(base, now)
+        seen.append(None if est is None else [est.compute, est.link, est.beta, est.link_rank])
+        return est
+
+    adaptive.combine = recorded
+
+
+def random_timings(seeds: tuple = tuple(range(1, 7)), steps: int = 24) -> list:
+    """For each seed: a job whose shape (backward passes per step, one or two optimizers, the check interval)
+    the seed draws, the same on every rank, and whose timings each rank draws on its own: a sleep in the
+    backward that jumps between levels at random steps, and windows skewed at random before they are
+    gathered (:func:`_skew_windows`). Odd seeds plan with rank 0's forced planner (:func:`_force_replans`:
+    every decision to re-plan switches), even ones with the real planner. Per seed: every estimate the checks
+    computed, each optimizer's re-plans and its plan at every step, the worst difference from synchronous
+    training, and whether each staging step was eager."""
+    import random
+
+    dc.init()
+    world, rank = dc.size(), dc.rank()
+    originals = (replanner.make_plan, replanner.iteration_time, adaptive.WindowRecorder.take, adaptive.combine)
+    out = []
+    for seed in seeds:
+        shared, own = random.Random(seed), random.Random(1000 * seed + rank)
+        passes, optimizers, every = shared.choice((1, 2)), shared.choice((1, 2)), shared.choice((2, 3, 4))
+        replanner.make_plan, replanner.iteration_time, adaptive.WindowRecorder.take, adaptive.combine = originals
+        if seed % 2 and rank == 0:
+            _force_replans(always=True)
+        _skew_windows(own)
+        estimates: list = []
+        _record_estimates(estimates)
+        torch.manual_seed(seed)
+        model = Net()
+        ref = copy.deepcopy(model)
+        level = {"ms": 0.0}
+        _slow_down(model, lambda level=level: level["ms"] / 1000)
+        config = dc.Config(policy="dcredit", profile_iters=3, replan_every=every, replan_threshold=0.1, channels=2)
+        named = list(model.named_parameters())
+        parts = [named] if optimizers == 1 else [named[:4], named[4:]]
+        opts = [dc.DistributedOptimizer(OPTIMIZERS["sgd"]([p for _, p in part]), named_parameters=part,
+                                        backward_passes_per_step=passes, config=config) for part in parts]
+        ref_params = dict(ref.named_parameters())
+        ropts = [OPTIMIZERS["sgd"]([ref_params[n] for n, _ in part]) for part in parts]
+        plans, eager = [], []
+        for step in range(steps):
+            if own.random() < 0.3:
+                level["ms"] = own.choice((0.0, 2.0, 6.0, 12.0))
+            for opt in opts:
+                opt.zero_grad()
+            for k in range(passes):
+                loss_of(model, batch(step * passes + k, rank)).backward()
+            before = [len(opt.replans) for opt in opts]
+            for opt in opts:
+                opt.step()
+            eager += [opt._dc_lazy.npending == 0 for opt, n in zip(opts, before) if len(opt.replans) > n]
+            plans.append([opt.plan.to_dict() for opt in opts])
+            reference_grads(ref, step, world, passes=passes)
+            for ropt in ropts:
+                ropt.step()
+        for opt in opts:
+            opt.synchronize()
+        out.append({"seed": seed, "shape": [passes, optimizers, every], "estimates": estimates,
+                    "replans": [[r.iteration for r in opt.replans] for opt in opts], "plans": plans,
+                    "diff": max_diff(model, ref), "staged_eagerly": eager})
+        for opt in opts:
+            opt._dc_close()
+    replanner.make_plan, replanner.iteration_time, adaptive.WindowRecorder.take, adaptive.combine = originals
     dc.shutdown()
     return out

@@ -2,7 +2,8 @@
 changes mid-run (a sleep in the backward, longer on one rank); every rank re-plans at the same step, the
 staging step is eager, and training equals synchronous data parallelism across the switch: on
 torch.distributed (Gloo), under mpiexec and under horovodrun, with backward_passes_per_step=2, into, between and out of
-decoupled plans, and with two optimizers."""
+decoupled plans, and with two optimizers; and, randomised, ranks with different local timings agree on every
+decision."""
 
 from __future__ import annotations
 
@@ -104,3 +105,27 @@ def test_replans_equal_synchronous_training_on_backend(launch):
     and plan broadcast, and the switch, on each backend's own collectives."""
     _check(spawn.run_launched(replan_workers.train, launch["launcher"], 2, timeout_s=240, backend=launch["backend"],
                               horovod_first=launch["horovod_first"]), backend=launch["backend"], reasons="moved")
+
+
+@pytest.mark.timeout(180)
+def test_ranks_with_different_timings_agree_on_every_decision():
+    """Randomised: per seed, each rank sleeps in its backward at levels it draws on its own and skews the
+    windows it sends at random (replan_workers.random_timings); the job's shape (backward passes per step,
+    one or two optimizers, the check interval) is drawn per seed. Every rank computes the same estimates at
+    the same checks, re-plans at the same steps, holds the same plan at every step, and trains as
+    synchronous data parallelism does, across every re-plan."""
+    results = spawn.run(replan_workers.random_timings, 2, timeout_s=150)
+    replanned = 0
+    for by_seed in zip(*results):
+        seed = by_seed[0]["seed"]
+        for rank, r in enumerate(by_seed):
+            assert r["seed"] == seed and r["shape"] == by_seed[0]["shape"]
+            assert r["estimates"] == by_seed[0]["estimates"], f"seed {seed}: rank {rank} estimated otherwise"
+            assert r["replans"] == by_seed[0]["replans"], f"seed {seed}: re-plans {[x['replans'] for x in by_seed]}"
+            assert r["plans"] == by_seed[0]["plans"], f"seed {seed}: rank {rank} held another plan"
+            assert r["diff"] < TOL, f"seed {seed}, rank {rank}: differs from synchronous training by {r['diff']}"
+            assert all(r["staged_eagerly"]), f"seed {seed}: a re-plan was staged by a lazy step()"
+        assert by_seed[0]["estimates"], f"seed {seed}: no check compared windows"
+        replanned += sum(map(len, by_seed[0]["replans"]))
+    # the draws move the estimates: the agreement above covers re-plans, not only quiet checks
+    assert replanned >= 3, f"only {replanned} re-plans over {len(results[0])} seeds"
