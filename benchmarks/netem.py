@@ -245,11 +245,22 @@ class NamespaceNetwork(Network):
         path.write_text(hosts)
         self._created_files.insert(0, path)
 
-    def _limit(self, ns: str, dev: str) -> None:
+    def _limit(self, ns: str, dev: str, verb: str = "add") -> None:
         bps = parse_rate(self.rate)
-        _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+        _run(["ip", "netns", "exec", ns, "tc", "qdisc", verb, "dev", dev, "root", "tbf",
               "rate", f"{int(bps)}bit", "burst", str(tbf_burst_bytes(bps)),
               "latency", f"{TBF_LATENCY_MS}ms"])
+
+    def set_rate(self, rate: str) -> None:
+        """Every link's rate, both directions, changed in place (``tc qdisc change``): transfers in flight
+        go on at the new rate. For a network built with a rate."""
+        if self.rate is None:
+            raise ValueError("set_rate needs a network built with a rate (its qdiscs)")
+        parse_rate(rate)
+        self.rate = rate
+        for r, ep in enumerate(self.endpoints):
+            self._limit(ep.netns, RANK_IFNAME, "change")
+            self._limit(self.bridge_ns, f"vr{r}", "change")
 
     # -- teardown ----------------------------------------------------------
 

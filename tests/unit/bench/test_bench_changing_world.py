@@ -1,0 +1,55 @@
+"""benchmarks/changing_world.py and benchmarks/replan_cost.py without processes: the jobs of a round, the
+per-phase summary and the reports, on made-up iteration times."""
+
+import datetime
+
+import pytest
+
+from benchmarks import changing_world, replan_cost
+
+
+def _run(times, replans=()):
+    return {"iter_times_s": list(times), "replans": [{"from_timed_iteration": k, "reason": "moved: link x4",
+                                                      "predicted_old_s": 2.0, "predicted_new_s": 1.0}
+                                                     for k in replans], "profile": None, "log": []}
+
+
+def test_a_round_runs_both_whole_jobs_and_a_fresh_job_per_condition():
+    names = [j[0] for j in changing_world.jobs("rate-down-up")]
+    assert names == ["adaptive", "once", "fresh@1gbit/b8", "fresh@250mbit/b8"]
+    (_, phases, iters, adaptive), (_, _, _, once) = changing_world.jobs("compute")[:2]
+    assert adaptive and not once and phases[-1][2] == 32 and iters == 60
+    fresh = changing_world.jobs("compute")[3]
+    assert fresh[1] == [(0, "1gbit", 32)] and not fresh[3]
+
+
+def test_each_phase_is_measured_after_it_settled_against_the_fresh_job():
+    # adaptive: slow for 22 iterations after the switch at 30, then as fast as the fresh job; once stays slow
+    adaptive = [1.0] * 30 + [2.0] * 22 + [1.0] * 8
+    runs = {"adaptive": [_run(adaptive, replans=[52])], "once": [_run([1.0] * 30 + [2.0] * 30)],
+            "fresh@1gbit/b16": [_run([1.0] * 15)], "fresh@1gbit/b32": [_run([1.0] * 15)]}
+    first, second = changing_world.summarize("compute", runs)
+    assert first["measured_from"] == 0 and first["adaptive_over_fresh"] == pytest.approx(1.0)
+    assert second["measured_from"] == 30 + changing_world.SETTLE and second["iterations"] == [30, 60]
+    assert second["adaptive_s"] == pytest.approx(1.0)  # iterations 50-59: 2 slow, 8 fast
+    assert second["once_over_adaptive"] == pytest.approx(2.0 / second["adaptive_s"])
+    assert second["replans"] == [[52]] and first["replans"] == [[]]
+    record = {"scenario": "compute", "model": "vgg", "phases": changing_world.SCENARIOS["compute"][1], "rounds": 1,
+              "date": "2026-11-27", "hardware": {}, "runs": runs, "summary": [first, second],
+              "conditions": {"load_start": [1, 1, 1], "load_end": [2, 2, 2], "wall_s": 10.0}}
+    text = changing_world.markdown(record)
+    assert "| 1 (50-60) | 1gbit/b32 |" in text and "from iteration 52: moved: link x4" in text
+
+
+def test_the_cost_report_counts_replans_and_the_timed_watching():
+    on, off = [0.1] * 200, [0.1] * 200
+    result = {"on_s": on, "off_s": off, "observe_s": [1e-4] * 200, "check_s": [0.0] * 180 + [1e-3] * 20,
+              "gather_s": [5e-4] * 20, "replans": [], "estimates": [[1.0, 1.0, []]] * 20,
+              "config": {"replan_every": 10, "replan_threshold": 0.1}}
+    record = {"date": datetime.date.today().isoformat(), "model": "tiny", "batch": 2, "hardware": {},
+              "conditions": {"load_start": [1, 1, 1], "load_end": [1, 1, 1], "wall_s": 1.0}, "result": result}
+    text = replan_cost.markdown(record)
+    assert "| **re-plans** | **0** |" in text
+    assert "| checks (every 10 steps) / with estimates moved beyond 10% | 20 / 0 |" in text
+    # (200 * 0.1 ms + 20 * 1 ms) / 200 iterations = 0.2 ms, 0.2 % of 100 ms
+    assert "**200.0 us, 0.200 %**" in text
