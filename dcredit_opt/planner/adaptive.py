@@ -15,7 +15,8 @@ every check window (``Config.replan_every`` steps):
   when their sizes spread by at least :data:`SIZE_SPREAD` (otherwise the
   baseline's link is all per byte), and the link time now is compared with
   what the baseline's fit predicts for the same traffic; the change is
-  carried by ``beta`` (:func:`link_estimate` says why);
+  carried by the profile's ``beta``, priced with the profile's own alpha
+  (:func:`link_estimate` and :func:`beta_scale` say why);
 - the compute: the backward span, from the first gradient ready to the last
   (the scheduler's ready times), as a scale on every tensor's forward and
   backward time. A forward and a backward of the same layers change together
@@ -208,11 +209,15 @@ class Estimate:
     link: float
     """Link time now over the baseline's prediction for the same traffic."""
     beta: float
-    """Scale of the all-reduce time per byte that explains ``link`` with the start-up unchanged."""
+    """Scale of the all-reduce time per byte that explains ``link`` with the baseline window's fitted start-up
+    unchanged (:func:`link_estimate`); :func:`rescale` uses it only where the estimate carries no traffic."""
     link_rank: int
     """The rank whose link measurement was taken (the least slowed)."""
     span_s: tuple[float, float]
     """The job's backward span, baseline and now, seconds (for messages)."""
+    traffic: tuple[float, float] = (0.0, 0.0)
+    """What the link rank's window carried per iteration now: collectives and bytes (:func:`rescale` prices
+    the link's change on them with the profile's own alpha and beta)."""
 
 
 def combine(base: Sequence[Window | None], now: Sequence[Window | None]) -> Estimate | None:
@@ -230,9 +235,10 @@ def combine(base: Sequence[Window | None], now: Sequence[Window | None]) -> Esti
     links = [(est[0], r, est) for r, est in links if est is not None]
     if links:
         _, rank, (link, beta) = min(links)
+        traffic = (now[rank].collectives, now[rank].nbytes)
     else:  # nothing travelled (a world of one, every gradient unused): only the compute can move
-        rank, link, beta = -1, 1.0, 1.0
-    return Estimate(compute=compute, link=link, beta=beta, link_rank=rank, span_s=span)
+        rank, link, beta, traffic = -1, 1.0, 1.0, (0.0, 0.0)
+    return Estimate(compute=compute, link=link, beta=beta, link_rank=rank, span_s=span, traffic=traffic)
 
 
 def moved(estimate: Estimate, threshold: float) -> tuple[str, ...]:
@@ -270,12 +276,29 @@ class Hysteresis:
         self._streak = 0
 
 
+def beta_scale(profile: Profile, estimate: Estimate) -> float:
+    """The scale on ``profile``'s beta that makes its link ``estimate.link`` times slower on the traffic the
+    estimate saw, its alpha unchanged; ``estimate.beta`` where the estimate carries no traffic.
+
+    The profile's alpha, not the baseline window's fitted one: a window's fit of one job's mix may put most
+    of the link time in the start-up (measured: alpha x4.9 on an unchanged link), and a link x0.6 then left
+    beta x0.06 (VGG-like under load: the re-planned profile saw a free link, and no plan was worth a switch
+    when the compute doubled). The profile's alpha comes from the sweep of sizes at profiling."""
+    collectives, nbytes = estimate.traffic
+    if nbytes <= 0 or profile.beta_s_per_byte <= 0:
+        return estimate.beta
+    fixed = profile.alpha_s * collectives
+    return _clamp(max(estimate.link * (fixed + profile.beta_s_per_byte * nbytes) - fixed, 0.0)
+                  / (profile.beta_s_per_byte * nbytes))
+
+
 def rescale(profile: Profile, estimate: Estimate) -> Profile:
     """``profile`` with every tensor's compute scaled by ``estimate.compute`` and the link's beta by
-    ``estimate.beta`` (alpha, sizes, order and stage ratios unchanged: :func:`link_estimate`)."""
+    :func:`beta_scale` (alpha, sizes, order and stage ratios unchanged: :func:`link_estimate`)."""
     c = estimate.compute
     tensors = tuple(dataclasses.replace(t, fwd_s=t.fwd_s * c, bwd_s=t.bwd_s * c) for t in profile.tensors)
-    return dataclasses.replace(profile, tensors=tensors, beta_s_per_byte=profile.beta_s_per_byte * estimate.beta)
+    return dataclasses.replace(profile, tensors=tensors,
+                               beta_s_per_byte=profile.beta_s_per_byte * beta_scale(profile, estimate))
 
 
 def worth_switching(current_s: float, fresh_s: float, threshold: float) -> bool:
@@ -293,8 +316,8 @@ def describe(estimate: Estimate, threshold: float) -> str:
     compute = f"compute x{estimate.compute:.2f}"
     if span_b > 0:
         compute += f" (backward {span_b * 1e3:.1f} ms -> {span_n * 1e3:.1f} ms)"
-    link = f"link x{estimate.link:.2f} (beta x{estimate.beta:.2f}"
-    link += f", as rank {estimate.link_rank} measured it)" if estimate.link_rank >= 0 else ")"
+    link = f"link x{estimate.link:.2f}"
+    link += f" (as rank {estimate.link_rank} measured it)" if estimate.link_rank >= 0 else ""
     which = moved(estimate, threshold)
     for name, text in (("compute", compute), ("link", link)):
         parts.append(("moved: " if name in which else "") + text)

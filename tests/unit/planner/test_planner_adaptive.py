@@ -4,6 +4,7 @@ the hysteresis (no flapping), the rescaled profile."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -204,3 +205,18 @@ def test_a_changed_link_makes_a_fresh_plan_worth_it_where_the_old_one_is_wrong()
     t_old = iteration_time(old, q, channel_fifo=fifo)
     t_new = iteration_time(planning.make_plan(q, "dcredit", **kw), q, channel_fifo=fifo)
     assert adaptive.worth_switching(t_old, t_new, 0.1), (t_old, t_new)
+
+
+def test_rescale_prices_the_links_change_with_the_profiles_own_alpha():
+    """The estimate carries the traffic it saw: beta takes the whole change where the profile's start-up is
+    nothing, and the part the profile's start-up leaves where it is not; the window fit's split (``beta``,
+    x0.06 here, as once measured under load) is not used."""
+    p = model_like_profile(8, total_params=1_000_000)
+    nbytes, collectives = 4e6, 8.0
+    free = dataclasses.replace(p, alpha_s=0.0)
+    e = Estimate(compute=1.0, link=0.6, beta=0.06, link_rank=0, span_s=(0.0, 0.0), traffic=(collectives, nbytes))
+    assert adaptive.rescale(free, e).beta_s_per_byte == pytest.approx(0.6 * p.beta_s_per_byte)
+    q = adaptive.rescale(p, e)
+    before = p.alpha_s * collectives + p.beta_s_per_byte * nbytes
+    after = q.alpha_s * collectives + q.beta_s_per_byte * nbytes
+    assert q.alpha_s == p.alpha_s and after == pytest.approx(0.6 * before)
