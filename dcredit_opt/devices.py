@@ -93,10 +93,10 @@ def check_world(names, params, backend: str) -> None:
     """Every check that needs the joined world (after ``runtime.init()``) for ``Config.backend``."""
     from . import _ext, backends, runtime
 
-    if dist.is_initialized() and runtime.kind() != "horovod":
+    backend_name = runtime.control_backend()
+    if backend_name is not None:
         # The control plane (the model check, broadcasts, the plan) runs on the
-        # default group, and the torch backend's channels inherit its backend.
-        backend_name = dist.get_backend()
+        # default group (or ours, Gloo), and the torch backend's channels inherit its backend.
         on_cuda = device_of(names, params).type == "cuda"
         check_group(names, params, backend_name, runtime.control_device() if on_cuda else None)
     if (backends.detect() if backend == "auto" else backend) == "torch":

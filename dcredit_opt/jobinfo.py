@@ -163,7 +163,7 @@ def gloo_enabled() -> bool:
     kind = require_world("gloo_enabled")
     if kind == "horovod":
         return bool(runtime.horovod().gloo_enabled())
-    return dist.is_initialized() and dist.get_backend() == "gloo"
+    return runtime.control_backend() == "gloo"
 
 
 def mpi_threads_supported() -> bool:

@@ -261,12 +261,14 @@ def warn_if_fusion_on(hvd) -> None:
 
 
 def join_mpi(timeout_s: float):
-    """Set up torch.distributed (Gloo) over the MPI job; returns (MPI, rank, size, local_rank, owns_group).
+    """Join the MPI job; returns (MPI, rank, size, local_rank, store).
 
-    Gloo carries the control operations (model check, broadcasts, plan) and
-    the "torch" backend; mpi4py carries blocks with the "mpi" backend. The
-    rendezvous: rank 0 opens a TCPStore on a port the OS picks, and tells the
-    others where with one MPI broadcast of fixed-size bytes (never a pickle).
+    Gloo groups of our own carry the control operations (model check,
+    broadcasts, plan) and the "torch" backend, made on ``store`` (Note
+    [Private groups] in ``groups.py``); mpi4py carries blocks with the "mpi"
+    backend. ``store`` is None when the script initialised torch.distributed
+    itself first: its default group serves then, as under torchrun. The
+    rendezvous: ``rendezvous_store``, over one MPI broadcast.
     """
     MPI = import_mpi()
     comm = MPI.COMM_WORLD
@@ -278,14 +280,15 @@ def join_mpi(timeout_s: float):
             raise LaunchError(
                 f"torch.distributed says rank {dist.get_rank()} of {dist.get_world_size()} but MPI says rank "
                 f"{rank} of {size}: they were started by different launchers; launch once")
-        return MPI, rank, size, local_rank, False
-    rendezvous_gloo(rank, size, timeout_s, lambda message: comm.Bcast(message, root=0), "the MPI job",
-                    "and GLOO_SOCKET_IFNAME to every rank")
-    return MPI, rank, size, local_rank, True
+        return MPI, rank, size, local_rank, None
+    store = rendezvous_store(rank, size, timeout_s, lambda message: comm.Bcast(message, root=0), "the MPI job",
+                             "and GLOO_SOCKET_IFNAME to every rank")
+    return MPI, rank, size, local_rank, store
 
 
-def rendezvous_gloo(rank: int, size: int, timeout_s: float, broadcast, over: str, hint: str) -> None:
-    """Initialise torch.distributed (Gloo) over a job whose ranks can already broadcast (MPI, Horovod).
+def rendezvous_store(rank: int, size: int, timeout_s: float, broadcast, over: str, hint: str):
+    """A TCPStore shared by every rank of a job whose ranks can already broadcast (MPI, Horovod), for Gloo
+    groups of our own (Note [Private groups] in ``groups.py``); torch.distributed's default group is left alone.
 
     Rank 0 opens a TCPStore on a port the OS picks and tells the others where
     with one ``broadcast(message)`` of fixed-size bytes (a numpy uint8 array,
@@ -317,9 +320,9 @@ def rendezvous_gloo(rank: int, size: int, timeout_s: float, broadcast, over: str
             same_host = host == socket.gethostname() and not os.environ.get("MASTER_ADDR")
             store = dist.TCPStore("127.0.0.1" if same_host else address, port, size, is_master=False,
                                   timeout=timeout)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
+        return store
     except Exception as e:
-        raise LaunchError(f"could not set up torch.distributed (Gloo) over {over} at {address}:{port} within "
+        raise LaunchError(f"could not reach rank 0's rendezvous store over {over} at {address}:{port} within "
                           f"{timeout_s:g} s ({type(e).__name__}: {e}); on several machines, export MASTER_ADDR "
                           f"(rank 0's reachable address) {hint}") from e
 

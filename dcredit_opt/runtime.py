@@ -4,15 +4,17 @@
 first), horovodrun's variables or ``backend="horovod"`` (Horovod, initialised
 here if needed); an already-initialised ``torch.distributed``, torchrun's
 ``env://`` variables; mpirun/mpiexec's variables or ``backend="mpi"`` (MPI,
-with torch.distributed Gloo set up beside it for control); or nothing at all
+with Gloo groups of our own beside it for control, outside torch.distributed's
+default group: Note [Private groups] in ``groups.py``); or nothing at all
 (a world of one, as Horovod does). State lives in one ``_World`` object that
 ``shutdown()`` discards, so ``init()`` may be called again afterwards.
 
 The control plane (``all_gather``, ``broadcast_``: the model check, the
-broadcast helpers, the plan) runs on Horovod in a Horovod job and on
-torch.distributed's default group otherwise, whichever backend carries the
-blocks. It is called from the training thread only, so it never races a
-dispatch thread: blocks never go on the default group.
+broadcast helpers, the plan) runs on Horovod in a Horovod job, on our own
+world group in an MPI job, and on torch.distributed's default group
+otherwise, whichever backend carries the blocks. It is called from the
+training thread only, so it never races a dispatch thread: blocks never go
+on the control plane's group.
 
 Channels are not shared: each backend (one per ``DistributedOptimizer``)
 makes its own, here through ``channel_groups()`` for torch.distributed, and
@@ -66,6 +68,13 @@ class _World:
     """Backends made so far; the same count on every rank (Note [Same order on every rank])."""
     on_cpu: bool | None = None
     """In a Horovod job: whether it runs on CPUs, decided by every rank together (``horovod_on_cpu()``)."""
+    store: object = None
+    """Under MPI and Horovod: our own rendezvous store, for groups of our own (Note [Private groups] in
+    ``groups.py``); None where torch.distributed's default group serves (torchrun, or the script's own)."""
+    group: object = None
+    """The control plane's group: ours over every rank with ``store``, else None (the default group)."""
+    groups_made: int = 0
+    """Groups made on ``store`` so far; the same count on every rank, so each has the same name everywhere."""
 
 
 _world: _World | None = None
@@ -102,9 +111,12 @@ def init(timeout_s: float = 30.0, backend: str | None = None) -> None:
     if kind == "mpi":
         from . import launchers
 
-        _, rank_, size_, local, owns = launchers.join_mpi(timeout_s)
-        _world = _World(rank=rank_, size=size_, local_rank=local, owns_default_group=owns, timeout_s=timeout_s,
-                        kind="mpi")
+        _, rank_, size_, local, store = launchers.join_mpi(timeout_s)
+        world = _World(rank=rank_, size=size_, local_rank=local, owns_default_group=False, timeout_s=timeout_s,
+                       kind="mpi", store=store)
+        if store is not None:
+            world.group = _private_group(world, "world", "joining the MPI job")
+        _world = world
         _start_heartbeat(_world)
         return
     owns = False
@@ -226,6 +238,35 @@ def _release_store() -> None:
     """Drop the rendezvous store (at exit, after the groups): rank 0's server thread ends now, in order."""
     global _store
     _store = None
+
+
+def _private_group(world: _World, name: str, what: str, ranks: list | None = None):
+    """A group of ours on ``world.store`` (Note [Private groups] in groups.py) over ``ranks`` (all by default),
+    named ``name``; collective over those ranks."""
+    from . import groups
+
+    ranks = list(range(world.size)) if ranks is None else ranks
+    try:
+        return groups.private_group(world.store, name, ranks.index(world.rank), len(ranks), world.timeout_s)
+    except RuntimeError as e:  # the store or Gloo: a peer is gone, or the timeout passed
+        raise LaunchError(f"rank {world.rank} of {world.size}, {what}: could not connect a group of ranks "
+                          f"{ranks} within {world.timeout_s:g} s ({type(e).__name__}: {e})") from e
+
+
+def control_group():
+    """The control plane's process group: None for torch.distributed's default group, else ours (Note
+    [Private groups] in groups.py)."""
+    return _require().group
+
+
+def control_backend() -> str | None:
+    """The control plane's torch.distributed backend ("gloo", "nccl"), or None where it is Horovod's."""
+    world = _require()
+    if world.kind == "horovod":
+        return None
+    if world.group is not None:
+        return "gloo"
+    return dist.get_backend() if dist.is_initialized() else None
 
 
 def _require() -> _World:
@@ -506,10 +547,10 @@ _heartbeat: _Heartbeat | None = None
 def _start_heartbeat(world: _World) -> None:
     """Note [Lost peers]: beat, when the job has a TCP store; collective (every rank starts it)."""
     global _heartbeat, _beats_started
-    if _heartbeat is not None or world.size == 1 or not dist.is_initialized():
+    if _heartbeat is not None or world.size == 1 or (world.store is None and not dist.is_initialized()):
         return
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = world.store if world.store is not None else dist.distributed_c10d._get_default_store()
         while isinstance(store, dist.PrefixStore):
             store = store.underlying_store
     except (AttributeError, RuntimeError, ValueError):
@@ -567,8 +608,7 @@ def lost_peer_note() -> str:
 
 def control_device() -> torch.device:
     """Where control tensors live: the GPU under NCCL, else the CPU."""
-    world = _require()
-    if world.kind != "horovod" and dist.is_initialized() and dist.get_backend() == "nccl":
+    if control_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -622,7 +662,7 @@ def all_gather(tensor: torch.Tensor, name: str) -> list:
         return [row.reshape(tensor.shape) for row in rows.unbind(0)]
     gathered = [torch.empty_like(tensor) for _ in range(world.size)]
     try:
-        dist.all_gather(gathered, tensor)
+        dist.all_gather(gathered, tensor, group=world.group)
     except RuntimeError as e:  # torch's DistBackendError: a peer is gone, or the timeout passed
         raise at_rank(e, f"control-plane all_gather {name!r}") from e
     return gathered
@@ -642,7 +682,9 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str) -> None:
             _horovod_wait(world.hvd, handle, f"broadcast_ {op!r}", world.timeout_s, world.rank, world.size)
         return
     try:
-        dist.broadcast(tensor, src=root_rank)
+        from . import groups
+
+        groups.broadcast(tensor, root_rank, world.group)
     except RuntimeError as e:
         raise at_rank(e, f"control-plane broadcast {name!r} from rank {root_rank}") from e
 
@@ -691,18 +733,22 @@ def channel_groups(count: int, backend: str | None = None) -> list:
     any still left.
     """
     world = _require()
-    if not dist.is_initialized() and world.kind == "horovod":
+    if world.store is None and not dist.is_initialized() and world.kind == "horovod":
         _torch_beside_horovod(world)
-    if not dist.is_initialized():
+    if world.store is None and not dist.is_initialized():
         raise LaunchError(f"backend 'torch' needs torch.distributed, which this {world.kind} job does not use: "
                           f"pass Config(backend='{world.kind}') or 'auto', or launch with torchrun")
     timeout = datetime.timedelta(seconds=world.timeout_s)
     groups = []
     try:
         for _ in range(count):
-            groups.append(dist.new_group(ranks=list(range(world.size)), timeout=timeout, backend=backend))
+            if world.store is not None:  # Note [Private groups] in groups.py: Gloo, on our store
+                groups.append(_private_group(world, f"channels/{world.groups_made}", "making a channel"))
+                world.groups_made += 1
+            else:
+                groups.append(dist.new_group(ranks=list(range(world.size)), timeout=timeout, backend=backend))
             world.channel_groups.append(groups[-1])  # destroyed at shutdown() even if a later one fails
-        device = torch.device("cpu") if backend == "gloo" else control_device()
+        device = torch.device("cpu") if backend == "gloo" or world.store is not None else control_device()
         for group in groups:
             dist.all_reduce(torch.zeros(1, device=device), group=group)
     except RuntimeError as e:  # torch's DistBackendError: a peer is gone, or the timeout passed
@@ -711,7 +757,7 @@ def channel_groups(count: int, backend: str | None = None) -> list:
 
 
 def _torch_beside_horovod(world: _World) -> None:
-    """Note [C++ channels under Horovod]: set up torch.distributed (Gloo) over a Horovod job's ranks.
+    """Note [C++ channels under Horovod]: a store of our own over a Horovod job's ranks, for Gloo groups.
 
     Blocks on Horovod's Python API pay two Python calls and a negotiation
     cycle each, on two busy cores; blocks on c10d process groups are launched
@@ -719,8 +765,9 @@ def _torch_beside_horovod(world: _World) -> None:
     "auto" backend carries gradient blocks on process groups of our own, and
     the script keeps Horovod for everything else (its own allreduce,
     broadcasts, metrics). The rendezvous goes through one Horovod broadcast
-    (``launchers.rendezvous_gloo``); the default group is ours, destroyed at
-    ``shutdown()``. Collective: every rank builds its first "torch" backend at
+    (``launchers.rendezvous_store``); the groups are ours alone, outside
+    torch.distributed's default group (Note [Private groups] in ``groups.py``),
+    which stays the script's. Collective: every rank builds its first "torch" backend at
     the same point. ``Config(backend="horovod")`` keeps the blocks on
     Horovod's operations (also the default on GPUs: NCCL channels beside
     Horovod are not built).
@@ -753,9 +800,8 @@ def _torch_beside_horovod(world: _World) -> None:
     def broadcast(message) -> None:
         broadcast_(torch.from_numpy(message), 0, name="rendezvous")  # in place, into the numpy array
 
-    launchers.rendezvous_gloo(world.rank, world.size, world.timeout_s, broadcast, "Horovod",
-                              "or pass Config(backend='horovod')")
-    world.owns_default_group = True
+    world.store = launchers.rendezvous_store(world.rank, world.size, world.timeout_s, broadcast, "Horovod",
+                                             "or pass Config(backend='horovod')")
     _start_heartbeat(world)
     launchers.warn_if_cycle_short(world.hvd)
     launchers.warn_if_timeline_spins(world.hvd)
@@ -791,10 +837,9 @@ def destroy_channel_groups(groups: list) -> None:
 
 
 def _destroy_group(group) -> None:
-    try:
-        dist.destroy_process_group(group)
-    except (RuntimeError, ValueError):
-        pass  # already gone with the default group
+    from . import groups
+
+    groups.release(group)
 
 
 def register_user(obj) -> None:
@@ -909,8 +954,10 @@ def shutdown() -> None:
     if world is not None:
         for group in world.channel_groups:  # those of engines that were never closed
             _destroy_group(group)
+        world.channel_groups, world.group = [], None  # ours end with their last reference (Note [Private groups])
         if world.owns_default_group and dist.is_initialized():
             dist.destroy_process_group()
+        world.store = None  # rank 0's store server ends here, after every other rank left (_linger)
         if world.owns_horovod and not lost:  # with a peer lost it would wait on Horovod's loop, stuck on that peer
             world.hvd.shutdown()
     if failed:

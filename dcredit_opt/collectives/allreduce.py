@@ -63,7 +63,7 @@ def _allreduce_launch(tensors: list, r: _Reduce) -> Handle:
         flat = torch.cat([tensors[i].detach().reshape(-1).to(device=device, dtype=wire) for i in members])
         flat = _scaled(flat, r.prescale)
         if size > 1:
-            works.append(dist.all_reduce(flat, op=DIST_OPS[r.op], async_op=True))
+            works.append(dist.all_reduce(flat, op=DIST_OPS[r.op], group=runtime.control_group(), async_op=True))
         buffers.append((members, flat))
 
     def finish(_):

@@ -261,7 +261,7 @@ def agree(descriptor: list[int], what: str, name: str | None) -> list[list[int]]
     device = runtime.control_device()
     mine = torch.tensor(descriptor, dtype=torch.int64, device=device)
     rows = [torch.empty_like(mine) for _ in range(runtime.size())]
-    Handle(what, works=[dist.all_gather(rows, mine, async_op=True)]).wait()
+    Handle(what, works=[dist.all_gather(rows, mine, group=runtime.control_group(), async_op=True)]).wait()
     table = [r.tolist() for r in rows]
     problem = disagreement(table, what, name, runtime.rank())
     if problem:

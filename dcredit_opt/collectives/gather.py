@@ -10,7 +10,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .. import objects, runtime
+from .. import groups, objects, runtime
 from ..errors import CollectiveError
 from ..runtime import require_world
 from . import core
@@ -59,7 +59,7 @@ def _allgather_launch(tensor: torch.Tensor, name: str | None, fn: str) -> Handle
     mine = torch.zeros(longest, dtype=torch.uint8, device=device)
     mine[:tensor.shape[0] * row_bytes] = _bytes_of(tensor.detach().to(device).contiguous())
     parts = [torch.empty_like(mine) for _ in range(size)]
-    works = [dist.all_gather(parts, mine, async_op=True)] if longest else []
+    works = [dist.all_gather(parts, mine, group=runtime.control_group(), async_op=True)] if longest else []
 
     def finish(_):
         data = torch.cat([p[:n * row_bytes] for p, n in zip(parts, firsts)])
@@ -149,7 +149,8 @@ def _broadcast_launch(tensor: torch.Tensor, root_rank: int, name: str | None, fn
     staged = tensor.detach().to(device).contiguous()
     if not inplace and staged.data_ptr() == tensor.data_ptr():
         staged = staged.clone()  # the input is not changed
-    works = [dist.broadcast(_bytes_of(staged), src=root_rank, async_op=True)] if size > 1 and staged.numel() else []
+    works = ([groups.broadcast(_bytes_of(staged), root_rank, runtime.control_group(), async_op=True)]
+             if size > 1 and staged.numel() else [])
 
     def finish(_):
         if inplace:

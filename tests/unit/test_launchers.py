@@ -182,13 +182,14 @@ def test_our_channels_beside_horovods_spinning_timeline_writer_warn_once(tmp_pat
     assert f"HOROVOD_TIMELINE={trace}" in out.stderr and "DCREDIT_TIMELINE_PATH" in out.stderr
 
 
-def test_mpi_world_of_one_trains_and_sets_up_gloo_for_control():
+def test_mpi_world_of_one_trains_with_gloo_of_its_own_for_control():
+    """Note [Private groups]: the control plane is a Gloo group of ours; torch.distributed stays the script's."""
     if not importable("from mpi4py import MPI"):
         pytest.skip("mpi4py cannot load an MPI library (pip install mpich mpi4py)")
-    out = run("import torch.distributed as dist, dcredit_opt as dc\ndc.init(backend='mpi')\n"
-              "print('gloo', dist.is_initialized() and dist.get_backend())\n" + TRAIN)
+    out = run("import torch.distributed as dist, dcredit_opt as dc\nfrom dcredit_opt import runtime\n"
+              "dc.init(backend='mpi')\nprint('gloo', dist.is_initialized(), runtime.control_backend())\n" + TRAIN)
     assert out.returncode == 0, out.stderr
-    assert "gloo gloo" in out.stdout and "backend mpi size 1 kind mpi" in out.stdout, out.stdout
+    assert "gloo False gloo" in out.stdout and "backend mpi size 1 kind mpi" in out.stdout, out.stdout
 
 
 # ---- SLURM: srun tasks -------------------------------------------------------------
