@@ -58,10 +58,10 @@ from pathlib import Path
 import numpy as np
 
 import dcredit_opt
-from dcredit_opt import planning
 from dcredit_opt.files import write_whole
 from dcredit_opt.planner.profile import RING_STAGE_RATIOS, Profile
 from dcredit_opt.planner.simulate import simulate
+from dcredit_opt.profiling import planning
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMES = {"ddp": "ddp", "dc-wfbp": "wfbp", "dc-mgwfbp": "mgwfbp", "dc-bytescheduler": "bytescheduler",

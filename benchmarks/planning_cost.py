@@ -24,7 +24,7 @@ from dcredit_opt.planner.dcredit import dcredit
 from dcredit_opt.planner.policies import POLICIES
 from dcredit_opt.planner.simulate import lower_bound, simulate
 from dcredit_opt.planner.synthetic import model_like_profile
-from dcredit_opt.planning import CHANNEL_FIFO, make_plan
+from dcredit_opt.profiling.planning import CHANNEL_FIFO, make_plan
 
 
 def _time(fn, repeats: int) -> tuple[float, float, float, object]:

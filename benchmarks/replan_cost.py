@@ -42,8 +42,8 @@ def rank_main(args: argparse.Namespace) -> None:
     import dcredit_opt as dc
     from benchmarks.models import get_model, loss_fn
     from benchmarks.worker import LR, MOMENTUM
-    from dcredit_opt import replanner
     from dcredit_opt.planner import adaptive
+    from dcredit_opt.profiling import replanner
 
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)

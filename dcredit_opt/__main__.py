@@ -1,7 +1,7 @@
-"""`python -m dcredit_opt`: see dcredit_opt.cli."""
+"""`python -m dcredit_opt`: see dcredit_opt.cli.commands."""
 
 import sys
 
-from .cli import main
+from .cli.commands import main
 
 sys.exit(main())

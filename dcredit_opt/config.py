@@ -10,13 +10,15 @@ import logging
 import os
 from collections.abc import Mapping
 
-from . import backends
 from .planner.dcredit import DEFAULT_BLOCK_BYTES
 from .planner.plan import POLICY_NAMES
 
 log = logging.getLogger("dcredit_opt")
 
 MiB = 1024 * 1024
+
+BACKENDS = ("torch", "horovod", "mpi")
+"""The backends' names (``backends.create``); ``Config.backend`` also takes "auto"."""
 
 
 @dataclasses.dataclass
@@ -164,8 +166,8 @@ class Config:
             raise ValueError(f"Config.timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
         if self.lazy_step not in ("auto", "on", "off"):
             raise ValueError(f"Config.lazy_step {self.lazy_step!r} is unknown; known: auto, on, off")
-        if self.backend not in ("auto", *backends.KNOWN):
-            raise ValueError(f"Config.backend {self.backend!r} is unknown; known: auto, {', '.join(backends.KNOWN)}")
+        if self.backend not in ("auto", *BACKENDS):
+            raise ValueError(f"Config.backend {self.backend!r} is unknown; known: auto, {', '.join(BACKENDS)}")
         known = ("fixed", *POLICY_NAMES)
         if self.policy not in known:
             raise ValueError(f"Config.policy {self.policy!r} is unknown; known policies: {', '.join(known)}")

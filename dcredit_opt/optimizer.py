@@ -37,8 +37,6 @@ from . import (
     checks,
     devices,
     grouping,
-    profiler,
-    replanner,
     runtime,
     separable,
     timeline,
@@ -58,7 +56,8 @@ from .lazy import LazyStep, group_ids, watch_module_hooks_when_compiled
 from .notices import Notices
 from .planner.plan import Plan
 from .planner.profile import RING_STAGE_RATIOS
-from .planning import DECOUPLING_POLICIES
+from .profiling import profiler, replanner
+from .profiling.planning import DECOUPLING_POLICIES
 from .reduce_ops import HOROVOD_OP_CODES, Average, ReduceOp
 from .updates import LazyUpdates
 from .usage import UsageTally

@@ -233,7 +233,7 @@ class RankTimeline:
                             "left out of it", self.path, iteration)
 
     def mark(self, name: str, args: dict) -> None:
-        """An instant on the "backward" track now, across the process (a re-plan: replanner.py),
+        """An instant on the "backward" track now, across the process (a re-plan: profiling/replanner.py),
         with ``args`` (JSON-able) shown beside it."""
         if self._finish.alive:
             self._batches.put(("mark", time.perf_counter_ns(), name, dict(args)))

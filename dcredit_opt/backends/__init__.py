@@ -37,9 +37,8 @@ instead), torch.distributed otherwise.
 
 from __future__ import annotations
 
+from ..config import BACKENDS
 from .torch_dist import TorchDistBackend
-
-KNOWN = ("torch", "horovod", "mpi")
 
 
 def create(name: str, channels: int, timeout_s: float):
@@ -56,7 +55,7 @@ def create(name: str, channels: int, timeout_s: float):
         from .mpi import MPIBackend
 
         return MPIBackend(channels, timeout_s)
-    raise ValueError(f"unknown backend {name!r}; known backends: auto, {', '.join(KNOWN)}")
+    raise ValueError(f"unknown backend {name!r}; known backends: auto, {', '.join(BACKENDS)}")
 
 
 def detect() -> str:

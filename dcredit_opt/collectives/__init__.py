@@ -1,4 +1,6 @@
-"""Horovod's collective operations, on whichever world runs the job.
+"""Horovod's API for a script, on whichever world runs the job: the collective operations
+(``core.py``, ``allreduce.py``, ``gather.py``), the broadcast helpers (``functions.py``), what a
+script asks about its job (``jobinfo.py``), and the names we lack (``missing.py``).
 
     import dcredit_opt as hvd          # a Horovod script, unchanged
     hvd.init()
@@ -56,6 +58,7 @@ from .allreduce import (
     grouped_allreduce_async_,
 )
 from .core import Handle, Max, Min, Product, global_process_set, poll, synchronize
+from .functions import broadcast_optimizer_state, broadcast_parameters
 from .gather import (
     allgather,
     allgather_async,
@@ -69,11 +72,31 @@ from .gather import (
     grouped_allgather,
     grouped_allgather_async,
 )
+from .jobinfo import (
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    is_homogeneous,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rocm_built,
+    start_timeline,
+    stop_timeline,
+)
+from .missing import MissingHorovodName
 
 __all__ = [
     "Handle",
     "Max",
     "Min",
+    "MissingHorovodName",
     "Product",
     "allgather",
     "allgather_async",
@@ -88,13 +111,31 @@ __all__ = [
     "broadcast_async",
     "broadcast_async_",
     "broadcast_object",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "ccl_built",
+    "cross_rank",
+    "cross_size",
+    "cuda_built",
+    "ddl_built",
     "global_process_set",
+    "gloo_built",
+    "gloo_enabled",
     "grouped_allgather",
     "grouped_allgather_async",
     "grouped_allreduce",
     "grouped_allreduce_",
     "grouped_allreduce_async",
     "grouped_allreduce_async_",
+    "is_homogeneous",
+    "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
     "poll",
+    "rocm_built",
+    "start_timeline",
+    "stop_timeline",
     "synchronize",
 ]

@@ -10,10 +10,10 @@ import math
 import torch
 import torch.distributed as dist
 
-from .. import groups, objects, runtime
+from .. import groups, runtime
 from ..errors import CollectiveError
 from ..runtime import require_world
-from . import core
+from . import core, objects
 from .allreduce import allreduce
 from .core import Handle, agree, describe, label
 

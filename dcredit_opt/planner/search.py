@@ -11,7 +11,7 @@ finds fastest. Every baseline is a special case of a D-Credit plan (a plan
 is blocks, priorities and a window per event: a fixed credit is a constant
 window, WFBP and its merging variants release everything when ready), so
 the search includes each baseline's own plan, as the runtime would make it
-(``planning.py``), relabelled ``dcredit``; D-Credit is then never slower
+(``profiling/planning.py``), relabelled ``dcredit``; D-Credit is then never slower
 than any of them in the simulator, by construction, whenever the search
 runs to the end.
 

@@ -24,10 +24,10 @@ import time
 import torch
 
 import dcredit_opt as dc
-from dcredit_opt import replanner
 from dcredit_opt.blockops import REDUCE_SCATTER
 from dcredit_opt.layout import fixed_plan
 from dcredit_opt.planner import adaptive
+from dcredit_opt.profiling import replanner
 
 from .workers import OPTIMIZERS, Net, _join, batch, loss_of, max_diff, reference_grads
 

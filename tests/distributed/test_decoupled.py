@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from dcredit_opt.planner.profile import RING_STAGE_RATIOS
-from dcredit_opt.profiler import STAGE_RATIO_RANGE
+from dcredit_opt.profiling.profiler import STAGE_RATIO_RANGE
 
 from . import decoupled_workers, spawn
 

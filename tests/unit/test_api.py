@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import dcredit_opt as dc
-from dcredit_opt import profiler
+from dcredit_opt.profiling import profiler
 from tests import timing
 
 pytestmark = pytest.mark.timeout(120)

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dcredit_opt import cli
+from dcredit_opt.cli import commands as cli
+from dcredit_opt.cli.model_profile import forward
 from dcredit_opt.config import reference_markdown
-from dcredit_opt.model_profile import forward
 from dcredit_opt.planner.cost import ring_allreduce
 from dcredit_opt.planner.profile import Profile
 from tests import timing
@@ -297,7 +297,7 @@ def test_the_package_imports_nothing_from_the_repository(tmp_path):
     importing = [str(p.relative_to(ROOT)) for p in (ROOT / "dcredit_opt").rglob("*.py")
                  if re.search(r"^\s*(from|import)\s+(benchmarks|tests|examples)\b", p.read_text(), re.MULTILINE)]
     assert not importing, importing
-    probe = ("import sys, dcredit_opt.cli, dcredit_opt.model_profile; "
+    probe = ("import sys, dcredit_opt.cli.commands, dcredit_opt.cli.model_profile; "
              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('benchmarks', 'tests', 'examples')))")
     out = _python("-c", probe, cwd=tmp_path)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -63,10 +63,56 @@ def _ours(names: set[str]) -> set[str]:
 
 def test_the_module_map_was_read():
     assert "dcredit_opt.optimizer" in MODULES and "dcredit_opt.backends.torch_dist" in MODULES
-    assert "dcredit_opt.profiler" in MODULES["dcredit_opt.optimizer"]
+    assert "dcredit_opt.profiling.profiler" in MODULES["dcredit_opt.optimizer"]
 
 
-PURE = ("dcredit_opt.planner", "dcredit_opt.blockops", "dcredit_opt.files")
+LAYERS = (
+    ("the pure planner", ("dcredit_opt.planner", "dcredit_opt.blockops", "dcredit_opt.files")),
+    ("the ground", ("dcredit_opt._build_info", "dcredit_opt._ext", "dcredit_opt.config", "dcredit_opt.errors",
+                    "dcredit_opt.reduce_ops", "dcredit_opt.timeline")),
+    ("the world", ("dcredit_opt.runtime", "dcredit_opt.launchers", "dcredit_opt.groups")),
+    ("the backends", ("dcredit_opt.backends",)),
+    ("profiling", ("dcredit_opt.profiling",)),
+    ("the optimizer", ()),
+    ("Horovod's API", ("dcredit_opt.collectives",)),
+    ("the package's front", ()),
+    ("the tools", ("dcredit_opt.cli", "dcredit_opt.__main__")),
+)
+"""The package's layers (DESIGN.md section 2), lowest first: a module imports its own layer and those below
+it, never one above. The planner is pure (profiles in, plans out); the ground is what every layer may use
+(the configuration, the errors, the extension's loader, the timeline's files); the world says which job we
+are in and owns the control plane; a backend launches one block's collective on it; profiling measures the
+live job and turns it into plans; the optimizer is every module left at the top of the package; Horovod's
+API is what a script calls; ``dcredit_opt/__init__.py`` is the front; the command line sits on top."""
+
+
+def _layer_of(module: str) -> int:
+    if module == "dcredit_opt":
+        return [name for name, _ in LAYERS].index("the package's front")
+    for i, (_, places) in enumerate(LAYERS):
+        if _within(module, *places):
+            return i
+    return [name for name, _ in LAYERS].index("the optimizer")
+
+
+def test_every_layer_names_modules_that_exist():
+    """A layer's places are modules or folders of the package (a moved module must move in the table too)."""
+    for name, places in LAYERS:
+        for place in places:
+            assert any(_within(m, place) for m in MODULES), f"{name}: {place} is no module of the package"
+
+
+def test_each_module_imports_only_its_layer_and_below():
+    upward = []
+    for module, names in MODULES.items():
+        for name in sorted(_ours(names)):
+            if name in MODULES and _layer_of(name) > _layer_of(module):
+                upward.append(f"{module} ({LAYERS[_layer_of(module)][0]}) imports {name} "
+                              f"({LAYERS[_layer_of(name)][0]})")
+    assert upward == []
+
+
+PURE = LAYERS[0][1]
 """The planner, the block-op values it shares with the backends, and how files are written whole (modules
 that import nothing of ours)."""
 
@@ -74,8 +120,8 @@ FRAMEWORKS = ("torch", "horovod", "mpi4py")
 
 
 def test_the_planner_is_pure():
-    """Pure functions of profiles: nothing of the runtime, no processes, no torch; not even ``planning.py``,
-    the runtime's door into the planner, which sits above it."""
+    """Pure functions of profiles: nothing of the runtime, no processes, no torch; not even
+    ``profiling/planning.py``, the runtime's door into the planner, which sits above it."""
     for module, names in MODULES.items():
         if not _within(module, "dcredit_opt.planner"):
             continue
@@ -84,53 +130,39 @@ def test_the_planner_is_pure():
         assert not {n for n in names if _within(n, *FRAMEWORKS)}, f"{module} imports a framework: {sorted(names)}"
 
 
-@pytest.mark.parametrize("low", ["dcredit_opt.blockops", "dcredit_opt.files"])
+@pytest.mark.parametrize("low", ["dcredit_opt.blockops", "dcredit_opt.files", "dcredit_opt.errors",
+                                 "dcredit_opt.reduce_ops"])
 def test_the_lowest_modules_import_nothing_of_ours(low):
     assert not _ours(MODULES[low]), f"{low} imports {sorted(_ours(MODULES[low]))}"
     assert not {n for n in MODULES[low] if _within(n, *FRAMEWORKS)}
 
 
 def test_planning_is_made_of_planner_calls():
-    """``planning.py`` turns the runtime's Config into planner calls: it imports the planner and nothing else of ours."""
-    names = MODULES["dcredit_opt.planning"]
+    """``profiling/planning.py`` turns the runtime's Config into planner calls: it imports the planner and
+    nothing else of ours."""
+    names = MODULES["dcredit_opt.profiling.planning"]
     assert {n for n in _ours(names) if not _within(n, *PURE)} == set()
     assert not {n for n in names if _within(n, *FRAMEWORKS)}
 
 
-BELOW_BACKENDS = ("dcredit_opt._ext", "dcredit_opt.blockops", "dcredit_opt.errors", "dcredit_opt.launchers",
-                  "dcredit_opt.runtime")
-"""What a backend may import of ours: the extension, the block-op values, the errors, how each launcher joins
-a world, and the world itself."""
-
-
-def test_backends_import_only_what_is_below_them():
-    """A backend launches and completes collectives; the layout, the embedding rows, the planner, measuring
-    collectives (the profiler's sweep) and the optimizer sit above it and call it, never the other way round.
-    What a backend carries for a layer above (the rows' bytes, the block ops) lives beside or below it."""
-    for module, names in MODULES.items():
-        if _within(module, "dcredit_opt.backends"):
-            above = {n for n in _ours(names) if not _within(n, "dcredit_opt.backends", *BELOW_BACKENDS)}
-            assert not above, f"{module} imports {sorted(above)} from above the backends"
-
-
-FRONT = ("dcredit_opt.collectives", "dcredit_opt.functions", "dcredit_opt.jobinfo")
-"""Horovod's API, on whichever backend runs the job: what a script calls."""
-
-
-@pytest.mark.parametrize("front", FRONT)
-def test_the_horovod_api_is_only_the_packages_front(front):
-    """Only ``dcredit_opt/__init__.py`` imports the Horovod-style API; the modules under it (the profiler,
-    the job's set-up) use the runtime's own control plane (``runtime.py``) instead."""
-    importers = [m for m in _importers_of(front, "dcredit_opt") if not _within(m, front)]
-    assert importers == ["dcredit_opt"], f"{front} is imported by {importers}"
+def test_the_horovod_api_is_only_the_packages_front():
+    """Only ``dcredit_opt/__init__.py`` imports Horovod's API; the layers under it (the profiler, the job's
+    set-up) use the world's own control plane instead."""
+    importers = [m for m in _importers_of("dcredit_opt.collectives", "dcredit_opt")
+                 if not _within(m, "dcredit_opt.collectives")]
+    assert importers == ["dcredit_opt"], f"the collectives are imported by {importers}"
 
 
 def test_nothing_below_the_optimizer_imports_it():
     """``optimizer.py``, the drop-in wrapper, is the runtime's top: the package's front and the tool that
     builds one to profile a model import it; what both the optimizer and the collectives take (their
     ``Average`` and ``Sum``) lives below both (``reduce_ops.py``)."""
-    above = ("dcredit_opt", "dcredit_opt.model_profile")
+    above = ("dcredit_opt", "dcredit_opt.cli.model_profile")
     assert [m for m in _importers_of("dcredit_opt.optimizer", "dcredit_opt") if m not in above] == []
+
+
+def test_only_the_entry_point_imports_the_command_line():
+    assert _importers_of("dcredit_opt.cli", "dcredit_opt") == ["dcredit_opt.__main__", "dcredit_opt.cli.commands"]
 
 
 def test_launchers_do_not_import_the_runtime():
@@ -159,11 +191,11 @@ def _copies_of(names) -> list[str]:
 def test_each_name_list_is_written_once():
     """The policies' names (the planner: ``Config`` takes them from it) and the backends' names (the backends:
     ``Config`` again) are written out in one module each."""
-    from dcredit_opt.backends import KNOWN
+    from dcredit_opt.config import BACKENDS
     from dcredit_opt.planner.plan import POLICY_NAMES
 
     assert _copies_of(POLICY_NAMES) == ["dcredit_opt.planner.plan"]
-    assert _copies_of(KNOWN) == ["dcredit_opt.backends"]
+    assert _copies_of(BACKENDS) == ["dcredit_opt.config"]
 
 
 def test_each_constant_is_defined_once():
@@ -182,7 +214,7 @@ def test_each_constant_is_defined_once():
 
 
 OWNERS = {"dcredit_opt.usage": ("UsageTally",), "dcredit_opt.buffers": ("GradientBuffers",),
-          "dcredit_opt.updates": ("LazyUpdates",), "dcredit_opt.replanner": ("Replanner",)}
+          "dcredit_opt.updates": ("LazyUpdates",), "dcredit_opt.profiling.replanner": ("Replanner",)}
 """The objects that own a part of the optimizer's state (issue A1), by module: their private fields are
 read and written through ``self`` in their own methods only; others use their methods and public fields."""
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dcredit_opt import profiler
 from dcredit_opt.planner.profile import RING_STAGE_RATIOS
+from dcredit_opt.profiling import profiler
 
 
 class FakeClock:

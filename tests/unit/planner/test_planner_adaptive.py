@@ -15,12 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dcredit_opt
-from dcredit_opt import planning
 from dcredit_opt.planner import adaptive
 from dcredit_opt.planner.adaptive import Estimate, Hysteresis, Window, WindowRecorder
 from dcredit_opt.planner.profile import Profile
 from dcredit_opt.planner.simulate import iteration_time
 from dcredit_opt.planner.synthetic import model_like_profile
+from dcredit_opt.profiling import planning
 
 MS = 1_000_000  # ns
 PROFILES = Path(dcredit_opt.__file__).parent / "profiles"

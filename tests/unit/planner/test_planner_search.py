@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dcredit_opt
-from dcredit_opt import planning
 from dcredit_opt.planner import policies
 from dcredit_opt.planner.cost import scale_to_workers
 from dcredit_opt.planner.plan import Plan, stages_of, validate
@@ -19,6 +18,7 @@ from dcredit_opt.planner.profile import Profile
 from dcredit_opt.planner.search import budget_units, search
 from dcredit_opt.planner.simulate import simulate
 from dcredit_opt.planner.synthetic import model_like_profile
+from dcredit_opt.profiling import planning
 
 from .strategies import profiles
 

@@ -26,12 +26,12 @@ import time
 
 import torch
 
-from . import runtime
-from .config import Config
-from .errors import DCreditError
-from .planner.cost import fit_alpha_beta
-from .planner.plan import Plan, validate
-from .planner.profile import RING_STAGE_RATIOS, Profile, TensorProfile, canonical_dtype
+from .. import runtime
+from ..config import Config
+from ..errors import DCreditError
+from ..planner.cost import fit_alpha_beta
+from ..planner.plan import Plan, validate
+from ..planner.profile import RING_STAGE_RATIOS, Profile, TensorProfile, canonical_dtype
 from .planning import make_plan
 
 # A sweep from latency-bound to bandwidth-bound messages; 4 repeats each,

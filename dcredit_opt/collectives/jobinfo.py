@@ -27,8 +27,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from . import runtime, timeline
-from .runtime import require_world
+from .. import runtime, timeline
+from ..runtime import require_world
 
 log = logging.getLogger("dcredit_opt")
 

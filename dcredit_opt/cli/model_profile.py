@@ -9,7 +9,7 @@ batch, loss_fn)``; one training iteration is then::
 with ``model(*inputs)`` when ``inputs`` is a tuple or list and
 ``model(**inputs)`` when it is a dict. The model is trained for a few
 iterations under a :class:`~dcredit_opt.DistributedOptimizer` whose own
-profiler measures it (see ``profiler.py``), so the profile is exactly what
+profiler measures it (see ``profiling/profiler.py``), so the profile is exactly what
 the optimizer would measure in the user's job, on whatever device the factory
 put the model.
 """
@@ -25,8 +25,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .planner.cost import ring_allreduce
-from .planner.profile import Profile
+import torch
+
+from .. import runtime
+from ..config import Config
+from ..optimizer import DistributedOptimizer
+from ..planner.cost import ring_allreduce
+from ..planner.profile import Profile
 
 
 class FactoryError(ValueError):
@@ -94,8 +99,6 @@ def _load_module(name: str):
 
 def call_factory(factory: Callable[[], Any], spec: str = "the factory"):
     """``(model, (inputs, target), loss_fn)`` from ``factory()``, checked against the contract."""
-    import torch
-
     made = factory()
     if not isinstance(made, (tuple, list)) or len(made) != 3:
         raise FactoryError(f"{spec} returned {type(made).__name__}, not (model, batch, loss_fn): {CONTRACT}")
@@ -128,12 +131,6 @@ def profile_model(model, batch, loss_fn, *, iters: int = 5) -> Profile | None:
     parameters are updated with a tiny SGD step: the optimizer's choice does
     not change the compute times measured.
     """
-    import torch
-
-    from . import runtime
-    from .config import Config
-    from .optimizer import DistributedOptimizer
-
     runtime.init()
     inputs, target = batch
     params = [p for p in model.parameters() if p.requires_grad]

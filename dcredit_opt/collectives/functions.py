@@ -11,8 +11,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from . import runtime
-from .errors import MismatchError
+from .. import runtime
+from ..errors import MismatchError
 from .objects import TENSOR_DTYPES
 
 

@@ -24,11 +24,11 @@ import json
 import logging
 import math
 
-from . import runtime
-from .config import Config
-from .planner import adaptive
-from .planner.plan import Plan, validate
-from .planner.simulate import iteration_time
+from .. import runtime
+from ..config import Config
+from ..planner import adaptive
+from ..planner.plan import Plan, validate
+from ..planner.simulate import iteration_time
 from .planning import CHANNEL_FIFO, make_plan
 
 log = logging.getLogger("dcredit_opt")

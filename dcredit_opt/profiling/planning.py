@@ -7,9 +7,9 @@ import functools
 import inspect
 import math
 
-from .planner import policies, search
-from .planner.plan import Plan
-from .planner.profile import Profile
+from ..planner import policies, search
+from ..planner.plan import Plan
+from ..planner.profile import Profile
 
 CHANNEL_FIFO = True
 """The simulator's network model that plans are tuned and searched under: collectives one after

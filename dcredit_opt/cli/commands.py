@@ -27,13 +27,17 @@ import sys
 import textwrap
 from pathlib import Path
 
-from .config import reference_markdown
-from .planner import policies
-from .planner.cost import scale_to_workers
-from .planner.plan import ALL, blocks_of
-from .planner.profile import Profile, ProfileError
-from .planner.simulate import lower_bound, simulate
-from .planning import CHANNEL_FIFO, make_plan
+import torch
+
+from .. import runtime, timeline
+from ..config import reference_markdown
+from ..planner import policies
+from ..planner.cost import scale_to_workers
+from ..planner.plan import ALL, blocks_of
+from ..planner.profile import Profile, ProfileError
+from ..planner.simulate import lower_bound, simulate
+from ..profiling.planning import CHANNEL_FIFO, make_plan
+from .model_profile import FactoryError, assume_link, call_factory, load_factory, profile_model
 
 PROG = "python -m dcredit_opt"
 POLICY_ORDER = tuple(policies.POLICIES)
@@ -375,8 +379,6 @@ def _plot(table: dict, policies: list[str], path: str) -> None:
 
 
 def _write_sim_timeline(result, profile: Profile, path: str) -> None:
-    from . import timeline
-
     names = [t.name for t in profile.tensors]
     events = []
     for b in result.blocks:
@@ -396,19 +398,7 @@ def _write_sim_timeline(result, profile: Profile, path: str) -> None:
 
 
 def _profile(args) -> int:
-    from .model_profile import (
-        FactoryError,
-        assume_link,
-        call_factory,
-        load_factory,
-        profile_model,
-    )
-
     _writable(args.out, "--out")
-    import torch
-
-    from . import runtime
-
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
