@@ -189,8 +189,8 @@ def jobs(scenario: str) -> list[tuple[str, list, int, bool]]:
 def _floor(profile: dict | None) -> float | None:
     if not profile:
         return None
+    from dcredit_opt.planner.floors import synchronous_floor
     from dcredit_opt.planner.profile import Profile
-    from dcredit_opt.planner.simulate import synchronous_floor
 
     return synchronous_floor(Profile.from_dict(profile))
 

@@ -253,10 +253,10 @@ def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> str | None:
 
 
 def floor_s(profiles: list[dict]) -> float | None:
-    """The synchronous floor (``planner.simulate.synchronous_floor``) of the dcredit runs' own measurements
+    """The synchronous floor (``planner.floors.synchronous_floor``) of the dcredit runs' own measurements
     of this model and link, per-tensor times and the network's alpha and beta: their median; None without."""
+    from dcredit_opt.planner.floors import synchronous_floor
     from dcredit_opt.planner.profile import Profile
-    from dcredit_opt.planner.simulate import synchronous_floor
 
     floors = [synchronous_floor(Profile.from_dict(p)) for p in profiles]
     return median(floors) if floors else None

@@ -21,8 +21,9 @@ import sys
 import time
 
 from dcredit_opt.planner.dcredit import dcredit
+from dcredit_opt.planner.floors import lower_bound
 from dcredit_opt.planner.policies import POLICIES
-from dcredit_opt.planner.simulate import lower_bound, simulate
+from dcredit_opt.planner.simulate import simulate
 from dcredit_opt.planner.synthetic import model_like_profile
 from dcredit_opt.profiling.planning import CHANNEL_FIFO, make_plan
 

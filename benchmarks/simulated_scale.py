@@ -25,9 +25,10 @@ import dcredit_opt
 from dcredit_opt.files import write_whole
 from dcredit_opt.planner import policies
 from dcredit_opt.planner.cost import scale_to_workers
+from dcredit_opt.planner.floors import lower_bound
 from dcredit_opt.planner.profile import Profile
 from dcredit_opt.planner.search import search
-from dcredit_opt.planner.simulate import lower_bound, simulate
+from dcredit_opt.planner.simulate import simulate
 from dcredit_opt.profiling import planning
 
 REPO = Path(__file__).resolve().parents[1]

@@ -138,7 +138,7 @@ class Row:
     ratio_to_bound: float | None  # this median / bound (>= 1 up to noise)
     note: str = ""
     speedup_ci: tuple[float, float] | None = None  # 95 % bootstrap interval of speedup_vs_ddp (over launches)
-    ratio_to_floor: float | None = None  # this median / the synchronous floor (planner.simulate.synchronous_floor)
+    ratio_to_floor: float | None = None  # this median / the synchronous floor (planner.floors.synchronous_floor)
 
 
 def table(times: dict[str, list[float]], schemes: Iterable[str],

@@ -13,12 +13,8 @@ The scheduler, windows and plans are the same for every backend
   completer thread reports completions (``complete``); see Note
   [Python-driven backend] in ``driven.py``.
 
-Every backend has ``engine``, ``reducible_dtypes`` (None: any; else the
-dtypes its collectives reduce, the others travel as float32: Note [Wire
-dtype] in ``compression.py``), ``buffers_for_engine(buffers, wires)`` (the
-keywords of ``Engine.set_plan`` that carry memory), ``set_blocks(buffers,
-wires, layout, postscale)``, ``sweep_collectives()`` (a blocking all-reduce
-and barrier on the backend's own transport, for the profiler's sweep) and ``close()``.
+What every backend offers is ``base.Backend``, a protocol; what only some do
+is a protocol of its own (``base.DelayedSums``).
 
 A backend serves one optimizer and owns its channels (process groups, MPI
 communicators, Horovod names), made when it is built and released when it
@@ -37,23 +33,23 @@ instead), torch.distributed otherwise.
 
 from __future__ import annotations
 
+from .. import runtime
 from ..config import BACKENDS
+from .base import Backend
+from .horovod import HorovodBackend
+from .mpi import MPIBackend
 from .torch_dist import TorchDistBackend
 
 
-def create(name: str, channels: int, timeout_s: float):
+def create(name: str, channels: int, timeout_s: float) -> Backend:
     """The backend called ``name`` ("auto" picks the one the job was launched with)."""
     if name == "auto":
         name = detect()
     if name == "torch":
         return TorchDistBackend(channels, timeout_s)
     if name == "horovod":
-        from .horovod import HorovodBackend
-
         return HorovodBackend(channels, timeout_s)
     if name == "mpi":
-        from .mpi import MPIBackend
-
         return MPIBackend(channels, timeout_s)
     raise ValueError(f"unknown backend {name!r}; known backends: auto, {', '.join(BACKENDS)}")
 
@@ -61,8 +57,6 @@ def create(name: str, channels: int, timeout_s: float):
 def detect() -> str:
     """The backend of the launcher that set up the world (see the module docstring); under Horovod on CPUs,
     process groups of our own beside it (Note [C++ channels under Horovod] in runtime.py)."""
-    from .. import runtime
-
     kind = runtime.kind()
     if kind == "horovod" and runtime.horovod_on_cpu():
         return "torch"

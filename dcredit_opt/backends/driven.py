@@ -45,27 +45,19 @@ import time
 import weakref
 
 from .. import _ext, runtime
+from .base import Transport
 
 log = logging.getLogger("dcredit_opt")
 
 
 class DrivenBackend:
-    """A backend made of a *transport* (how to start, wait for and finish one
-    block's all-reduce) and the two threads of Note [Python-driven backend].
-
-    A transport has ``set_blocks(views, postscale, stages)`` (per block its
-    collective and the block it follows, Note [Two-stage blocks]), ``start(block, channel)``
-    (returns a handle), ``wait(block, handle)``, ``finish(block)``,
-    ``describe(block)``, ``allreduce(tensor)`` and ``barrier()`` (blocking, for
-    the profiler's sweep), ``start_tally(counts)`` and ``tally_done()`` (a
-    small sum beside the blocks, polled; ``tally_done()`` is true when none is
-    in flight), ``close()``, and ``abandon(at_exit)`` (a collective will never
-    finish: make the process able to exit anyway).
+    """A backend made of a *transport* (``base.Transport``: how to start, wait for and finish one block's
+    collective, its side channel, and ``abandon``) and the two threads of Note [Python-driven backend].
     """
 
     name = "?"
 
-    def __init__(self, transport, timeout_s: float):
+    def __init__(self, transport: Transport, timeout_s: float):
         self.engine = _ext.load().Engine.manual(float(timeout_s))
         self._transport = transport
         self._timeout_s = float(timeout_s)
@@ -144,10 +136,7 @@ class DrivenBackend:
             f"{self.name}: the sum of which gradients each rank computed did not finish within {timeout_s:g} s "
             "(a peer may be gone or stalled)"))
 
-    @property
-    def exchanges_rows(self) -> bool:
-        """Whether the transport can exchange embedding rows (Note [Embedding rows] in rows.py)."""
-        return hasattr(self._transport, "exchange_rows")
+    exchanges_rows = True  # every transport does (Note [Embedding rows] in rows.py)
 
     def exchange_rows(self, ids, values, flag: bool, timeout_s: float):
         """As ``TorchDistBackend.exchange_rows``, on the transport's side channel."""

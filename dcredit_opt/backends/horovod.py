@@ -31,6 +31,7 @@ import torch
 
 from .. import runtime
 from ..blockops import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
+from ..launchers import warn_if_fusion_on
 from . import packed_rows
 from .driven import DrivenBackend
 
@@ -42,8 +43,6 @@ class HorovodBackend(DrivenBackend):
 
     def __init__(self, channels: int, timeout_s: float):
         hvd = runtime.horovod()
-        from ..launchers import warn_if_fusion_on
-
         warn_if_fusion_on(hvd)
         super().__init__(_HorovodTransport(hvd, f"dc.{runtime.next_backend_id()}"), timeout_s)
 

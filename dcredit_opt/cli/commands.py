@@ -33,9 +33,10 @@ from .. import runtime, timeline
 from ..config import reference_markdown
 from ..planner import policies
 from ..planner.cost import scale_to_workers
+from ..planner.floors import lower_bound
 from ..planner.plan import ALL, blocks_of
 from ..planner.profile import Profile, ProfileError
-from ..planner.simulate import lower_bound, simulate
+from ..planner.simulate import simulate
 from ..profiling.planning import CHANNEL_FIFO, make_plan
 from .model_profile import FactoryError, assume_link, call_factory, load_factory, profile_model
 

@@ -8,10 +8,11 @@ registry), ``search`` (the D-Credit planner's search over its own and the
 baselines' plans). No processes, no torch.
 """
 
+from .floors import lower_bound, synchronous_floor
 from .plan import ALL, Plan, PlanError, validate
 from .policies import POLICIES, make_plan
 from .profile import Profile, ProfileError, TensorProfile, bytes_of
-from .simulate import SimResult, lower_bound, simulate, synchronous_floor
+from .simulate import SimResult, simulate
 
 __all__ = [
     "ALL",

@@ -195,8 +195,8 @@ def test_error_line_names_the_exception():
 
 
 def test_synchronous_floor_comes_from_full_precision_dcredit_runs():
+    from dcredit_opt.planner.floors import synchronous_floor
     from dcredit_opt.planner.profile import Profile, TensorProfile
-    from dcredit_opt.planner.simulate import synchronous_floor
 
     def profile(dtype: str) -> dict:
         tensors = tuple(TensorProfile(f"t{i}", 1000, dtype, i, 0.01, 0.02) for i in range(3))

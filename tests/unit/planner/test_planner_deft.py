@@ -10,9 +10,10 @@ from hypothesis import given, settings
 
 from dcredit_opt.planner import deft
 from dcredit_opt.planner.dcredit import dcredit
+from dcredit_opt.planner.floors import lower_bound
 from dcredit_opt.planner.plan import Plan, PlanError, validate
 from dcredit_opt.planner.profile import Profile, TensorProfile
-from dcredit_opt.planner.simulate import lower_bound, simulate
+from dcredit_opt.planner.simulate import simulate
 
 from .strategies import profiles
 

@@ -9,10 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dcredit_opt.planner import policies
+from dcredit_opt.planner.floors import lower_bound
 from dcredit_opt.planner.plan import ALL, POLICY_NAMES, Plan, validate
 from dcredit_opt.planner.policies import POLICIES, make_plan, tune_bytescheduler
 from dcredit_opt.planner.profile import Profile, TensorProfile
-from dcredit_opt.planner.simulate import lower_bound, simulate
+from dcredit_opt.planner.simulate import simulate
 
 from .strategies import profiles
 

@@ -10,14 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dcredit_opt.planner.floors import lower_bound, synchronous_floor
 from dcredit_opt.planner.plan import ALL, ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Plan, PlanError
 from dcredit_opt.planner.profile import Profile, TensorProfile
-from dcredit_opt.planner.simulate import (
-    FlushSnapshot,
-    lower_bound,
-    simulate,
-    synchronous_floor,
-)
+from dcredit_opt.planner.simulate import FlushSnapshot, simulate
 
 from .strategies import plans_for, profile_and_plan, profiles
 
