@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 from benchmarks import report
+from benchmarks.harness import stop_all
 from benchmarks.netem import open_network, rank_env
 from benchmarks.stats import median, quantile, speedup_interval
 from dcredit_opt.files import write_whole
@@ -161,10 +162,7 @@ def _launch(net, model: str, phases: list, iters: int, adaptive: bool, workdir: 
                                  "tc_s": time.perf_counter() - t0})
             time.sleep(POLL_S)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
+        stop_all(procs)
     if any(p.returncode for p in procs) or not out.exists():
         tails = "\n".join((workdir / f"{tag}-r{r}.log").read_text()[-1500:] for r in range(len(procs)))
         raise RuntimeError(f"{tag}: a rank failed ({[p.returncode for p in procs]}):\n{tails}")

@@ -222,6 +222,14 @@ def run_launch(net: Network, launch: Launch, args: argparse.Namespace, workdir: 
                      record.get("phases_s"), record.get("profile"), record.get("cpu_s_per_iter"))
 
 
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    """Kill every rank still running, and reap it."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=30)
+
+
 def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> str | None:
     """Wait for every rank; None when all exited 0, else why not. Never hangs."""
     deadline = time.monotonic() + timeout_s
@@ -242,10 +250,7 @@ def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> str | None:
                 return f"rank {r} exited with status {c}; the other ranks were killed"
             time.sleep(POLL_S)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
+        stop_all(procs)
     bad = [(r, c) for r, c in enumerate(codes) if c != 0]
     if bad:
         return "; ".join(f"rank {r} exited with status {c}" for r, c in bad)

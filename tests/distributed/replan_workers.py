@@ -91,6 +91,19 @@ def _watch_checks(opts: list, seen: list) -> None:
     replanner.runtime.all_gather_text = watched
 
 
+def _step(model: Net, opts: list, passes: int, step: int, rank: int) -> list:
+    """One training step through every optimizer; for each that re-planned in it, whether its staging step()
+    applied every update (nothing waits in the old slots)."""
+    for opt in opts:
+        opt.zero_grad()
+    for k in range(passes):
+        loss_of(model, batch(step * passes + k, rank)).backward()
+    before = [len(opt.replans) for opt in opts]
+    for opt in opts:
+        opt.step()
+    return [opt._dc_lazy.npending == 0 for opt, n in zip(opts, before) if len(opt.replans) > n]
+
+
 def train(steps: int = 24, change_at: int = 9, passes: int = 1, optimizers: int = 1, forced: bool = True,
           replan_every: int = 3, sleep_ms: tuple = (15, 30), timeline_path: str | None = None,
           gpu_control: bool = False, decoupled: bool = False, backend: str = "auto",
@@ -130,16 +143,7 @@ def train(steps: int = 24, change_at: int = 9, passes: int = 1, optimizers: int 
     staged_eagerly, ops = [], []
     for step in range(steps):
         now["step"] = step
-        for opt in opts:
-            opt.zero_grad()
-        for k in range(passes):
-            loss_of(model, batch(step * passes + k, rank)).backward()
-        before = [len(opt.replans) for opt in opts]
-        for opt in opts:
-            opt.step()
-        for opt, n in zip(opts, before):
-            if len(opt.replans) > n:  # the staging step() applied every update: nothing waits in the old slots
-                staged_eagerly.append(opt._dc_lazy.npending == 0)
+        staged_eagerly += _step(model, opts, passes, step, rank)
         layouts = [opt._dc_buffers.layout.block_op for opt in opts]
         ops.append([[kinds.count(REDUCE_SCATTER), len(kinds)] for kinds in layouts])
         reference_grads(ref, step, world, passes=passes)
@@ -224,14 +228,7 @@ def random_timings(seeds: tuple = tuple(range(1, 7)), steps: int = 24) -> list:
         for step in range(steps):
             if own.random() < 0.3:
                 level["ms"] = own.choice((0.0, 2.0, 6.0, 12.0))
-            for opt in opts:
-                opt.zero_grad()
-            for k in range(passes):
-                loss_of(model, batch(step * passes + k, rank)).backward()
-            before = [len(opt.replans) for opt in opts]
-            for opt in opts:
-                opt.step()
-            eager += [opt._dc_lazy.npending == 0 for opt, n in zip(opts, before) if len(opt.replans) > n]
+            eager += _step(model, opts, passes, step, rank)
             plans.append([opt.plan.to_dict() for opt in opts])
             reference_grads(ref, step, world, passes=passes)
             for ropt in ropts:
