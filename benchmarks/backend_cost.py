@@ -58,8 +58,8 @@ def main() -> None:
         opt.synchronize()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
-    backend = opt._dc_backend
-    blocks = opt._dc_buffers.layout.num_blocks
+    backend = opt._dc.backend
+    blocks = opt._dc.buffers.layout.num_blocks
     cost = backend.cost_per_block_us() if hasattr(backend, "cost_per_block_us") else None
     if dc.rank() == 0:
         med = statistics.median(times)
@@ -72,7 +72,7 @@ def main() -> None:
             launch_us, complete_us, n = cost
             print(f"Python CPU per block: driver {launch_us:.1f} us, completer {complete_us:.1f} us "
                   f"(mean over {n} blocks); {blocks * (launch_us + complete_us) / 1e3:.2f} ms per iteration")
-    opt._dc_close()
+    opt._dc.close()
     dc.shutdown()
 
 

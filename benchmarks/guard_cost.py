@@ -48,7 +48,7 @@ class _Counter(TorchFunctionMode):
 def per_op_cost_us(repeats: int = 7, number: int = 5000) -> float:
     """An armed guard's cost on one small operation that reads no parameter, in µs."""
     # one pending update, never read here
-    idle = types.SimpleNamespace(_dc_lazy=types.SimpleNamespace(npending=1, pending=[True]))
+    idle = types.SimpleNamespace(lazy=types.SimpleNamespace(npending=1, pending=[True]))  # an optimizer's core
     guard = PendingReadGuard(lambda: idle)
     guard.arm([torch.zeros(4)])
     x = torch.ones(8)
@@ -70,7 +70,7 @@ def measure(name: str, iters: int, warmup: int) -> dict:
     opt = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
                                   named_parameters=model.named_parameters(),
                                   config=dc.Config(policy="fixed", lazy_step="on"))
-    guard = opt._dc_lazy.guard
+    guard = opt._dc.lazy.guard
     arm = guard.arm
     counter = _Counter(guard)
     iteration, forward = {True: [], False: []}, {True: [], False: []}
@@ -94,8 +94,8 @@ def measure(name: str, iters: int, warmup: int) -> dict:
             if on:
                 ops.append(counter.ops)
     guard.arm = arm
-    assert opt._dc_lazy.deferred, "the lazy step was off: nothing to measure"
-    opt._dc_close()
+    assert opt._dc.lazy.deferred, "the lazy step was off: nothing to measure"
+    opt._dc.close()
     return {"model": name, "ops": statistics.median(ops),
             "forward_armed_s": statistics.median(forward[True]),
             "forward_disarmed_s": statistics.median(forward[False]),

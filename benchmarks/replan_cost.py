@@ -59,7 +59,7 @@ def rank_main(args: argparse.Namespace) -> None:
         opt = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM),
                                       named_parameters=model.named_parameters(), config=config)
         jobs[on] = (model, opt)
-    watched = jobs[True][1]._dc_replanner
+    watched = jobs[True][1]._dc.replanner
     spent = {"observe": [], "check": []}
     for name in spent:
         method = getattr(watched, name)
@@ -94,7 +94,7 @@ def rank_main(args: argparse.Namespace) -> None:
         return est
 
     adaptive.combine = recorded
-    warmup = jobs[True][1]._dc_config.profile_iters + 1 + 2
+    warmup = jobs[True][1]._dc.config.profile_iters + 1 + 2
     times = {True: [], False: []}
     for i in range(warmup + args.iters):
         for on in ((True, False) if i % 2 == 0 else (False, True)):  # which goes first alternates too
@@ -111,8 +111,8 @@ def rank_main(args: argparse.Namespace) -> None:
         record = {"on_s": times[True], "off_s": times[False], "observe_s": spent["observe"],
                   "check_s": spent["check"], "gather_s": spent["gather"], "replans": [r.to_dict() for r in jobs[True][1].replans],
                   "estimates": estimates, "warmup": warmup,
-                  "config": {"replan_every": jobs[True][1]._dc_config.replan_every,
-                             "replan_threshold": jobs[True][1]._dc_config.replan_threshold}}
+                  "config": {"replan_every": jobs[True][1]._dc.config.replan_every,
+                             "replan_threshold": jobs[True][1]._dc.config.replan_threshold}}
         write_whole(args.out, json.dumps(record))
     dc.shutdown()
     dist.destroy_process_group()

@@ -90,15 +90,15 @@ def measure(name: str, iters: int, warmup: int) -> dict:
         if i >= warmup:
             times[traced].append(t)
     model, opt = runs[False]
-    assert opt._dc_lazy.deferred, "the lazy step was off: nothing to measure"
+    assert opt._dc.lazy.deferred, "the lazy step was off: nothing to measure"
     counted = 3
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(counted):
             one(False)
     counts = {e.key: e.count / counted for e in prof.key_averages() if e.key in NAMES}
-    stamps = len(opt._dc_lazy.apply_points())  # one forward pre-hook per apply point
+    stamps = len(opt._dc.lazy.apply_points())  # one forward pre-hook per apply point
     for _, o in runs.values():
-        o._dc_close()
+        o._dc.close()
     return {"model": name, "ranges": sum(counts.values()), "counts": counts, "stamps": stamps,
             "plain_s": statistics.median(times[False]), "traced_s": statistics.median(times[True])}
 

@@ -198,7 +198,7 @@ def run_dc_under_horovod(args, model, batch, rank, world):
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     config = dc.Config.from_env(policy="dcredit", backend=backend)
     opt = dc.DistributedOptimizer(_sgd(model), named_parameters=model.named_parameters(), config=config)
-    warmup = args.warmup + opt._dc_config.profile_iters + 1
+    warmup = args.warmup + opt._dc.config.profile_iters + 1
     intervals, loss = _timed_loop(args.iters, warmup, _train_step(model, opt, batch))
 
     def close():
@@ -281,7 +281,7 @@ def run_dc(args, model, batch, rank, world):
                                   config=config)
     # The job measures itself for profile_iters iterations, then plans and
     # switches (one more): time only what runs under the chosen plan.
-    warmup = args.warmup + opt._dc_config.profile_iters + 1
+    warmup = args.warmup + opt._dc.config.profile_iters + 1
     intervals, loss = _timed_loop(args.iters, warmup, _train_step(model, opt, batch))
     if opt.profile is not None:
         MEASURED["profile"] = opt.profile.to_dict()

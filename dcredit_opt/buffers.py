@@ -74,6 +74,11 @@ class GradientBuffers:
         """Whether this job's backend can sum DeFT's delayed gradients in the background (torch only)."""
         return hasattr(self._backend, "start_delayed")
 
+    def take_sparse(self, sink, as_sparse: dict) -> None:
+        """Sparse gradients go to ``sink(i, grad)`` (True when it took them: reduced as rows), and are handed to
+        the optimizer sparse for the tensors of ``as_sparse`` (Note [Sparse gradients] in sparse.py)."""
+        self.sparse_sink, self.as_sparse = sink, as_sparse
+
     def numels(self, rows_only=()) -> list:
         """Elements per tensor that travel in blocks: a rows-only tensor's none (Note [Embedding rows])."""
         gone = set(rows_only)

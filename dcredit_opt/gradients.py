@@ -1,70 +1,143 @@
-"""Backward's half of the wrapper: the gradient hooks, handing each gradient over, the flush.
+"""Backward's half of the optimizer: the gradient hooks, handing each gradient over, the flush.
 
 Gradients live in flat buffers that :class:`GradientBuffers` owns
 (``buffers.py``: one per dtype, laid out by the plan); after its hook,
 ``p.grad`` is its slot, so a finished reduction is visible in ``p.grad``
-with no copy. Each parameter has two hooks: a tensor hook, which runs before autograd adds a gradient to
-``p.grad`` (so that a refusal changes nothing), and a post-accumulate hook,
-which stages the gradient and tells the scheduler it is ready. The flush at
-``step()`` marks what backward did not. :class:`GradientHooks` holds methods
-of the generated optimizer subclass (``optimizer.py``); its state is set up
-in ``_DistributedOptimizer._dc_setup``.
+with no copy. Each parameter has two hooks, in C++ (Note [Gradient path] in
+``csrc/torch/gradient_path.h``): a pre-hook, which runs before autograd adds
+a gradient to ``p.grad`` (so that a refusal changes nothing), and a
+post-accumulate hook, which stages the gradient and tells the scheduler it
+is ready. The flush at ``step()`` marks what backward did not.
+:class:`Backward` owns an iteration's gradient state and the gradient path;
+the optimizer's core (``core.py``) composes it with the buffers, the tally
+and the lazy updates.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from . import _ext, timeline
-from .buffers import clear
+from .buffers import clear, per_tensor
 from .errors import DCreditError
 from .runtime import at_rank
 
 
-class GradientHooks:
-    def _dc_too_many_passes(self, i: int) -> DCreditError:
-        return DCreditError(
-            f"gradient of parameter '{self._dc_names[i]}' was computed {self._dc_counts[i] + 1} times before "
-            f"step(), but backward_passes_per_step={self._dc_bpps}. Call step() after every "
-            f"{self._dc_bpps} backward pass(es), or raise backward_passes_per_step.")
+class Backward:
+    """One iteration's gradients, from the first hand-over to ``step()``.
 
-    def _dc_before_accumulate(self, i: int) -> None:
+    Owns, per tensor, the backward passes counted since the last ``step()``
+    (``counts``), whether its gradient was handed to the scheduler in this
+    iteration (``marked``) and whether its reduced value is final (``final``:
+    waited for at a read of ``p.grad``, Note [Gradient reads]); the
+    iteration's state (``open`` at its first gradient, ``flushed`` once every
+    block is released, ``synchronized`` once every gradient is final); and the
+    C++ gradient path (``path``) that the hooks run. Public fields are read by
+    the core; only these methods write them.
+
+    ``opening``, ``restage`` and ``apply_pending`` are the core's, held
+    weakly: what the start of an iteration records and switches, a re-plan
+    that the embedding rows ask for, and the last step()'s updates applied
+    before every block is released.
+    """
+
+    def __init__(self, names, params, passes: int, engine, buffers, tally, lazy, config, *, prescale: float,
+                 opening, restage, apply_pending):
+        T = len(params)
+        self.names = names
+        self.params = params
+        self.passes = passes  # backward_passes_per_step
+        # Per-tensor state that the hooks write: flat memory, cleared in place (Note [Gradient state]).
+        self.counts = per_tensor(T, "i")
+        self.marked = per_tensor(T, "B")
+        self.final = [False] * T
+        self.open = False
+        self.flushed = False
+        self.synchronized = False
+        self.iteration = 0  # iterations opened so far
+        self.python_handovers = 0  # gradients handed over in Python since wrapping (tests and benchmarks read it)
+        self.life = Life()
+        self._engine = engine
+        self._buffers = buffers
+        self._tally = tally
+        self._lazy = lazy
+        self._config = config
+        self._opening = opening
+        self._restage = restage
+        self._apply_pending = apply_pending
+        me = weakref.ref(self)
+        # Note [Gradient path]: each gradient's hand-over, in C++; Python where it must.
+        self.path = _ext.load().GradientPath(engine, params, self.counts, self.marked, tally.used, lazy.pending,
+                                             buffers.versions, WeakMethod(me, "hand_over"),
+                                             WeakMethod(me, "before_accumulate"), WeakMethod(me, "hook_failed"))
+        buffers.use_path(self.path)
+        self.path.set_passes_per_step(passes)
+        self.path.set_prescale(prescale)
+
+    def set_passes_per_step(self, passes: int) -> None:
+        if any(self.counts):
+            raise DCreditError(f"set_backward_passes_per_step({passes}) after a backward pass: call it right "
+                               "after step(), before the next loss.backward()")
+        self.passes = passes
+        self.path.set_passes_per_step(passes)
+
+    # ---- the hooks' Python side --------------------------------------------------------
+
+    def too_many_passes(self, i: int) -> DCreditError:
+        return DCreditError(
+            f"gradient of parameter '{self.names[i]}' was computed {self.counts[i] + 1} times before "
+            f"step(), but backward_passes_per_step={self.passes}. Call step() after every "
+            f"{self.passes} backward pass(es), or raise backward_passes_per_step.")
+
+    def before_accumulate(self, i: int) -> None:
         """Before autograd adds a gradient to ``p.grad``, so that a refusal changes nothing: called by the C++
         pre-hook where the update of tensor ``i`` is pending or its passes are all counted (Note [Gradient
         path])."""
-        if self._dc_lazy.pending[i]:
-            raise self._dc_lazy.stale_read(i)
-        if self._dc_counts[i] >= self._dc_bpps and _will_accumulate(self._dc_params[i]):
-            raise self._dc_too_many_passes(i)
+        if self._lazy.pending[i]:
+            raise self._lazy.stale_read(i)
+        if self.counts[i] >= self.passes and _will_accumulate(self.params[i]):
+            raise self.too_many_passes(i)
 
-    def _dc_hand_over(self, i: int) -> None:
+    def hand_over(self, i: int) -> None:
         """The C++ hook's Python path for tensor ``i`` (Note [Gradient path])."""
-        self._dc_on_grad(i, self._dc_params[i])
-
-    def _dc_on_grad(self, i: int, p: torch.Tensor) -> None:
-        count = self._dc_counts[i] + 1
-        if count > self._dc_bpps:
-            raise self._dc_too_many_passes(i)
-        self._dc_counts[i] = count
-        if count < self._dc_bpps:
+        count = self.counts[i] + 1
+        if count > self.passes:
+            raise self.too_many_passes(i)
+        self.counts[i] = count
+        if count < self.passes:
             return
-        if not self._dc_open:
-            self._dc_begin()
-        elif self._dc_flushed:
+        if not self.open:
+            self.begin()
+        elif self.flushed:
             raise DCreditError(
-                f"the gradient of parameter '{self._dc_names[i]}' was computed after this iteration's gradients "
+                f"the gradient of parameter '{self.names[i]}' was computed after this iteration's gradients "
                 "were already being reduced whole (by optimizer.synchronize(), or by reading a p.grad after a "
                 "backward, which waits for its average: Note [Gradient reads]), so it would never be reduced. "
                 "Run every backward of an iteration before reading gradients or calling synchronize()")
-        with self._dc_lazy.guard.paused():  # our buffers only (Note [Guard cost] in reads.py)
-            self._dc_stage(i, p)
-        self._dc_marked[i] = True
+        with self._lazy.guard.paused():  # our buffers only (Note [Guard cost] in reads.py)
+            self._stage(i)
+        self.marked[i] = True
         try:
-            self._dc_engine.mark_ready(i)
+            self._engine.mark_ready(i)
         except (RuntimeError, TimeoutError) as e:
-            raise at_rank(e, f"phase 1 (backward), at the gradient of '{self._dc_names[i]}' (tensor {i})") from e
+            raise at_rank(e, f"phase 1 (backward), at the gradient of '{self.names[i]}' (tensor {i})") from e
 
-    def _dc_begin(self) -> None:
+    def hook_failed(self, i: int, message: str) -> None:
+        """The C++ hook's scheduler failure at tensor ``i``, raised as the Python path raises it."""
+        error = _ext.load().SchedulerError(message)  # what the Python path's mark_ready raises
+        raise at_rank(error, f"phase 1 (backward), at the gradient of '{self.names[i]}' (tensor {i})")
+
+    def rows_arrived(self) -> None:
+        """An embedding's stand-in got its gradient (Note [Embedding rows]): the iteration opens here if no
+        other gradient opened it (its only gradients are embedding rows)."""
+        if not self.open:
+            self.begin()
+
+    # ---- the iteration ---------------------------------------------------------------
+
+    def begin(self) -> None:
         """The first gradient of an iteration: open the scheduler's iteration.
 
         Updates still pending here belong to parameters that the forward did not
@@ -74,176 +147,177 @@ class GradientHooks:
         backward, would corrupt what autograd saved), their blocks are waited
         for, and ``step()`` applies them before staging new gradients.
         """
-        lazy = self._dc_lazy
+        lazy = self._lazy
         lazy.stop_recording()  # possibly on autograd's device thread: closed in step()
-        self._dc_buffers.check_casts(self._dc_path.first_moved())
+        self._buffers.check_casts(self.path.first_moved())
         if lazy.npending and lazy.deferred:
             # Before this rank launches anything of the new iteration, so that every rank
             # whose forward read the same stale parameter stops here, at the same point.
-            lazy.check_graph_reads([i for i, waits in enumerate(lazy.pending) if waits], self._dc_path)
+            lazy.check_graph_reads([i for i, waits in enumerate(lazy.pending) if waits], self.path)
         # Updates applied with a stream-ordered wait (Note [Stream-ordered waits]) may leave blocks
         # still running on the device: the new iteration's gradients go into the same slots.
-        if (lazy.npending or not self._dc_engine.idle()) and not lazy.reduced:
-            self._dc_wait_all("the start of backward, waiting for the last step()'s blocks")
-            lazy.reduced = True
-        if self._dc_timeline is not None and self._dc_iteration:
-            self._dc_timeline.record(self._dc_engine.trace(), self._dc_engine.ready_times(), self._dc_names,
-                                     self._dc_buffers.layout.block_tensors, self._dc_iteration)
-        if self._dc_replanner is not None and self._dc_iteration:  # re-planning's watch (replanner.py)
-            self._dc_replanner.observe(self._dc_engine, self._dc_buffers.layout.block_bytes)
-        if self._dc_staged_plan is not None:
-            # Every rank stages the same plan at the same step(), so every
-            # rank switches here, in the same iteration. The step() that staged
-            # it was eager (profiling), so no update waits in the old slots.
-            assert not lazy.npending, "a plan switch with updates pending"
-            plan, self._dc_staged_plan = self._dc_staged_plan, None
-            self._dc_set_plan(plan)
-        self._dc_iteration += 1
+        if (lazy.npending or not self._engine.idle()) and not lazy.reduced:
+            self.wait_all("the start of backward, waiting for the last step()'s blocks")
+            lazy.blocks_waited()
+        self._opening(self.iteration)  # the last iteration recorded, a staged plan switched to
+        self.iteration += 1
         try:
-            self._dc_engine.start_iteration()
+            self._engine.start_iteration()
         except (RuntimeError, TimeoutError) as e:
             raise at_rank(e, "phase 1 (start of backward)") from e
-        self._dc_set_open(True)
-        self._dc_life.flushed = False
-        self._dc_synchronized = False
-        clear(self._dc_marked)
-        self._dc_final = [False] * len(self._dc_params)
+        self._set_open(True)
+        self.life.released = False
+        self.synchronized = False
+        clear(self.marked)
+        self.final = [False] * len(self.params)
 
-    def _dc_stage(self, i: int, p: torch.Tensor) -> None:
+    def end(self) -> None:
+        """``step()`` took this iteration's gradients (or refused them all): the next gradient opens a new one."""
+        clear(self.counts)
+        self._set_open(False)
+
+    def set_synchronized(self, synchronized: bool) -> None:
+        """Every gradient is final (``synchronize()``, a scaler's unscaling): user writes from here on are what
+        the step uses. Until ``step()`` ends (it clears it) or a skipped step leaves it."""
+        self.synchronized = synchronized
+
+    def all_final(self) -> None:
+        """``synchronize()`` waited for every gradient: every read from here on is of final values."""
+        self.final = [True] * len(self.params)
+
+    def _stage(self, i: int) -> None:
         """This rank's gradient of tensor ``i`` into its slot; whether it had one, into the tally."""
-        self._dc_tally.used[i] = p.grad is not None  # Note [Global usage]
-        self._dc_buffers.stage(i, p)
+        p = self.params[i]
+        self._tally.used[i] = p.grad is not None  # Note [Global usage]
+        self._buffers.stage(i, p)
 
-    def _dc_flush(self) -> None:
+    def flush(self) -> None:
         """End of backward: unmarked tensors (unused here) join with what they have."""
-        buffers = self._dc_buffers
-        for i, p in enumerate(self._dc_params):
-            if not self._dc_marked[i]:
-                self._dc_stage(i, p)
-                self._dc_marked[i] = True
-        if self._dc_tally.exchanging:  # before the flush releases the last blocks: less queued ahead of them
-            self._dc_tally.exchange_rows(buffers.slots, buffers.versions, buffers.postscale)
+        buffers = self._buffers
+        for i in range(len(self.params)):
+            if not self.marked[i]:
+                self._stage(i)
+                self.marked[i] = True
+        if self._tally.exchanging:  # before the flush releases the last blocks: less queued ahead of them
+            self._tally.exchange_rows(buffers.slots, buffers.versions, buffers.postscale)
         if buffers.delayed is not None:  # Note [Delayed updates]: the previous step's sum in, this step's out
             buffers.swap_delayed()
         try:
-            self._dc_engine.flush()
+            self._engine.flush()
         except (RuntimeError, TimeoutError) as e:
             raise at_rank(e, "end of phase 1 (the flush in step() or synchronize())") from e
-        self._dc_set_flushed(True)
-        self._dc_life.flushed = True
-        if self._dc_tally.start():  # tensors now rows-only (Note [Embedding rows]): a plan without their blocks
-            self._dc_staged_plan = self._dc_staged_plan or buffers.plan
-            self._dc_replan = True
+        self.flushed = True
+        self.path.set_flushed(True)
+        self.life.released = True
+        if self._tally.start():  # tensors now rows-only (Note [Embedding rows]): a plan without their blocks
+            self._restage()
         if buffers.delayed is not None:
             buffers.start_delayed()  # after the tally: it never waits behind this sum
 
-    def _dc_set_open(self, open_: bool) -> None:
-        """An iteration opens at its first gradient and closes at ``step()``; the C++ hooks take the fast path
-        only inside an open one that has not been flushed (Note [Gradient path] in csrc/torch/gradient_path.h)."""
-        self._dc_open = open_
-        self._dc_flushed = False
-        self._dc_path.set_open(open_)
-        self._dc_path.set_flushed(False)
-
-    def _dc_set_flushed(self, flushed: bool) -> None:
-        self._dc_flushed = flushed
-        self._dc_path.set_flushed(flushed)
-
-    def _dc_hook_failed(self, i: int, message: str) -> None:
-        """The C++ hook's scheduler failure at tensor ``i``, raised as the Python path raises it."""
-        error = _ext.load().SchedulerError(message)  # what the Python path's mark_ready raises
-        raise at_rank(error, f"phase 1 (backward), at the gradient of '{self._dc_names[i]}' (tensor {i})")
-
-    def _dc_release(self) -> None:
+    def release(self) -> None:
         """End of backward, as ``step()`` and ``synchronize()`` take it: the last step()'s updates still
         pending applied, then every block released."""
-        self._dc_apply_pending()
-        self._dc_flush()
+        self._apply_pending()
+        self.flush()
 
-    def _dc_gradient_read(self, i: int) -> None:
+    def _set_open(self, open_: bool) -> None:
+        """An iteration opens at its first gradient and closes at ``step()``; the C++ hooks take the fast path
+        only inside an open one that has not been flushed (Note [Gradient path] in csrc/torch/gradient_path.h)."""
+        self.open = open_
+        self.flushed = False
+        self.path.set_open(open_)
+        self.path.set_flushed(False)
+
+    # ---- waiting for reduced gradients -------------------------------------------------
+
+    def gradient_read(self, i: int) -> None:
         """Note [Gradient reads]: user code is about to read or change ``p.grad`` of tensor ``i``; if its
         reduction may still run, wait for it, so that the code sees (and changes) the averaged gradient."""
-        if self._dc_final[i] or getattr(self, "_dc_closed", False):
+        if self.final[i]:
             return
-        if self._dc_open:
-            if not self._dc_marked[i]:
+        if self.open:
+            if not self.marked[i]:
                 return  # not handed over in this iteration: the local gradient, still accumulating
-            if not self._dc_flushed:
+            if not self.flushed:
                 if torch._C._current_graph_task_id() != -1:
                     raise DCreditError(
-                        f"p.grad of parameter '{self._dc_names[i]}' was read during a backward, after dcredit_opt "
+                        f"p.grad of parameter '{self.names[i]}' was read during a backward, after dcredit_opt "
                         "had taken it for reduction (a hook that runs after ours): its value is neither this "
                         "rank's gradient nor the average then. Read gradients after loss.backward() returns, or "
                         "in a hook registered before the DistributedOptimizer was built")
-                with self._dc_lazy.guard.paused():
-                    self._dc_release()
-        elif not self._dc_lazy.pending[i]:
-            self._dc_final[i] = True  # applied: nothing of ours writes it any more
+                with self._lazy.guard.paused():
+                    self.release()
+        elif not self._lazy.pending[i]:
+            self.final[i] = True  # applied: nothing of ours writes it any more
             return
-        where = f"reading p.grad of '{self._dc_names[i]}' (tensor {i}), waiting for its reduction"
+        where = f"reading p.grad of '{self.names[i]}' (tensor {i}), waiting for its reduction"
         try:
             with timeline.profiled("dcredit_opt::wait"):
-                self._dc_engine.wait_tensor(i, float(self._dc_config.timeout_s))
+                self._engine.wait_tensor(i, float(self._config.timeout_s))
         except (RuntimeError, TimeoutError) as e:
             raise at_rank(e, where) from e
-        self._dc_add_rows((i,))
-        self._dc_buffers.check_writes((i,), "a read of p.grad")
-        self._dc_final[i] = True
+        self.add_rows((i,))
+        self._buffers.check_writes((i,), "a read of p.grad")
+        self.final[i] = True
 
-    def _dc_accept_final_writes(self) -> None:
+    def accept_final_writes(self) -> None:
         """At ``step()``: a gradient that user code read after its reduction had ended (Note [Gradient
         reads]) may have been changed by it since (``clip_grad_norm_``): that change is what the step uses,
         so its slot's version counts from here."""
-        if True not in self._dc_final:
+        if True not in self.final:
             return
-        self._dc_buffers.accept_writes([i for i, final in enumerate(self._dc_final) if final])
+        self._buffers.accept_writes([i for i, final in enumerate(self.final) if final])
 
-    def _dc_wait_final(self, where: str) -> None:
+    def wait_final(self, where: str) -> None:
         """Every reduced gradient final: every block done, every embedding row added."""
-        self._dc_wait_all(where)
-        self._dc_add_rows(range(len(self._dc_params)))
+        self.wait_all(where)
+        self.add_rows(range(len(self.params)))
 
-    def _dc_add_rows(self, indices) -> None:
+    def add_rows(self, indices) -> None:
         """Every rank's embedding rows into the reduced gradients of ``indices`` that have them."""
-        b = self._dc_buffers
-        self._dc_tally.add_rows(indices, b.slots, b.versions, b.prescale * b.postscale)
+        b = self._buffers
+        self._tally.add_rows(indices, b.slots, b.versions, b.prescale * b.postscale)
 
-    def _dc_drop_unused_grads(self, indices) -> list:
+    def drop_unused_grads(self, indices) -> list:
         """``p.grad = None`` for the tensors of ``indices`` no rank used (Note [Global usage]); returns them."""
-        return self._dc_tally.drop_unused_grads(indices, self._dc_buffers.watched, self._dc_buffers.slots)
+        return self._tally.drop_unused_grads(indices, self._buffers.watched, self._buffers.slots)
 
-    def _dc_wait_all(self, where: str) -> None:
+    def wait_all(self, where: str) -> None:
         try:
             with timeline.profiled("dcredit_opt::wait"):
-                self._dc_engine.wait_all(float(self._dc_config.timeout_s))
+                self._engine.wait_all(float(self._config.timeout_s))
         except (RuntimeError, TimeoutError) as e:
             raise at_rank(e, where) from e
 
+    def take_slow_count(self) -> int:
+        """Gradients handed over in Python in the last iteration (Note [Gradient path])."""
+        slow = self.path.take_slow_count()
+        self.python_handovers += slow
+        return slow
+
+
+class Life:
+    """What a dropped optimizer's finalizer needs to know: whether this iteration's blocks were all released."""
+
+    released = False
+
 
 class WeakMethod:
-    """A method of a weakly held optimizer, for the C++ hooks to call (Note [Gradient path]): the Python path
-    of a gradient (``_dc_hand_over``), the checks before one is added (``_dc_before_accumulate``), a scheduler
-    failure raised as Python raises it (``_dc_hook_failed``). Does nothing once the optimizer is gone."""
+    """A method of a weakly held object, for the C++ hooks and the parts of the optimizer that call back into
+    the one that owns them (Note [Gradient path]): the Python path of a gradient (``hand_over``), the checks
+    before one is added (``before_accumulate``), a scheduler failure raised as Python raises it
+    (``hook_failed``). Does nothing once the object is gone, so no part keeps another alive."""
 
     __slots__ = ("_name", "_ref")
 
     def __init__(self, ref, name: str):
         self._ref, self._name = ref, name
 
-    def __call__(self, *args) -> None:
-        opt = self._ref()
-        if opt is not None:
-            getattr(opt, self._name)(*args)
-
-
-def weak_rows_hook(ref):
-    """An embedding's stand-in got its gradient (Note [Embedding rows]): the iteration of a weakly held
-    optimizer opens there if no other gradient opened it (its only gradients are embedding rows)."""
-    def hook():
-        opt = ref()
-        if opt is not None and not opt._dc_open:
-            opt._dc_begin()
-    return hook
+    def __call__(self, *args):
+        obj = self._ref()
+        if obj is not None:
+            return getattr(obj, self._name)(*args)
+        return None
 
 
 def _will_accumulate(p: torch.Tensor) -> bool:

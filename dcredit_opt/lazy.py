@@ -1,10 +1,11 @@
-"""The lazy step's half of the wrapper: applying deferred updates where they are first read.
+"""The lazy step's half of the optimizer: applying deferred updates where they are first read.
 
 See Note [Lazy step] in ``updates.py`` and Note [First read] in
-``reads.py``. :class:`LazyStep` holds the methods of the generated optimizer
-subclass that run the wrapped step; which updates wait, and where each is
-applied, is :class:`LazyUpdates`'s (``updates.py``). The model's hooks
-below reach the optimizer through a :class:`Keeper`.
+``reads.py``. :class:`Stepper` runs the wrapped optimizer's step (eagerly in
+``step()``, or on the updates an apply point asks for) and the checks that
+come before any update; which updates wait, and where each is applied, is
+:class:`LazyUpdates`'s (``updates.py``). The model's hooks below reach the
+optimizer's core through a :class:`Keeper`.
 """
 
 from __future__ import annotations
@@ -13,28 +14,54 @@ import weakref
 
 import torch
 
-from . import runtime
-from .buffers import clear
+from . import runtime, separable
 from .errors import DCreditError
 from .runtime import at_rank
 from .timeline import profiled
 
 
-class LazyStep:
+class Stepper:
+    """Runs the wrapped optimizer's ``step()`` on reduced gradients: all of them in ``step()``, or those an
+    apply point or an early read asks for, with the hyperparameters of the ``step()`` that deferred them.
+
+    Holds the wrapped optimizer weakly (its class's own ``step`` is ``base.step``), what was wrapped (the
+    groups by identity, each tensor's group, the frozen parameters), and the parts it reads: the buffers,
+    the lazy updates, the tally, the backward.
+    """
+
+    def __init__(self, optimizer, base: type, names, params, frozen, parts, config, notices, horovod_groups):
+        self.names = names
+        self.params = params
+        self._optimizer = weakref.ref(optimizer)
+        self._base = base
+        self._frozen = frozen
+        self._buffers, self._lazy, self._tally, self._backward, self._engine, self._backend = parts
+        self._config = config
+        self._notices = notices
+        self._horovod_groups = horovod_groups  # merged in every plan (grouping.py)
+        groups = optimizer.param_groups
+        self._group_of = [next(gi for gi, g in enumerate(groups) if any(q is p for q in g["params"]))
+                          for p in params]
+        self._group_ids = group_ids(groups)  # what was wrapped (Note [Replaced gradients])
+        # The groups hold exactly our parameters, in order (none frozen): a wrapped step over every update
+        # can take them as they are.
+        self._whole_groups = [i for ids in self._group_ids for i in ids] == [id(p) for p in params]
+
     # ---- applying updates ------------------------------------------------------
 
-    def _dc_apply_pending(self) -> None:
-        if self._dc_lazy.npending:
-            self._dc_apply(range(len(self._dc_params)))
+    def apply_pending(self) -> None:
+        if self._lazy.npending:
+            self.apply(range(len(self.params)))
 
-    def _dc_step_now(self) -> None:
+    def step_now(self) -> None:
         """The eager step, inside ``step()``: the wrapped ``step()`` once, over the real groups, so that its
         hooks run once and see every parameter, and the hyperparameters are the ones in force."""
-        params, buffers = self._dc_params, self._dc_buffers
+        params, buffers, backward = self.params, self._buffers, self._backward
         watched = buffers.watched
-        self._dc_wait(range(len(params)))
-        self._dc_add_rows(range(len(params)))
-        self._dc_drop_unused_grads(range(len(params)))
+        everything = range(len(params))
+        self._wait(everything)
+        backward.add_rows(everything)
+        backward.drop_unused_grads(everything)
         # Ours (still p.grad) as plain slots, so that the wrapped step does not go through the watch
         # (Note [Gradient reads]); what user code put in p.grad as it is.
         ours = [i for i, p in enumerate(params) if p.grad is watched[i]]
@@ -42,19 +69,27 @@ class LazyStep:
             for i in ours:
                 params[i].grad = buffers.for_step(i)
             with profiled("dcredit_opt::apply"):
-                self._dc_base.step(self)
+                self._base.step(self._optimizer())
         finally:
             for i in ours:
                 params[i].grad = watched[i]
-        self._dc_lazy.all_applied()
+        self._lazy.all_applied()
 
-    def _dc_wait(self, todo, on_stream: bool = False) -> None:
+    def step_base(self) -> None:
+        """The wrapped step as it is, over every parameter, nothing reduced (a fresh optimizer's state made
+        from zero gradients: ``Core.step``)."""
+        self._base.step(self._optimizer())
+
+    def zero_grad_base(self, set_to_none: bool) -> None:
+        self._base.zero_grad(self._optimizer(), set_to_none=set_to_none)
+
+    def _wait(self, todo, on_stream: bool = False) -> None:
         """Until the reduced gradients of ``todo`` are final. ``on_stream``: on a CUDA device, the current stream
         waits for them and the host only until their blocks are enqueued (Note [Stream-ordered waits] in
         csrc/core/final_gate.h), so only kernels on that stream, or what syncs with it, may read them."""
-        if self._dc_lazy.reduced:
+        if self._lazy.reduced:
             return  # a backward that started since has waited for every block
-        engine, timeout = self._dc_engine, float(self._dc_config.timeout_s)
+        engine, timeout = self._engine, float(self._config.timeout_s)
         with profiled("dcredit_opt::wait"):
             try:
                 if on_stream:
@@ -64,48 +99,48 @@ class LazyStep:
             except (RuntimeError, TimeoutError) as e:
                 i = next((i for i in todo if not engine.tensor_done(i)), todo[0])
                 raise at_rank(e, f"phase 2 (after step()), waiting for the reduced gradient of "
-                                 f"'{self._dc_names[i]}' (tensor {i}) to apply its update") from e
+                                 f"'{self.names[i]}' (tensor {i}) to apply its update") from e
 
-    def _dc_apply(self, indices) -> None:
+    def apply(self, indices) -> None:
         """Wait for tensors ``indices`` and run the wrapped step on those still pending, with the
         hyperparameters of the ``step()`` that deferred them."""
-        lazy = self._dc_lazy
+        lazy, path = self._lazy, self._backward.path
         todo = [i for i in dict.fromkeys(indices) if lazy.pending[i]]
         if not todo:
             return
         with lazy.guard.paused():  # the wrapped step reads the parameters it updates: not reads to guard
             if lazy.deferred:
-                lazy.check_graph_reads(todo, self._dc_path)
-            self._dc_wait(todo, on_stream=True)  # the wrapped step's kernels go on the current stream
-            if not lazy.versions_checked:
-                # The first apply after a lazy step(): every pending slot, so that a write
-                # between step() and the next forward stops us before any update.
-                lazy.versions_checked = True
-                self._dc_buffers.check_writes([i for i, p in enumerate(lazy.pending) if p], "the lazy step")
+                lazy.check_graph_reads(todo, path)
+            self._wait(todo, on_stream=True)  # the wrapped step's kernels go on the current stream
+            if lazy.first_apply():
+                # Every pending slot, so that a write between step() and the next forward stops us before
+                # any update.
+                self._buffers.check_writes([i for i, p in enumerate(lazy.pending) if p], "the lazy step")
             else:
-                self._dc_buffers.check_writes(todo, "the lazy step")
+                self._buffers.check_writes(todo, "the lazy step")
             with profiled("dcredit_opt::apply"):
-                self._dc_run_wrapped_step(todo)
-        lazy.applied(todo, self._dc_path)
+                self._run_wrapped_step(todo)
+        lazy.applied(todo, path)
 
-    def _dc_run_wrapped_step(self, todo) -> None:
-        params, buffers = self._dc_params, self._dc_buffers
-        groups = self.param_groups
-        self._dc_add_rows(todo)
-        unused = set(self._dc_drop_unused_grads(todo))  # and they stay None, as under DDP
+    def _run_wrapped_step(self, todo) -> None:
+        params, buffers = self.params, self._buffers
+        optimizer = self._optimizer()
+        groups = optimizer.param_groups
+        self._backward.add_rows(todo)
+        unused = set(self._backward.drop_unused_grads(todo))  # and they stay None, as under DDP
         saved_params = [g["params"] for g in groups]
-        snapshot = self._dc_lazy.snapshot
+        snapshot = self._lazy.snapshot
         saved_hyper = [{k: g[k] for k in snap} for g, snap in zip(groups, snapshot)]
         saved_grads = [params[i].grad for i in todo]
         # Every update at once (the common case where communication ends before the next forward): the
         # groups as they are, when they hold exactly our parameters, still (a parameter put in a group since
         # step() is not stepped here; the next step() refuses it).
-        whole = (len(todo) == len(params) and self._dc_whole_groups and len(groups) == len(snapshot)
-                 and group_ids(groups) == self._dc_group_ids)
+        whole = (len(todo) == len(params) and self._whole_groups and len(groups) == len(snapshot)
+                 and group_ids(groups) == self._group_ids)
         members = None if whole else [[] for _ in groups]
         if not whole:
             for i in todo:
-                members[self._dc_group_of[i]].append(params[i])
+                members[self._group_of[i]].append(params[i])
         try:
             for gi, (g, snap) in enumerate(zip(groups, snapshot)):
                 if not whole:
@@ -121,7 +156,7 @@ class LazyStep:
                 slots = buffers.slots
                 for i in todo:
                     params[i].grad = slots[i]
-            self._dc_base.step(self)
+            self._base.step(optimizer)
         finally:
             for g, ps in zip(groups, saved_params):
                 g["params"] = ps
@@ -130,40 +165,74 @@ class LazyStep:
             for i, grad in zip(todo, saved_grads):
                 params[i].grad = grad
 
-    def _dc_apply_on_read(self, indices) -> None:
+    def apply_on_read(self, indices) -> None:
         """A read of pending parameters before the place learned for them (Note [Guarded reads] in reads.py):
         their updates are applied now, before the read, so it sees what a synchronous step gives."""
         i = indices[0]
-        self._dc_tell("early read", f"dcredit_opt: parameter '{self._dc_names[i]}' was read before the place "
-                                    f"where the first iteration read it first ({self._dc_lazy.reader_of(i)}), so its "
-                                    "update was applied at that read: the result is the same, but that update "
-                                    "did not overlap the forward. Said once.")
-        self._dc_apply(indices)
+        self._notices.tell("early read", f"dcredit_opt: parameter '{self.names[i]}' was read before the place "
+                                         f"where the first iteration read it first ({self._lazy.reader_of(i)}), so "
+                                         "its update was applied at that read: the result is the same, but that "
+                                         "update did not overlap the forward. Said once.")
+        self.apply(indices)
 
-    def _dc_before_forward(self, module: torch.nn.Module) -> None:
-        """Forward pre-hook of a module that first reads some of our parameters."""
-        lazy = self._dc_lazy
-        own = lazy.own(module)
-        if not own:
-            return
-        if self._dc_timeline is not None:
-            self._dc_timeline.on_forward(own[0])
-        if self._dc_recorder is not None:
-            self._dc_recorder.on_forward(own)
-        if lazy.npending:
-            # on a GPU, final is enqueued (Note [Stream-ordered waits])
-            self._dc_apply(own + lazy.done_ahead(own, self._dc_tally.rows, self._dc_engine.finals()))
-        if not lazy.npending:
-            if self._dc_timeline is None and self._dc_recorder is None:
-                lazy.rest()
-            else:  # the hooks go on recording the forward
-                lazy.guard.leave_if_idle()
+    def apply_at(self, own, finals: bytes) -> None:
+        """At an apply point whose module first reads tensors ``own``: their updates, and those of tensors read
+        later whose reduced gradients are final already (``finals``, per tensor: the engine's; Note [Lazy
+        step]). On a GPU, final is enqueued (Note [Stream-ordered waits])."""
+        self.apply(own + self._lazy.done_ahead(own, self._tally.rows, finals))
+
+    def may_defer(self, plan, replaced, eager_reason) -> bool:
+        """Whether this step()'s updates may wait for their first read (Note [Lazy step]). ``eager_reason``:
+        why the core needs every update now (a plan switch, profiling, synchronize()), or None."""
+        if not (plan.overlap_forward and self._config.overlap_forward and self._lazy.learned):
+            return False
+        if replaced:
+            # The user's tensor may change after step() (it is theirs): the wrapped step uses it now.
+            self._notices.tell("replaced", f"dcredit_opt: p.grad of '{self.names[replaced[0]]}' was replaced by "
+                                           "another tensor after backward(); a step that uses such gradients "
+                                           "applies every update in step(), without overlap "
+                                           "(Note [Replaced gradients]). Said once.")
+            return False
+        if eager_reason:
+            return False
+        reason = separable.why_eager(self._base, self._optimizer(), self._config.lazy_step)
+        if reason is not None:
+            self._notices.tell(reason, f"dcredit_opt: updates are applied in step() (no overlap with the next "
+                                       f"forward), because {reason}")
+            return False
+        return True
 
     # ---- the checks ---------------------------------------------------------------
 
-    def _dc_check_frozen(self) -> None:
+    def check_groups(self) -> None:
+        """Parameters added to (or removed from) the wrapped optimizer after wrapping: their gradients would
+        not be reduced, or their updates not made. Refused at the next ``step()``, before anything is applied."""
+        groups = self._optimizer().param_groups
+        if group_ids(groups) == self._group_ids:
+            return
+        known = {id(p): name for name, p in zip(self.names, self.params)}
+        known.update((id(p), name) for name, p in self._frozen)
+        now = {id(p) for g in groups for p in g["params"]}
+        for gi, g in enumerate(groups):
+            for p in g["params"]:
+                if id(p) not in known:
+                    raise DCreditError(
+                        f"param_groups[{gi}] of the wrapped optimizer holds a parameter of shape {tuple(p.shape)} "
+                        "that it did not hold when dcredit_opt.DistributedOptimizer was built (add_param_group() "
+                        "on the wrapped optimizer, or a list changed in place): its gradient is not reduced, so its "
+                        "update would use this rank's gradient alone. Nothing was applied. Add every parameter "
+                        "group before wrapping, or build a new DistributedOptimizer over the whole optimizer "
+                        "(it takes over from this one)")
+        gone = [name for pid, name in known.items() if pid not in now]
+        raise DCreditError(
+            f"the wrapped optimizer's parameter groups changed after dcredit_opt.DistributedOptimizer was built "
+            f"({'parameter ' + repr(gone[0]) + ' was removed' if gone else 'parameters moved between groups'}): "
+            "the updates would no longer match synchronous training. Nothing was applied. Change the groups "
+            "before wrapping, or build a new DistributedOptimizer over the changed optimizer")
+
+    def check_frozen(self) -> None:
         """A parameter frozen at wrap time and unfrozen since would be stepped with its local gradient."""
-        for name, p in self._dc_frozen:
+        for name, p in self._frozen:
             if p.grad is not None:
                 raise DCreditError(
                     f"parameter '{name}' had requires_grad=False when the optimizer was wrapped, so dcredit_opt "
@@ -171,7 +240,7 @@ class LazyStep:
                     "use this rank's gradient alone. Nothing was applied. Build the DistributedOptimizer after "
                     "unfreezing it (freeze by leaving its gradient None instead), or set its .grad to None")
 
-    def _dc_check_finite(self) -> None:
+    def check_finite(self) -> None:
         """Config.check_finite: wait for every block; on NaN or Inf refuse the whole step.
 
         The check comes before any update, so a refused step changes no
@@ -179,17 +248,16 @@ class LazyStep:
         would have updated the layers before it). Every rank sees the same
         reduced values, so every rank refuses the same step.
         """
-        self._dc_wait_final("step(), waiting for every block (Config.check_finite)")
-        bad = self._dc_buffers.first_non_finite(self._dc_tally.rows_only())
+        self._backward.wait_final("step(), waiting for every block (Config.check_finite)")
+        bad = self._buffers.first_non_finite(self._tally.rows_only())
         if bad is None:
             return
-        clear(self._dc_counts)
-        self._dc_set_open(False)
-        raise DCreditError(f"the reduced gradient of '{self._dc_names[bad]}' holds NaN or Inf (Config.check_finite "
+        self._backward.end()
+        raise DCreditError(f"the reduced gradient of '{self.names[bad]}' holds NaN or Inf (Config.check_finite "
                            "is on): step() skipped, no parameter or optimizer state was changed; the reduced "
                            "gradients stay in p.grad")
 
-    def _dc_scaled_skip(self, scaler) -> bool:
+    def scaled_skip(self, scaler) -> bool:
         """``GradScaler.step(opt)``: unscale the *reduced* gradients; True if the step must be skipped.
 
         Every rank then sees the same Inf/NaN, so every rank skips the same
@@ -198,39 +266,39 @@ class LazyStep:
         """
         from torch.amp.grad_scaler import OptState
 
-        stage = scaler._per_optimizer_states[id(self)]["stage"]
-        if stage is OptState.UNSCALED and not self._dc_synchronized:
+        optimizer, backward = self._optimizer(), self._backward
+        stage = scaler._per_optimizer_states[id(optimizer)]["stage"]
+        if stage is OptState.UNSCALED and not backward.synchronized:
             raise DCreditError(
                 "scaler.unscale_(optimizer) ran while dcredit_opt was still reducing the gradients, so it "
                 "unscaled and checked local, half-reduced values. Call optimizer.synchronize() before "
                 "scaler.unscale_(optimizer), then `with optimizer.skip_synchronize(): scaler.step(optimizer)`; "
                 "or leave the unscaling to scaler.step(optimizer), which reduces first")
-        self._dc_wait_final("step(), waiting for every block before GradScaler unscales them")
-        self._dc_synchronized = True  # final: the scaler's own writes below are expected
+        backward.wait_final("step(), waiting for every block before GradScaler unscales them")
+        backward.set_synchronized(True)  # final: the scaler's own writes below are expected
         if stage is OptState.READY:
-            scaler.unscale_(self)
-        if not sum(float(v.item()) for v in scaler._found_inf_per_device(self).values()):
+            scaler.unscale_(optimizer)
+        if not sum(float(v.item()) for v in scaler._found_inf_per_device(optimizer).values()):
             return False
-        clear(self._dc_counts)
-        self._dc_set_open(False)
-        self._dc_synchronized = False
+        backward.end()
+        backward.set_synchronized(False)
         return True
 
     # ---- learning where parameters are first read (Note [First read]) ---------------
 
-    def _dc_end_learning(self) -> None:
+    def end_learning(self, recorder, closed: bool) -> None:
         """Leave the tracer (on the training thread) and install the apply points it found."""
-        tracer = self._dc_lazy.end_learning(self._dc_recorder, getattr(self, "_dc_closed", False))
+        tracer = self._lazy.end_learning(recorder, closed)
         if tracer is not None:
-            self._dc_propose_rows(tracer)
+            self._propose_rows(tracer)
 
-    def _dc_propose_rows(self, tracer) -> None:
+    def _propose_rows(self, tracer) -> None:
         """What this rank proposes for Note [Embedding rows] (in rows.py), from what the tracer saw; every
         rank's proposal travels in the tally, and only what all propose is taken."""
-        if not (self._dc_config.embedding_rows and runtime.size() > 1 and self._dc_bpps == 1
-                and getattr(self._dc_backend, "exchanges_rows", False)):
+        if not (self._config.embedding_rows and runtime.size() > 1 and self._backward.passes == 1
+                and getattr(self._backend, "exchanges_rows", False)):
             return
-        self._dc_tally.propose_rows(tracer, {t for g in self._dc_groups or () for t in g})
+        self._tally.propose_rows(tracer, {t for g in self._horovod_groups or () for t in g})
 
 
 _PLAIN = frozenset({float, int, bool, str, type(None)})  # hyperparameters that cannot change in place
@@ -278,7 +346,7 @@ def watch_module_hooks_when_compiled() -> None:
 
 
 class Keeper:
-    """How the model's hooks reach their optimizer: weakly, except while updates wait.
+    """How the model's hooks reach their optimizer's core: weakly, except while updates wait.
 
     A script may drop its optimizer right after a lazy ``step()`` (``del
     opt``, or ``opt = DistributedOptimizer(...)`` again): the updates it
@@ -295,7 +363,14 @@ class Keeper:
         self.strong = None
 
     def __call__(self):
-        return self.strong if self.strong is not None else self._ref()
+        """The optimizer's core (``core.py``), or None once the optimizer is gone."""
+        return core_of(self.strong if self.strong is not None else self._ref())
+
+
+def core_of(optimizer):
+    """The core of a ``DistributedOptimizer`` (``core.py``; the wrapper's one field of its own), or None for
+    None or any other optimizer."""
+    return getattr(optimizer, "_dc", None)
 
 
 def weak_forward_hook(keeper: Keeper) -> _ForwardHook:
@@ -355,11 +430,11 @@ class _ForwardHook:
         if _is_compiling():
             self._run(self.keeper, module, True)
             return
-        opt = self.keeper()
-        if opt is None:
+        core = self.keeper()
+        if core is None:
             return
-        lazy = opt._dc_lazy
-        if not lazy.npending and opt._dc_timeline is None and opt._dc_recorder is None:
+        lazy = core.lazy
+        if not lazy.npending and not core.records_forward():
             lazy.rest()
             return
         self._run(self.keeper, module, False)
@@ -369,11 +444,11 @@ class _ForwardHook:
 
 
 def _before_forward(keeper: Keeper, module, compiled: bool) -> None:
-    opt = keeper()
-    if opt is not None:
+    core = keeper()
+    if core is not None:
         if compiled:
-            opt._dc_lazy.compiled = True
-        opt._dc_before_forward(module)
+            core.lazy.ran_compiled()
+        core.before_forward(module)
 
 
 class _ApplyHook:
@@ -385,9 +460,9 @@ class _ApplyHook:
         self.keeper = keeper
 
     def __call__(self, module, *args, **kwargs):
-        opt = self.keeper()
-        if opt is not None:
-            opt._dc_apply_pending()
+        core = self.keeper()
+        if core is not None:
+            core.apply_pending()
 
     def __reduce__(self):
         return _InertApplyHook, ()

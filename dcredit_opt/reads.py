@@ -350,8 +350,8 @@ class PendingReadGuard(TorchFunctionMode):
             _remove_from_stack(self)
 
     def inert(self) -> bool:
-        opt = self._keeper()
-        return opt is None or getattr(opt, "_dc_closed", False)
+        core = self._keeper()
+        return core is None or core.closed
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # Inside code that Dynamo traces the guard is a plain pass-through (no guard on our attributes, so
@@ -360,8 +360,8 @@ class PendingReadGuard(TorchFunctionMode):
         # `p.data = x` replaces what it reads; `==`, not `is`: every lookup of a slot wrapper's __set__ makes a
         # new (equal) method object.
         if self.armed and not _dynamo_compiling() and _guard_reads(func):
-            opt = self._keeper()
-            lazy = None if opt is None else opt._dc_lazy
+            core = self._keeper()
+            lazy = None if core is None else core.lazy
             if lazy is None or not lazy.npending:
                 self.armed = False
             else:
@@ -370,7 +370,7 @@ class PendingReadGuard(TorchFunctionMode):
                     pending = lazy.pending
                     read = [i for i in dict.fromkeys(hits) if pending[i]]
                     if read:
-                        opt._dc_apply_on_read(read)
+                        core.apply_on_read(read)
         return func(*args, **kwargs) if kwargs else func(*args)
 
 

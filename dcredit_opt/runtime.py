@@ -843,7 +843,7 @@ def _destroy_group(group) -> None:
 
 
 def register_user(obj) -> None:
-    """``obj`` (a DistributedOptimizer) communicates through us; ``shutdown()`` closes it first."""
+    """``obj`` (a DistributedOptimizer's core) communicates through us; ``shutdown()`` closes it first."""
     _users[next(_user_numbers)] = obj
 
 
@@ -935,7 +935,7 @@ def shutdown() -> None:
             _heartbeat.host_answers()
         for number, user in enumerate(list(_users.values())):
             before = _engine_failure(user)
-            user._dc_close()  # a failure while closing is logged there, and raised below once all is closed
+            user.close()  # a failure while closing is logged there, and raised below once all is closed
             after = _engine_failure(user)
             if before is None and after is not None:
                 failed.append(f"optimizer {number}: {after}")
@@ -993,7 +993,7 @@ def _abort_mpi_if_lost(lost: tuple | None) -> None:
 
 def _engine_failure(user) -> str | None:
     """The error of ``user``'s engine, if its collectives failed (not a shutdown with an iteration unfinished)."""
-    engine = getattr(user, "_dc_engine", None)
+    engine = getattr(user, "engine", None)
     error = engine.error() if engine is not None else None
     if error is None or error.startswith("scheduler shut down"):
         return None

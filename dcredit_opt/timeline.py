@@ -33,7 +33,7 @@ always done, and the file a script reads after ``step()`` lags the scheduler
 by at most one iteration. Waiting
 for the batch of its own backward instead made a 2 ms iteration 1.4 ms
 slower on a busy 2-core machine (``benchmarks/timeline_cost.py``).
-``close()`` (from ``_dc_close``, ``dc.shutdown()``, or at exit) adds the last
+``close()`` (from ``Core.close``, ``dc.shutdown()``, or at exit) adds the last
 iteration and joins the writer. A writer that fails (disk full) says so once
 and drops the rest; training never waits on it longer than ``_SETTLE_S``.
 """

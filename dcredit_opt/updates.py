@@ -339,6 +339,24 @@ class LazyUpdates:
             hooks.move_to_end(key, last=False)
         self._awake = True
 
+    def blocks_waited(self) -> None:
+        """A new iteration waited for every block: the pending updates' gradients are final, no wait needed."""
+        self.reduced = True
+
+    def first_apply(self) -> bool:
+        """Whether this is the first apply since a lazy ``step()`` (it checks every pending slot's version,
+        so that a write between ``step()`` and the next forward stops us before any update)."""
+        first, self.versions_checked = not self.versions_checked, True
+        return first
+
+    def ran_compiled(self) -> None:
+        """An apply point's hook ran inside compiled code: the hooks stay for good (Note [Resting hooks])."""
+        self.compiled = True
+
+    def let_go(self) -> None:
+        """At close: the model's hooks no longer keep the optimizer."""
+        self.keeper.strong = None
+
     def remove_hooks(self) -> None:
         """At close: the guard and the apply points go."""
         self.guard.remove()

@@ -12,7 +12,7 @@ operation that user code applies to it, on any thread, with no mode on any
 stack. An operation that reads values or makes an alias (anything but
 metadata: ``.shape``, ``.dtype``, ``size()``, ``.grad``...) first waits for
 that gradient's reduction, releasing the rest of the iteration's blocks
-first as ``step()`` would (``_dc_gradient_read`` in ``gradients.py``);
+first as ``step()`` would (``Backward.gradient_read`` in ``gradients.py``);
 then it runs on the plain tensor and returns plain tensors. So
 ``p.grad.norm()``, ``clip_grad_norm_``, ``scaler.unscale_`` and
 ``p.grad = p.grad * 0.5`` see the averaged gradient, and an in-place
@@ -52,7 +52,7 @@ _PLAIN_COPIES = frozenset({"__deepcopy__", "__reduce_ex__", "__reduce__", "__get
 
 class WatchedGradient(torch.Tensor):
     """``p.grad`` after its hook: the slot's memory; any read first waits for its reduction (Note [Gradient
-    reads]). ``_dc_index`` is the tensor's index in its optimizer, ``_dc_keeper`` reaches that optimizer."""
+    reads]). ``_dc_index`` is the tensor's index in its optimizer, ``_dc_keeper`` reaches that optimizer's core."""
 
     @staticmethod
     def of(slot: torch.Tensor, index: int, keeper) -> WatchedGradient:
@@ -102,18 +102,18 @@ def _wait_for(args, kwargs) -> None:
 
 def _read(watched: WatchedGradient) -> None:
     keeper = getattr(watched, "_dc_keeper", None)
-    opt = keeper() if keeper is not None else None
-    if opt is not None:
-        opt._dc_gradient_read(watched._dc_index)
+    core = keeper() if keeper is not None else None
+    if core is not None:
+        core.gradient_read(watched._dc_index)
 
 
 def _refuse_data_assignment(args) -> None:
     target = args[0] if args else None
     keeper = getattr(target, "_dc_keeper", None)
-    opt = keeper() if keeper is not None else None
-    if opt is None or getattr(opt, "_dc_closed", False):
+    core = keeper() if keeper is not None else None
+    if core is None or core.closed:
         return
-    name = opt._dc_names[target._dc_index]
+    name = core.names[target._dc_index]
     raise DCreditError(
         f"p.grad.data of parameter '{name}' was assigned (model.to(), .cuda(), .half() after wrapping do that): "
         "dcredit_opt keeps that gradient in its own buffer, laid out for the parameter's dtype and device when "

@@ -62,7 +62,7 @@ class DrivenBackend:
         self._transport = transport
         self._timeout_s = float(timeout_s)
         self._pump = _Pump(self.engine, transport, float(timeout_s), self.name, runtime.rank())
-        # Closed when the optimizer is garbage collected without _dc_close(),
+        # Closed when the optimizer is garbage collected without being closed,
         # and at interpreter exit. Our own atexit entry, registered after
         # Horovod and MPI were initialised, runs before their exit handlers
         # (weakref.finalize's single atexit hook may have been registered
@@ -151,7 +151,7 @@ class DrivenBackend:
 
 class _Pump:
     """The driver and completer threads of one backend. Holds no reference to the
-    backend, so that an optimizer dropped without ``_dc_close()`` is still freed."""
+    backend, so that an optimizer dropped without being closed is still freed."""
 
     def __init__(self, engine, transport, timeout_s: float, label: str, rank: int):
         self._engine = engine

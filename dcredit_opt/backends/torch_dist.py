@@ -67,7 +67,7 @@ What NCCL requires of several communicators, and how we meet it:
    in orders that differ between ranks wait for each other forever.
 5. Each communicator costs device memory (NCCL's buffers) and creation time;
    another reason for few channels. An optimizer's communicators live until
-   it closes (``_dc_close()``, or ``dc.shutdown()``, which closes optimizers
+   it closes (``Core.close()``, or ``dc.shutdown()``, which closes optimizers
    in the order they were built, the same on every rank).
 6. Timeouts: c10d's NCCL watchdog aborts a collective that outlives the
    group's timeout (``Config.timeout_s``, the scheduler's own) and by default

@@ -13,6 +13,7 @@ import torch
 
 from .. import runtime
 from ..errors import MismatchError
+from ..lazy import core_of
 from .objects import TENSOR_DTYPES
 
 
@@ -60,8 +61,9 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     _check_root(root_rank)
     if runtime.size() == 1:
         return
-    if hasattr(optimizer, "_dc_apply_pending"):
-        optimizer._dc_apply_pending()
+    core = core_of(optimizer)  # a DistributedOptimizer's pending updates first
+    if core is not None:
+        core.apply_pending()
     params = [p for g in optimizer.param_groups for p in g["params"]]
     description, failure = None, None
     if runtime.rank() == root_rank:

@@ -201,13 +201,13 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
         raise TypeError(f"start_timeline: file_path must be a path, got {file_path!r}")
     if not isinstance(mark_cycles, bool):
         raise TypeError(f"start_timeline: mark_cycles must be a bool, got {mark_cycles!r}")
-    users = [u for u in runtime._users.values() if not getattr(u, "_dc_closed", False)]
+    users = [u for u in runtime._users.values() if not u.closed]
     if not users:
         log.warning("dcredit_opt: start_timeline(%r): no DistributedOptimizer is live, so there is nothing to "
                     "record; build the optimizer first, or pass Config(timeline_path=...)", str(file_path))
     for k, opt in enumerate(users):
         path = str(file_path) if k == 0 else f"{file_path}.opt{k}"
-        previous = opt._dc_use_timeline(timeline.RankTimeline(path, runtime.rank(), runtime.size()))
+        previous = opt.use_timeline(timeline.RankTimeline(path, runtime.rank(), runtime.size()))
         _switched.setdefault(opt, previous)
 
 
@@ -216,5 +216,5 @@ def stop_timeline() -> None:
     The files keep what was recorded."""
     require_world("stop_timeline")
     for opt, previous in list(_switched.items()):
-        opt._dc_use_timeline(previous)
+        opt.use_timeline(previous)
     _switched.clear()

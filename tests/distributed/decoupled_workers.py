@@ -63,16 +63,16 @@ def decoupled(backend: str = "auto", horovod_first: bool = False, opt_name: str 
     model.mid.register_forward_pre_hook(lambda module, args: time.sleep(rng.uniform(0, max_sleep_ms / 1000)))
     params = list(model.parameters())
     plans = _plans([p.numel() for p in params], [p.element_size() for p in params])
-    out = {"diffs": [], "ops": [], "backend": opt._dc_backend.name}
+    out = {"diffs": [], "ops": [], "backend": opt._dc.backend.name}
     for k, plan in enumerate(plans):
-        opt._dc_staged_plan = plan  # switched at the next backward, on every rank
+        opt._dc.staged_plan = plan  # switched at the next backward, on every rank
         _train(model, ref, opt, ropt, range(k * STEPS_PER_PLAN, (k + 1) * STEPS_PER_PLAN), rng, max_sleep_ms)
-        ops = opt._dc_buffers.layout.block_op
+        ops = opt._dc.buffers.layout.block_op
         out["ops"].append([ops.count(REDUCE_SCATTER), ops.count(ALL_GATHER), len(ops)])
         opt.synchronize()
         out["diffs"].append(max_diff(model, ref))
     out["checksum"] = float(sum(p.double().sum() for p in model.state_dict().values()))
-    opt._dc_close()
+    opt._dc.close()
     return out
 
 
@@ -109,10 +109,10 @@ def policies(cases: list, backend: str = "auto", horovod_first: bool = False, op
             profile = _planned_profile(params)
             base = search._layout(profile, partition_by_bytes(profile, 256), channels=2, overlap_forward=phase2)
             plan = search._decoupled_dcredit(profile, base, 256, name.removeprefix("dcredit-"), 0.0, True)
-            opt._dc_staged_plan = dataclasses.replace(plan, overlap_forward=phase2)
+            opt._dc.staged_plan = dataclasses.replace(plan, overlap_forward=phase2)
         _train(model, ref, opt, ropt, range(12), rng, max_sleep_ms)
         opt.synchronize()
-        ops = opt._dc_buffers.layout.block_op
+        ops = opt._dc.buffers.layout.block_op
         out["cases"][f"{name} phase2={phase2}"] = {
             "policy": opt.plan.policy, "overlap_forward": opt.plan.overlap_forward,
             "ops": [ops.count(REDUCE_SCATTER), ops.count(ALL_GATHER), len(ops)],
@@ -120,8 +120,8 @@ def policies(cases: list, backend: str = "auto", horovod_first: bool = False, op
             # Rank 0's profile: the reduce-scatter and all-gather sweeps (profiler.measure_stage_ratios).
             "stage_ratios": list(opt.profile.stage_ratios) if opt.profile is not None else None,
             "checksum": float(sum(p.double().sum() for p in model.state_dict().values()))}
-        out["backend"] = opt._dc_backend.name
-        opt._dc_close()
+        out["backend"] = opt._dc.backend.name
+        opt._dc.close()
     return out
 
 

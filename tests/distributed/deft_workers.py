@@ -40,7 +40,7 @@ def exact(opt_name: str = "adam", delayed: tuple = (0, 1), steps: int = 10, max_
                                   named_parameters=model.named_parameters(), config=config)
     ropt = OPTIMIZERS[opt_name](ref.parameters())
     params = list(model.parameters())
-    opt._dc_staged_plan = deft_plan(params, tuple(delayed))
+    opt._dc.staged_plan = deft_plan(params, tuple(delayed))
     late = [list(ref.parameters())[t] for t in delayed]
     previous = [torch.zeros_like(p) for p in late]
     diffs, planned = [], []
@@ -48,7 +48,7 @@ def exact(opt_name: str = "adam", delayed: tuple = (0, 1), steps: int = 10, max_
         opt.zero_grad()
         loss_of(model, batch(step, rank)).backward()
         time.sleep(rng.uniform(0, max_sleep_ms / 1000))
-        planned.append(list(opt._dc_buffers.plan.delayed))
+        planned.append(list(opt._dc.buffers.plan.delayed))
         opt.step()
         reference_grads(ref, step, world)
         for p, prev in zip(late, previous):
@@ -60,7 +60,7 @@ def exact(opt_name: str = "adam", delayed: tuple = (0, 1), steps: int = 10, max_
     opt.synchronize()
     out = {"diffs": diffs, "planned": planned, "diff": max_diff(model, ref),
            "checksum": float(sum(p.double().sum() for p in model.state_dict().values()))}
-    opt._dc_close()
+    opt._dc.close()
     return out
 
 
@@ -96,7 +96,7 @@ def convergence(delayed_policy: bool, steps: int = 80) -> dict:
     opt = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                   named_parameters=model.named_parameters(), config=config)
     if delayed_policy:
-        opt._dc_staged_plan = deft_plan(list(model.parameters()), (0, 1))
+        opt._dc.staged_plan = deft_plan(list(model.parameters()), (0, 1))
     curve = []
     for step in range(steps):
         opt.zero_grad()
@@ -111,7 +111,7 @@ def convergence(delayed_policy: bool, steps: int = 80) -> dict:
     opt.synchronize()
     out = {"curve": curve, "delayed": list(opt.plan.delayed),
            "checksum": float(sum(p.double().sum() for p in model.state_dict().values()))}
-    opt._dc_close()
+    opt._dc.close()
     return out
 
 
@@ -148,5 +148,5 @@ def profiled(steps: int = 8) -> dict:
     opt.synchronize()
     out = {"policy": opt.plan.policy, "delayed": list(opt.plan.delayed),
            "checksum": float(sum(p.double().sum() for p in model.state_dict().values()))}
-    opt._dc_close()
+    opt._dc.close()
     return out

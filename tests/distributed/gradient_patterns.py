@@ -216,7 +216,7 @@ def whole_model_saved_on_rows_path(job, lazy):
         copy.deepcopy(model)
 
     job.train(model, ref, opt, ropt, pw.tied_loss, after_step=save)
-    return job.result(model, ref, opt, save_diff=worst[0], rows_path=bool(opt._dc_tally.rows))
+    return job.result(model, ref, opt, save_diff=worst[0], rows_path=bool(opt._dc.tally.rows))
 
 
 GRADIENT_WORK = {f"{name}_{kind}": run for name, fn in {

@@ -133,11 +133,11 @@ def kill_worker(victim: int, mode: str, phase: str, seed: int, collective_timeou
             if phase == "forward" and state["step"] == fault_step:
                 time.sleep(delay_s)
                 inject(f"the forward after a lazy step(), before {type(mod).__name__}")
-            if phase == "staged" and opt._dc_staged_plan is not None:
+            if phase == "staged" and opt._dc.staged_plan is not None:
                 inject(f"the forward while a profiled plan is staged, before {type(mod).__name__}")
         module.register_forward_pre_hook(forward_hook)
     if me and phase == "profiling":
-        sweep = opt._dc_backend.sweep_collectives
+        sweep = opt._dc.backend.sweep_collectives
         nth = rng.randrange(1, 6)
 
         def faulty_sweep():
@@ -149,9 +149,9 @@ def kill_worker(victim: int, mode: str, phase: str, seed: int, collective_timeou
                     inject(f"profiling, before collective {nth} of the network sweep")
                 return allreduce(buf)
             return dying, barrier
-        opt._dc_backend.sweep_collectives = faulty_sweep
+        opt._dc.backend.sweep_collectives = faulty_sweep
     if me and phase == "rows":
-        exchange = opt._dc_backend.exchange_rows
+        exchange = opt._dc.backend.exchange_rows
         before = rng.random() < 0.5
 
         def dying_exchange(*args, **kwargs):
@@ -162,12 +162,12 @@ def kill_worker(victim: int, mode: str, phase: str, seed: int, collective_timeou
                 threading.Timer(delay_s, inject, args=("exchanging the embedding rows, during its collectives",)
                                 ).start()
             return exchange(*args, **kwargs)
-        opt._dc_backend.exchange_rows = dying_exchange
+        opt._dc.backend.exchange_rows = dying_exchange
     shutdown_inside = rng.random() < 0.5
     if me and phase == "shutdown" and not shutdown_inside:
         # The last step(): its rows exchanged, the victim dies before releasing its last blocks, so every
         # survivor is in dc.shutdown(), waiting for them, when it learns.
-        exchange = opt._dc_backend.exchange_rows
+        exchange = opt._dc.backend.exchange_rows
 
         def exchange_then_die(*args, **kwargs):
             got = exchange(*args, **kwargs)
@@ -175,12 +175,12 @@ def kill_worker(victim: int, mode: str, phase: str, seed: int, collective_timeou
                 inject("the last step(), its rows exchanged and its last blocks not released; the others "
                        "in dc.shutdown()")
             return got
-        opt._dc_backend.exchange_rows = exchange_then_die
+        opt._dc.backend.exchange_rows = exchange_then_die
     if me and phase == "shutdown" and shutdown_inside:
         def dying_close():
             time.sleep(delay_s / 10)
             inject("dc.shutdown(), before closing the optimizer, blocks of the last step() perhaps in flight")
-        opt._dc_close = dying_close
+        opt._dc.close = dying_close
 
     log = []
     try:
@@ -190,8 +190,8 @@ def kill_worker(victim: int, mode: str, phase: str, seed: int, collective_timeou
             tokens, target = batch(step, rank)
             nn.functional.mse_loss(model(tokens), target).backward()
             opt.step()
-            log.append((step, opt._dc_staged_plan is not None, state["rows_calls"]))
-            if me and phase == "staged" and opt._dc_staged_plan is not None and not staged_in_forward:
+            log.append((step, opt._dc.staged_plan is not None, state["rows_calls"]))
+            if me and phase == "staged" and opt._dc.staged_plan is not None and not staged_in_forward:
                 time.sleep(delay_s)
                 inject("after the step() that staged the profiled plan")
         if phase == "shutdown":

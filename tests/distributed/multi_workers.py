@@ -60,7 +60,7 @@ def _result(models: list, refs: list, opts: list) -> dict:
     diff = max(float((p - q).abs().max()) for m, r in zip(models, refs)
                for p, q in zip(m.state_dict().values(), r.state_dict().values()))
     return {"diff": diff, "params": [{k: v.clone() for k, v in m.state_dict().items()} for m in models],
-            "backends": [opt._dc_backend.name for opt in opts]}
+            "backends": [opt._dc.backend.name for opt in opts]}
 
 
 def two_models(config: dc.Config, skew: _Skew, steps: int) -> dict:
@@ -93,7 +93,7 @@ def two_models(config: dc.Config, skew: _Skew, steps: int) -> dict:
         opt.synchronize()
     out = _result(models, refs, opts)
     for opt in opts:
-        opt._dc_close()
+        opt._dc.close()
     return out
 
 
@@ -127,7 +127,7 @@ def replaced(config: dc.Config, skew: _Skew, steps: int) -> dict:
             step += 1
     opt.synchronize()
     out = _result([model], [ref], [opt])
-    opt._dc_close()
+    opt._dc.close()
     return out
 
 
@@ -160,7 +160,7 @@ def split_model(config: dc.Config, skew: _Skew, steps: int) -> dict:
         opt.synchronize()
     out = _result([model], [ref], opts)
     for opt in opts:
-        opt._dc_close()
+        opt._dc.close()
     return out
 
 
@@ -182,11 +182,11 @@ def channel_lifecycle(config: dc.Config) -> dict:
     models = [_net(3), _net(4)]
     opts = [dc.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
                                     config=config) for m in models]
-    groups = [opt._dc_backend._groups for opt in opts]
+    groups = [opt._dc.backend._groups for opt in opts]
     out = {"own_groups": [len(g) for g in groups] == [config.channels] * 2
                          and len({id(g) for gs in groups for g in gs}) == 2 * config.channels,
            "alive_when_built": all(_alive(g) for gs in groups for g in gs)}
-    opts[0]._dc_close()
+    opts[0]._dc.close()
     out["closed_destroys_its_own"] = not any(_alive(g) for g in groups[0]) and all(_alive(g) for g in groups[1])
     dc.shutdown()
     out["shutdown_destroys_the_rest"] = not dist.is_initialized() and not dc.is_initialized()
@@ -212,7 +212,7 @@ def multi_optimizer(backend: str = "auto", block_bytes: int = 128, horovod_first
 
 
 def close_before_peer_tally(backend: str, steps: int = 1, delay_s: float = 2.0) -> dict:
-    """An optimizer closed (``_dc_close()``) and another dropped (``del``) while the peer's last tally (Note
+    """An optimizer closed (``_dc.close()``) and another dropped (``del``) while the peer's last tally (Note
     [Global usage]) has not started: rank 1 starts each of its tallies ``delay_s`` late. The closing rank must
     not free the tally's buffer while the peer can still complete the sum into it (MPI writes into it then:
     heap corruption), nor destroy the channel the peer's tally is about to use: each close waits for it
@@ -234,7 +234,7 @@ def close_before_peer_tally(backend: str, steps: int = 1, delay_s: float = 2.0) 
         opt = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                       named_parameters=model.named_parameters(), config=config)
         ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-        chan = opt._dc_backend
+        chan = opt._dc.backend
         if rank == 1:
             start = chan.start_tally
             chan.start_tally = lambda counts, start=start: (time.sleep(delay_s), start(counts))
@@ -247,7 +247,7 @@ def close_before_peer_tally(backend: str, steps: int = 1, delay_s: float = 2.0) 
             step += 1
         began = time.monotonic()
         if case == "closed":
-            opt._dc_close()
+            opt._dc.close()
         elif case == "dropped":
             alive = weakref.ref(opt)
             del opt
@@ -257,7 +257,7 @@ def close_before_peer_tally(backend: str, steps: int = 1, delay_s: float = 2.0) 
             out["dropped_freed"] = alive() is None
         else:
             opt.synchronize()
-            opt._dc_close()
+            opt._dc.close()
         out[case] = {"tally_left": len(mpi._IN_FLIGHT_AT_CLOSE) if backend == "mpi" else int(chan._tally.in_flight),
                      "close_s": time.monotonic() - began}
         del chan

@@ -78,7 +78,7 @@ def equivalence(configs: list, steps: int = 12, backend: str = "nccl") -> dict:
         opt.synchronize()
         torch.cuda.synchronize()
         out[repr(sorted(cfg.items()))] = (workers.max_diff(model, ref), workers.checksum(model))
-        opt._dc_close()
+        opt._dc.close()
     return out
 
 
@@ -160,7 +160,7 @@ def side_stream_training(steps: int = 8, backend: str = "nccl") -> dict:
         opt.synchronize()
     torch.cuda.synchronize(device)
     result = {"diff": workers.max_diff(model, ref), "checksum": workers.checksum(model)}
-    opt._dc_close()
+    opt._dc.close()
     return result
 
 

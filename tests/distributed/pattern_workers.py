@@ -304,9 +304,9 @@ class Job:
     def result(self, model, ref, opt, **extra) -> dict:
         """The worst difference from the reference, read through model.state_dict() (whose hooks must apply
         what is pending) and again from the parameters after closing; a checksum for the ranks to agree on."""
-        out = {"diff": state_diff(model.state_dict(), ref.state_dict()), "backend": opt._dc_backend.name,
-               "deferred": getattr(self, "deferred", 0), "eager": [opt._dc_names[i] for i in opt._dc_lazy.eager]}
-        opt._dc_close()
+        out = {"diff": state_diff(model.state_dict(), ref.state_dict()), "backend": opt._dc.backend.name,
+               "deferred": getattr(self, "deferred", 0), "eager": [opt._dc.names[i] for i in opt._dc.lazy.eager]}
+        opt._dc.close()
         out["closed_diff"] = param_diff(model, ref)
         out["checksum"] = checksum(model)
         out.update(extra)
@@ -319,12 +319,12 @@ class Job:
         return out
 
     def note(self, opt) -> None:
-        self.deferred = max(getattr(self, "deferred", 0), int(opt._dc_lazy.npending))
+        self.deferred = max(getattr(self, "deferred", 0), int(opt._dc.lazy.npending))
 
     def close(self) -> None:
         for opt in self.opts:
             with contextlib.suppress(Exception):  # the pattern's own failure is what is reported
-                opt._dc_close()
+                opt._dc.close()
 
 
 # ---- patterns that must train like the reference ------------------------------------------------
@@ -607,7 +607,7 @@ def unused_on_every_rank(job: Job) -> dict:
 def _rows_kinds(opt) -> dict:
     """Note [Embedding rows]: the tensors on the rows path, by name: "rows only" or "tied"."""
     from dcredit_opt import rows
-    return {opt._dc_names[i]: "rows only" if r.kind == rows.ROWS_ONLY else "tied" for i, r in opt._dc_tally.rows.items()}
+    return {opt._dc.names[i]: "rows only" if r.kind == rows.ROWS_ONLY else "tied" for i, r in opt._dc.tally.rows.items()}
 
 
 def embedding_rows(kind: str):
@@ -629,10 +629,10 @@ def embedding_rows(kind: str):
         kinds = _rows_kinds(opt)
         expected = {"emb.weight": "tied" if kind == "tied" else "rows only"}
         # The dense all-reduce of a rows-only weight's other gradient runs only when it has one.
-        rest = any(str(key).startswith("rows rest") for key in opt._dc_told)
+        rest = any(str(key).startswith("rows rest") for key in opt._dc.told)
         return job.result(model, ref, opt, rows_path=kinds == expected, kinds=kinds,
                           dense_rest_only_when_read_otherwise=rest == (kind == "regularised"),
-                          plan_numel_of_emb=opt._dc_buffers.plan.numels[opt._dc_names.index("emb.weight")])
+                          plan_numel_of_emb=opt._dc.buffers.plan.numels[opt._dc.names.index("emb.weight")])
     return run
 
 
@@ -641,7 +641,7 @@ def p10_paramlist_profiled(job: Job) -> dict:
                                      config=job.config(policy="dcredit", profile_iters=3))
     after = []
     job.train(model, ref, opt, ropt, steps=8,
-              after_step=lambda step: after.append((opt.plan.policy, opt._dc_recorder is None)))
+              after_step=lambda step: after.append((opt.plan.policy, opt._dc.recorder is None)))
     return job.result(model, ref, opt, after_step=after)
 
 
@@ -658,7 +658,7 @@ def p2_branch_on_rank1_while_profiling(job: Job) -> dict:
         opt.zero_grad()
         x, y = batch(step, job.rank)
         F.mse_loss(model(x, use_branch=uses(job.rank, step)), y).backward()
-        plans.append(opt._dc_buffers.plan.to_json())
+        plans.append(opt._dc.buffers.plan.to_json())
         job.step(opt)
         policies.append(opt.plan.policy)
 
@@ -852,10 +852,10 @@ def p8_shutdown_after_lazy_step(job: Job) -> dict:
     """dc.shutdown() right after a lazy step(); ends the job's process group, so it runs last."""
     model, ref, opt, ropt = job.make(Net, _sgd)
     job.train(model, ref, opt, ropt)
-    lazy_pending = int(opt._dc_lazy.npending)  # the last step() deferred these (0: it was not lazy)
+    lazy_pending = int(opt._dc.lazy.npending)  # the last step() deferred these (0: it was not lazy)
     dc.shutdown()
     out = {"pending_before_shutdown": lazy_pending, "diff": state_diff(model.state_dict(), ref.state_dict()),
-           "checksum": checksum(model), "backend": opt._dc_backend.name}
+           "checksum": checksum(model), "backend": opt._dc.backend.name}
     try:
         sd = opt.state_dict()
         rsd = ropt.state_dict()
@@ -909,7 +909,7 @@ def drop_closed_optimizers(cycles: int = 8, limit_s: float = 60.0) -> int:
             opt.zero_grad()
             mse(model, step, dc.rank()).backward()
             opt.step()
-        opt._dc_close()
+        opt._dc.close()
         del opt, model  # the Engine and its process groups go here
         gc.collect()
     faulthandler.cancel_dump_traceback_later()

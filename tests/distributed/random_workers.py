@@ -39,7 +39,7 @@ distributed model: the deferred updates race the next forward as in a tight
 training loop.
 
 Many cases run in one launch, each on its own model and optimizer (closed
-with ``_dc_close()``); after each case the ranks exchange their outcomes over
+with ``_dc.close()``); after each case the ranks exchange their outcomes over
 the default group, and the launch stops at the first case whose ranks
 disagree (what comes after such a case is not trustworthy).
 """
@@ -447,7 +447,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
                 nap(model.ctx, "before_step")
             where = f"step() of step {step}"
             opt.step()
-            lazy_steps += bool(opt._dc_lazy.npending)  # this step() left updates for the next forward to apply
+            lazy_steps += bool(opt._dc.lazy.npending)  # this step() left updates for the next forward to apply
         where = "synchronize() after the last step"
         opt.synchronize()
         where = "comparing"
@@ -458,7 +458,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
         out["lazy_steps"] = lazy_steps
         out["flat"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
         out["plan_policy"] = opt.plan.policy
-        out["rows"] = len(opt._dc_tally.rows)  # tensors on the embedding rows path (Note [Embedding rows])
+        out["rows"] = len(opt._dc.tally.rows)  # tensors on the embedding rows path (Note [Embedding rows])
     except dc.DCreditError as e:
         out.update(status="dcredit_error", message=str(e))
     except (_ext.load().SchedulerError, TimeoutError) as e:
@@ -469,7 +469,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     out["where"] = where
     if opt is not None:
         try:
-            opt._dc_close()
+            opt._dc.close()
         except Exception as e:  # noqa: BLE001
             out["close_error"] = f"{type(e).__name__}: {e}"
     return out

@@ -85,7 +85,7 @@ def _watch_checks(opts: list, seen: list) -> None:
 
     def watched(text, name):
         if name == "replan.window":
-            seen.append(all(opt._dc_engine.idle() for opt in opts))
+            seen.append(all(opt._dc.engine.idle() for opt in opts))
         return gather(text, name)
 
     replanner.runtime.all_gather_text = watched
@@ -101,7 +101,7 @@ def _step(model: Net, opts: list, passes: int, step: int, rank: int) -> list:
     before = [len(opt.replans) for opt in opts]
     for opt in opts:
         opt.step()
-    return [opt._dc_lazy.npending == 0 for opt, n in zip(opts, before) if len(opt.replans) > n]
+    return [opt._dc.lazy.npending == 0 for opt, n in zip(opts, before) if len(opt.replans) > n]
 
 
 def train(steps: int = 24, change_at: int = 9, passes: int = 1, optimizers: int = 1, forced: bool = True,
@@ -144,7 +144,7 @@ def train(steps: int = 24, change_at: int = 9, passes: int = 1, optimizers: int 
     for step in range(steps):
         now["step"] = step
         staged_eagerly += _step(model, opts, passes, step, rank)
-        layouts = [opt._dc_buffers.layout.block_op for opt in opts]
+        layouts = [opt._dc.buffers.layout.block_op for opt in opts]
         ops.append([[kinds.count(REDUCE_SCATTER), len(kinds)] for kinds in layouts])
         reference_grads(ref, step, world, passes=passes)
         for ropt in ropts:
@@ -153,7 +153,7 @@ def train(steps: int = 24, change_at: int = 9, passes: int = 1, optimizers: int 
         opt.synchronize()
     out = {"diff": max_diff(model, ref), "replans": [[r.to_dict() for r in opt.replans] for opt in opts],
            "staged_eagerly": staged_eagerly, "plans": [opt.plan.to_dict() for opt in opts], "quiet_checks": quiet,
-           "backend": opts[0]._dc_backend.name, "ops": ops}
+           "backend": opts[0]._dc.backend.name, "ops": ops}
     dc.shutdown()
     return out
 
@@ -239,7 +239,7 @@ def random_timings(seeds: tuple = tuple(range(1, 7)), steps: int = 24) -> list:
                     "replans": [[r.iteration for r in opt.replans] for opt in opts], "plans": plans,
                     "diff": max_diff(model, ref), "staged_eagerly": eager})
         for opt in opts:
-            opt._dc_close()
+            opt._dc.close()
     replanner.make_plan, replanner.iteration_time, adaptive.WindowRecorder.take, adaptive.combine = originals
     dc.shutdown()
     return out

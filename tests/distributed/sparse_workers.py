@@ -115,8 +115,8 @@ class Job:
         moved = max(float((p - q).abs().max()) for p, q in zip(ref.parameters(), self.initial(ref)))
         return {"max_diff": diff, "moved": moved,
                 "checksum": [p.detach().clone() for p in model.parameters()],
-                "sparse": [opt._dc_names[i] for i in opt._dc_tally.sparse_rows()],
-                "numels": list(opt._dc_buffers.plan.numels), **extra}
+                "sparse": [opt._dc.names[i] for i in opt._dc.tally.sparse_rows()],
+                "numels": list(opt._dc.buffers.plan.numels), **extra}
 
     @staticmethod
     def initial(ref):
@@ -124,7 +124,7 @@ class Job:
 
     def close(self):
         for opt in self.opts:
-            opt._dc_close()
+            opt._dc.close()
 
 
 def _kwargs(model) -> dict:

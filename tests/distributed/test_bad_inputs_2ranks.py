@@ -105,7 +105,7 @@ def zoo_worker(steps: int = 6) -> dict:
     opt.synchronize()
     result["zoo"] = _diffs(model, ref)
     result["zoo_tied"] = model.out.weight is model.emb.weight
-    opt._dc_close()
+    opt._dc.close()
 
     # 2. A NaN / Inf gradient on rank 1 only reaches every rank, as in synchronous DDP.
     for bad in (math.nan, math.inf):
@@ -124,7 +124,7 @@ def zoo_worker(steps: int = 6) -> dict:
         _reference_step(ref, ref_opt, 0, world, bad=bad)
         result[f"one_rank_{bad}"] = _diffs(model, ref)
         result[f"one_rank_{bad}_finite"] = bool(torch.isfinite(model.fp16.bias).all())
-        opt._dc_close()
+        opt._dc.close()
 
     # 3. check_finite: every rank refuses the same step and changes nothing.
     model = Zoo()

@@ -169,10 +169,10 @@ def long_run_worker(seed: int = 2025) -> dict:
             out["rss_kib"][step] = _rss_kib()
             if step < STEPS:
                 plan = random_plan(rng, numels, itemsizes, channels)
-                opt._dc_staged_plan = plan  # switched at the next backward, on every rank
+                opt._dc.staged_plan = plan  # switched at the next backward, on every rank
                 out["plans"].append(plan.to_json())
         if step % PLAN_EVERY == 1:
-            out["blocks"].append(opt._dc_buffers.layout.num_blocks)
+            out["blocks"].append(opt._dc.buffers.layout.num_blocks)
     opt.synchronize()
     out["seconds"] = time.perf_counter() - start
     out["checksum"] = float(sum(p.double().sum() for p in model.parameters()))

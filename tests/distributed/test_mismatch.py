@@ -79,7 +79,7 @@ def construction_worker() -> dict:
     for variant in ("shape", "count", "dtype", "frozen", "config", "bpps"):
         start = time.monotonic()
         try:
-            build(variant)._dc_close()
+            build(variant)._dc.close()
             out[variant] = "no error"
         except ValueError as e:
             out[variant] = f"ValueError: {e}"
@@ -260,7 +260,7 @@ def partial_use_worker(steps: int = 8) -> dict:
             nn.functional.mse_loss(model(x, _uses(rank, step)), y).backward()
             opt.step()
             opt.synchronize()
-            rows = sorted(opt._dc_engine.trace(), key=lambda row: row[4])  # by launch sequence number
+            rows = sorted(opt._dc.engine.trace(), key=lambda row: row[4])  # by launch sequence number
             out["traces"].append([(row[0], row[1]) for row in rows])
             ref_opt.zero_grad()
             for r in range(world):
@@ -271,7 +271,7 @@ def partial_use_worker(steps: int = 8) -> dict:
                     p.grad /= world
             ref_opt.step()
         out["diff"] = max(out["diff"], workers.max_diff(model, ref))
-        opt._dc_close()
+        opt._dc.close()
     return out
 
 

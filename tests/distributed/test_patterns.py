@@ -134,7 +134,7 @@ def test_p10_parameterlist_profiling_ends_on_every_rank():
     per_rank = _per_rank("work", name)
     check_equal(name, per_rank)
     for rank, r in enumerate(per_rank):
-        after = r["after_step"]  # per step(): (opt.plan.policy, opt._dc_recorder is None)
+        after = r["after_step"]  # per step(): (opt.plan.policy, opt._dc.recorder is None)
         assert all(not done for _, done in after[:2]), f"rank {rank}: profiling ended early: {after}"
         assert after[2:] == [("dcredit", True)] * 6, f"rank {rank}: profiling did not end after step 3: {after}"
 

@@ -92,7 +92,7 @@ def _report(case: dict, per_rank: list) -> str:
         else:
             text += f": {r.get('message', '')}"
         if r.get("close_error"):
-            text += f"; _dc_close() raised {r['close_error']}"
+            text += f"; _dc.close() raised {r['close_error']}"
         lines.append(text)
         if r.get("traceback"):
             lines.append(r["traceback"])

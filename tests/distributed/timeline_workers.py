@@ -19,7 +19,7 @@ def train_with_timeline(directory: str, steps: int) -> dict:
                        timeline_path=os.path.join(directory, "trace.json"))
     opt = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                   named_parameters=model.named_parameters(), config=config)
-    path = opt._dc_timeline.path
+    path = opt._dc.timeline.path
     loads_after_step = []
     generator = torch.Generator().manual_seed(1 + dc.rank())
     for _ in range(steps):
@@ -28,6 +28,6 @@ def train_with_timeline(directory: str, steps: int) -> dict:
         opt.step()
         with open(path) as f:
             loads_after_step.append(len(json.load(f)["traceEvents"]))
-    lazy = opt._dc_lazy.deferred
+    lazy = opt._dc.lazy.deferred
     dc.shutdown()
     return {"path": path, "loads_after_step": loads_after_step, "lazy": lazy}

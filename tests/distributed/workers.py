@@ -120,7 +120,7 @@ def equivalence(configs: list, steps: int = 20, horovod_first: bool = False) -> 
             step_both(model, ref, opt, ropt, step, rank, world)
         opt.synchronize()
         out[repr(sorted(cfg.items()))] = (max_diff(model, ref), checksum(model))
-        opt._dc_close()
+        opt._dc.close()
     return out
 
 
@@ -194,7 +194,7 @@ def scenario(name: str, steps: int = 12, horovod_first: bool = False) -> dict:
             if step == steps // 2:
                 saved_model = copy.deepcopy(model.state_dict())
                 saved_opt = copy.deepcopy(opt.state_dict())
-                opt._dc_close()
+                opt._dc.close()
                 torch.manual_seed(123)
                 model = Net()  # different initial weights, replaced by the checkpoint
                 opt = dc.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()),
@@ -223,7 +223,7 @@ def scenario(name: str, steps: int = 12, horovod_first: bool = False) -> dict:
         for step in range(steps):
             opt.zero_grad()
             loss_of(model, batch(step, rank)).backward()
-            plans.append(opt._dc_buffers.plan.to_json())
+            plans.append(opt._dc.buffers.plan.to_json())
             opt.step()
             reference_grads(ref, step, world)
             ropt.step()
@@ -234,7 +234,7 @@ def scenario(name: str, steps: int = 12, horovod_first: bool = False) -> dict:
     opt.synchronize()
     result["diff"] = max_diff(model, ref)
     result["checksum"] = checksum(model)
-    result["backend"] = opt._dc_backend.name
+    result["backend"] = opt._dc.backend.name
     return result
 
 
@@ -334,11 +334,11 @@ def horovod_arguments(horovod_first: bool = False, steps: int = 6, backend: str 
         (p * values[rank % 2]).sum().backward()
         opt.synchronize()
         out[name] = p.grad[:3].tolist()
-        out["backend"] = opt._dc_backend.name
-        out[name + "_bytes"] = sum(opt._dc_buffers.layout.block_bytes)
+        out["backend"] = opt._dc.backend.name
+        out[name + "_bytes"] = sum(opt._dc.buffers.layout.block_bytes)
         with opt.skip_synchronize():
             opt.step()
-        opt._dc_close()
+        opt._dc.close()
     f32 = [torch.tensor(v, dtype=torch.float32) for v in values[:world]] if world <= 2 else None
     out["expect_none"] = float(sum(f32) / world) if f32 is not None else None
     out["expect_fp16"] = (_fp16(sum(_fp16(v) for v in values[:world])) / world) if world <= 2 else None
@@ -352,9 +352,9 @@ def horovod_arguments(horovod_first: bool = False, steps: int = 6, backend: str 
         step_both(model, ref, opt, ropt, step, rank, world)
     opt.synchronize()
     out["fp16_training"] = {"diff": max_diff(model, ref), "checksum": checksum(model),
-                            "bytes": sum(opt._dc_buffers.layout.block_bytes),
+                            "bytes": sum(opt._dc.buffers.layout.block_bytes),
                             "f32_bytes": sum(p.numel() * 4 for p in model.parameters())}
-    opt._dc_close()
+    opt._dc.close()
 
     # groups, as a list and as a number; op as Horovod's ints (0: Average, 1: Sum).
     results = {}
@@ -367,11 +367,11 @@ def horovod_arguments(horovod_first: bool = False, steps: int = 6, backend: str 
         for step in range(steps):
             step_both(model, ref, opt, ropt, step, rank, world)
         opt.synchronize()
-        names = opt._dc_names
+        names = opt._dc.names
         results[label] = {"diff": max_diff(model, ref), "checksum": checksum(model),
                           "merges": [[names[t] for t in m] for m in opt.plan.merges],
-                          "blocks": [[names[t] for t in b] for b in opt._dc_buffers.layout.block_tensors]}
-        opt._dc_close()
+                          "blocks": [[names[t] for t in b] for b in opt._dc.buffers.layout.block_tensors]}
+        opt._dc.close()
     # op=1 (Horovod's Sum): the sum of the gradients, with the learning rate divided by the world size.
     model, ref = _pair()
     opt = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05 / world), model.named_parameters(),
@@ -381,7 +381,7 @@ def horovod_arguments(horovod_first: bool = False, steps: int = 6, backend: str 
         step_both(model, ref, opt, ropt, step, rank, world)
     opt.synchronize()
     results["sum"] = {"diff": max_diff(model, ref), "checksum": checksum(model)}
-    opt._dc_close()
+    opt._dc.close()
     out["groups"] = results
 
     # bfloat16 parameters: the reference sums the ranks' bfloat16 gradients in float32, as the wire does.
@@ -409,6 +409,6 @@ def horovod_arguments(horovod_first: bool = False, steps: int = 6, backend: str 
     opt.synchronize()
     out["bf16"] = {"diff": max(float((a.float() - b.float()).abs().max()) for a, b in
                                zip(model.parameters(), ref.parameters())),
-                   "checksum": checksum(model), "wire": [str(d) for d in opt._dc_buffers.wire_dtypes()[:1]]}
-    opt._dc_close()
+                   "checksum": checksum(model), "wire": [str(d) for d in opt._dc.buffers.wire_dtypes()[:1]]}
+    opt._dc.close()
     return out

@@ -159,8 +159,8 @@ def test_sparse_gradients_train_with_or_without_sparse_as_dense():
                     o.step()
             opt.synchronize()
             torch.testing.assert_close(emb.weight, ref.weight)
-            assert opt._dc_tally.sparse_rows() == ([] if sparse_as_dense else [0])
-            opt._dc_close()
+            assert opt._dc.tally.sparse_rows() == ([] if sparse_as_dense else [0])
+            opt._dc.close()
 
 
 def test_a_sparse_gradient_with_sparse_dimensions_other_than_rows_is_refused():
@@ -272,8 +272,8 @@ def _lazy_counting_net():
     for s in range(3):
         train_step(model, opt, s)
         train_step(ref, ref_opt, s)
-    assert opt._dc_lazy.npending == 8, "the step was not lazy: this test needs the lazy path"
-    opt._dc_engine.wait_all(30.0)
+    assert opt._dc.lazy.npending == 8, "the step was not lazy: this test needs the lazy path"
+    opt._dc.engine.wait_all(30.0)
     return model, ref, opt
 
 
@@ -289,7 +289,7 @@ def test_lazy_step_applies_finished_updates_together_at_the_first_module():
     before = CountingSGD.calls
     model[0](torch.randn(2, 4))
     assert CountingSGD.calls == before + 1
-    assert opt._dc_lazy.npending == 0
+    assert opt._dc.lazy.npending == 0
     _check_same(model, ref)
 
 
@@ -297,15 +297,15 @@ def test_lazy_step_applies_ahead_only_up_to_the_first_unfinished_update():
     # In first-read order: model[0]'s own two, then model[2]'s (finished), then model[4].weight (not): the
     # first forward applies four, model[4] and model[5] wait for their own modules, one wrapped step each.
     model, ref, opt = _lazy_counting_net()
-    opt._dc_engine = _Unfinished(opt._dc_engine, [opt._dc_names.index("4.weight")])
+    opt._dc.engine = _Unfinished(opt._dc.engine, [opt._dc.names.index("4.weight")])
     before = CountingSGD.calls
     model[0](torch.randn(2, 4))
     assert CountingSGD.calls == before + 1
-    assert [n for n, w in zip(opt._dc_names, opt._dc_lazy.pending) if w] == ["4.weight", "4.bias", "5.weight", "5.bias"]
+    assert [n for n, w in zip(opt._dc.names, opt._dc.lazy.pending) if w] == ["4.weight", "4.bias", "5.weight", "5.bias"]
     model[2](torch.randn(2, 8))  # applied already: nothing to do
     assert CountingSGD.calls == before + 1
     model[4](torch.randn(2, 8))  # its own two, and model[5]'s, finished
-    assert CountingSGD.calls == before + 2 and opt._dc_lazy.npending == 0
+    assert CountingSGD.calls == before + 2 and opt._dc.lazy.npending == 0
     _check_same(model, ref)
 
 
@@ -350,11 +350,11 @@ def _peek_net_with_c_pending():
     """``_lazy_peek_net`` after three steps, with c's reduction held unfinished so that its update is still
     pending (and the guard armed) after the last ``step()``: a's forward would apply it otherwise."""
     model, ref, opt, ref_opt = _lazy_peek_net()
-    opt._dc_engine = _Unfinished(opt._dc_engine, [opt._dc_names.index("c.weight")])
+    opt._dc.engine = _Unfinished(opt._dc.engine, [opt._dc.names.index("c.weight")])
     for s in range(3):
         train_step(model, opt, s)
         train_step(ref, ref_opt, s)
-    assert opt._dc_lazy.npending and opt._dc_lazy.guard.armed, "the step was not lazy: this test needs the lazy path"
+    assert opt._dc.lazy.npending and opt._dc.lazy.guard.armed, "the step was not lazy: this test needs the lazy path"
     return model, ref, opt, ref_opt
 
 
@@ -365,13 +365,13 @@ def test_early_read_in_forward_sees_the_update(peek, caplog):
     model, ref, opt, ref_opt = _lazy_peek_net()
     # c's reduction unfinished when a's forward runs, or a's forward would apply c's update too, ahead of the
     # read (Note [Lazy step]), and the guard would have nothing to do.
-    opt._dc_engine = _Unfinished(opt._dc_engine, [opt._dc_names.index("c.weight")])
+    opt._dc.engine = _Unfinished(opt._dc.engine, [opt._dc.names.index("c.weight")])
     for s in range(6):
         model.peek = ref.peek = peek if s >= 3 else None
         train_step(model, opt, s)
         train_step(ref, ref_opt, s)
         if s == 2:
-            assert opt._dc_lazy.npending, "the step was not lazy: this test needs the lazy path"
+            assert opt._dc.lazy.npending, "the step was not lazy: this test needs the lazy path"
     opt.synchronize()
     for a, b in zip(model.parameters(), ref.parameters()):
         assert torch.allclose(a, b, atol=1e-6)
@@ -385,7 +385,7 @@ def test_read_between_step_and_forward_sees_the_update():
     for s in range(3):
         train_step(model, opt, s)
         train_step(ref, ref_opt, s)
-    assert opt._dc_lazy.npending, "the step was not lazy: this test needs the lazy path"
+    assert opt._dc.lazy.npending, "the step was not lazy: this test needs the lazy path"
     ema = [p.detach().clone() for p in model.parameters()]
     for a, b in zip(ema, ref.parameters()):
         assert torch.allclose(a, b, atol=1e-6)
@@ -401,17 +401,17 @@ def test_stale_read_on_another_thread_is_refused_where_the_update_would_be_appli
     model, _, opt, _ = _lazy_peek_net()
     for s in range(3):
         train_step(model, opt, s)
-    i = opt._dc_names.index("c.weight")
-    assert opt._dc_lazy.pending[i], "the step was not lazy: this test needs the lazy path"
+    i = opt._dc.names.index("c.weight")
+    assert opt._dc.lazy.pending[i], "the step was not lazy: this test needs the lazy path"
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # unseen by the guard, so nothing is applied
         old = pool.submit(lambda: model.c.weight.detach().clone()).result()
     # c's reduction unfinished when a's forward runs, so c's update waits for c's own forward (finished, it
     # would be applied at a's forward, before the read: test_read_on_another_thread_after_the_update_...).
-    opt._dc_engine = _Unfinished(opt._dc_engine, [i])
+    opt._dc.engine = _Unfinished(opt._dc.engine, [i])
     model.peek = "thread"
     with pytest.raises(dc.DCreditError, match=r"parameter 'c\.weight' was read .* before its update"):
         model(torch.randn(5, 4))
-    assert opt._dc_lazy.pending[i]
+    assert opt._dc.lazy.pending[i]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         assert torch.equal(pool.submit(lambda: model.c.weight.detach().clone()).result(), old), \
             "the refused update was applied"
@@ -424,11 +424,11 @@ def test_read_on_another_thread_after_the_update_was_applied_ahead_sees_it():
     for s in range(6):
         model.peek = ref.peek = "thread" if s >= 3 else None
         if s == 3:
-            assert opt._dc_lazy.npending, "the step was not lazy: this test needs the lazy path"
-            opt._dc_engine.wait_all(30.0)
+            assert opt._dc.lazy.npending, "the step was not lazy: this test needs the lazy path"
+            opt._dc.engine.wait_all(30.0)
         train_step(model, opt, s)
         train_step(ref, ref_opt, s)
-        opt._dc_engine.wait_all(30.0)
+        opt._dc.engine.wait_all(30.0)
     opt.synchronize()
     _check_same(model, ref)
 
@@ -437,7 +437,7 @@ def test_stale_read_on_another_thread_of_a_parameter_whose_module_does_not_run_i
     model, _, opt, _ = _lazy_peek_net()
     for s in range(3):
         train_step(model, opt, s)
-    assert opt._dc_lazy.npending
+    assert opt._dc.lazy.npending
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a's forward never runs
         loss = pool.submit(lambda: torch.nn.functional.linear(torch.randn(5, 4), model.a.weight).sum()).result()
     with pytest.raises(dc.DCreditError, match=r"parameter 'a\.weight' was read .* before its update"):
@@ -454,16 +454,16 @@ def test_read_guard_sits_under_the_scripts_own_modes_and_leaves_at_close():
         for s in range(4):
             train_step(model, opt, s)
             train_step(ref, ref_opt, s)
-        assert opt._dc_lazy.npending and opt._dc_lazy.guard.armed
-        assert stack()[0] is opt._dc_lazy.guard and isinstance(stack()[-1], torch.utils._device.DeviceContext)
-    assert opt._dc_lazy.guard in stack(), "the script's mode took the guard with it"
+        assert opt._dc.lazy.npending and opt._dc.lazy.guard.armed
+        assert stack()[0] is opt._dc.lazy.guard and isinstance(stack()[-1], torch.utils._device.DeviceContext)
+    assert opt._dc.lazy.guard in stack(), "the script's mode took the guard with it"
     assert not any(isinstance(m, torch.utils._device.DeviceContext) for m in stack()), "the script's mode stayed"
     model(torch.randn(5, 4))  # the forward applies every pending update: the guard disarms
-    assert not opt._dc_lazy.npending and not opt._dc_lazy.guard.armed
+    assert not opt._dc.lazy.npending and not opt._dc.lazy.guard.armed
     for a, b in zip(model.parameters(), ref.parameters()):
         assert torch.allclose(a, b, atol=1e-6)
-    opt._dc_close()
-    assert opt._dc_lazy.guard not in stack()
+    opt._dc.close()
+    assert opt._dc.lazy.guard not in stack()
 
 
 def test_our_own_work_runs_with_the_read_guard_off_the_stack_and_puts_it_back_at_the_bottom():
@@ -484,7 +484,7 @@ def test_our_own_work_runs_with_the_read_guard_off_the_stack_and_puts_it_back_at
             return func(*args, **(kwargs or {}))
 
     model, ref, opt, ref_opt = _peek_net_with_c_pending()
-    guard = opt._dc_lazy.guard
+    guard = opt._dc.lazy.guard
     assert stack()[0] is guard  # guards of other tests' optimizers, still holding updates, may sit above
     with Seen() as seen:
         with guard.paused():
@@ -493,7 +493,7 @@ def test_our_own_work_runs_with_the_read_guard_off_the_stack_and_puts_it_back_at
         assert seen.calls == 2, "the script's own mode stopped seeing calls (ones, add_)"
         assert stack()[0] is guard and stack()[-1] is seen and guard.armed
     model(torch.randn(5, 4))
-    assert not opt._dc_lazy.npending and guard not in stack()
+    assert not opt._dc.lazy.npending and guard not in stack()
     with guard.paused():
         assert guard not in stack()
     assert guard not in stack() and not guard.armed
@@ -528,7 +528,7 @@ def test_graphs_of_earlier_iterations_do_not_count_as_reads():
                     with torch.no_grad():
                         model(x)  # an evaluation between step() and the next forward applies every update
     opt.synchronize()
-    assert opt._dc_lazy.deferred, "no step was lazy: this test needs the lazy path"
+    assert opt._dc.lazy.deferred, "no step was lazy: this test needs the lazy path"
     for a, b in zip(model.parameters(), ref.parameters()):
         assert torch.allclose(a, b, atol=1e-6)
 
@@ -547,7 +547,7 @@ def test_replacing_parameter_data_after_step_applies_the_pending_update_first():
     for s in range(3, 5):
         train_step(model, opt, s)
         train_step(ref, ref_opt, s)
-    assert opt._dc_lazy.npending, "the step was not lazy: this test needs the lazy path"
+    assert opt._dc.lazy.npending, "the step was not lazy: this test needs the lazy path"
     vector_to_parameters(snapshot.clone(), model.parameters())
     vector_to_parameters(snapshot.clone(), ref.parameters())
     for s in range(5, 7):
@@ -582,7 +582,7 @@ def test_write_to_a_pending_parameter_between_backward_and_step_applies_its_upda
                                   named_parameters=model.named_parameters(),
                                   config=dataclasses.replace(FIXED, lazy_step="on"))
     # c's reduction unfinished at a's forward: its update waits for c's own (Note [Lazy step]).
-    opt._dc_engine = _Unfinished(opt._dc_engine, [opt._dc_names.index("c.weight")])
+    opt._dc.engine = _Unfinished(opt._dc.engine, [opt._dc.names.index("c.weight")])
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     pending_at_decay = 0
     for s in range(7):
@@ -592,7 +592,7 @@ def test_write_to_a_pending_parameter_between_backward_and_step_applies_its_upda
             m.use_c = not (s >= 3 and s % 2)
             m(torch.randn(5, 4, generator=g)).pow(2).mean().backward()
             if m is model:
-                pending_at_decay = max(pending_at_decay, sum(opt._dc_lazy.pending))
+                pending_at_decay = max(pending_at_decay, sum(opt._dc.lazy.pending))
             with torch.no_grad():
                 for p in m.parameters():
                     p.mul_(0.99)
@@ -610,7 +610,7 @@ def test_pickling_parameters_right_after_step_saves_updated_values():
     for s in range(4):
         train_step(model, opt, s)
         train_step(ref, ref_opt, s)
-    assert opt._dc_lazy.npending, "the step was not lazy: this test needs the lazy path"
+    assert opt._dc.lazy.npending, "the step was not lazy: this test needs the lazy path"
     buffer = io.BytesIO()
     torch.save(list(model.parameters()), buffer)  # reads storages (untyped_storage()), not through an operation
     buffer.seek(0)
@@ -638,7 +638,7 @@ def test_a_read_of_a_buffer_that_holds_several_parameters_applies_each_of_them()
     for s in range(4):
         train_step(model, opt, s)
         train_step(ref, ref_opt, s)
-    assert opt._dc_lazy.npending, "the step was not lazy: this test needs the lazy path"
+    assert opt._dc.lazy.npending, "the step was not lazy: this test needs the lazy path"
     ema = flat.clone()  # one read of the whole buffer
     expected = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
     assert torch.allclose(ema, expected, atol=1e-6)
@@ -667,7 +667,7 @@ def test_our_own_gradient_bookkeeping_passes_the_read_guard_and_leaves_it_armed(
     # Note [Guard cost]: zero_grad() and the gradient hooks touch gradients and slots only; the guard lets
     # them through unexamined, and is armed again afterwards (else a later early read would go unseen).
     model, ref, opt, ref_opt = _peek_net_with_c_pending()
-    guard = opt._dc_lazy.guard
+    guard = opt._dc.lazy.guard
     examined = []
     real = guard._addresses.read_by
 
@@ -682,7 +682,7 @@ def test_our_own_gradient_bookkeeping_passes_the_read_guard_and_leaves_it_armed(
     assert not examined and guard.armed
     with torch.no_grad():
         model.c.weight.mul_(1.0)  # an early write: examined, c's update applied first
-    assert examined and not opt._dc_lazy.pending[opt._dc_names.index("c.weight")]
+    assert examined and not opt._dc.lazy.pending[opt._dc.names.index("c.weight")]
     for s in range(3, 5):
         train_step(model, opt, s)
         train_step(ref, ref_opt, s)
@@ -708,18 +708,16 @@ def test_profiling_calls_no_deprecated_torch_distributed_function():
     assert not deprecated, deprecated
 
 
-def test_the_parts_of_the_generated_subclass_define_disjoint_names():
-    # DistributedOptimizer merges these classes' bodies into one subclass: a name defined in two of them
-    # would silently keep only the later one.
-    from dcredit_opt.gradients import GradientHooks
-    from dcredit_opt.lazy import LazyStep
-    from dcredit_opt.optimizer import _DistributedOptimizer
-
-    parts = (LazyStep, GradientHooks, _DistributedOptimizer)
-    owner: dict = {}
-    for part in parts:
-        for name in part.__dict__:
-            if not (name.startswith("__") and name.endswith("__")):
-                assert name not in owner, f"{name} is defined in both {owner[name]} and {part.__name__}"
-                owner[name] = part.__name__
-    assert {"_dc_on_grad", "_dc_flush", "_dc_apply", "step"} <= set(owner)
+def test_the_wrapper_is_horovods_surface_over_one_field_of_its_own():
+    # The returned object is an instance of a subclass of the user's optimizer class (isinstance checks, LR
+    # schedulers); what it adds is Horovod's optimizer API, and one field, the core that does the work.
+    model, opt = model_and_opt()
+    before = set(vars(opt))
+    wrapped = dc.DistributedOptimizer(opt, named_parameters=model.named_parameters(), config=FIXED)
+    assert isinstance(wrapped, torch.optim.SGD) and wrapped.param_groups is opt.param_groups
+    assert set(vars(wrapped)) - before == {"_dc"}
+    own = {name for name in type(wrapped).__dict__ if not name.startswith("__")}
+    assert own == {"step", "synchronize", "set_backward_passes_per_step", "skip_synchronize", "zero_grad",
+                   "state_dict", "load_state_dict", "add_param_group", "plan", "replans", "profile",
+                   "_step_supports_amp_scaling"}
+    wrapped._dc.close()

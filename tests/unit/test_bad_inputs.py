@@ -209,7 +209,7 @@ def test_a_256m_element_parameter():
     opt.synchronize()
     took = time.perf_counter() - start
     assert bool((model.w == -lr).all()), "the update of the large parameter is wrong"
-    assert opt._dc_buffers.layout.num_blocks == 256
+    assert opt._dc.buffers.layout.num_blocks == 256
     print(f"\n256M-element parameter: backward + step + synchronize in {took:.2f} s")
     del opt, model
 
@@ -263,7 +263,7 @@ def test_mixed_dtypes_in_one_model():
 
     model = Mixed()
     opt = train_both(model, lambda m, s: m(data(s)).pow(2).mean(), steps=4, lr=0.05, momentum=0.9)
-    assert len(opt._dc_buffers.flat) == 3, "one flat buffer per dtype"
+    assert len(opt._dc.buffers.flat) == 3, "one flat buffer per dtype"
     assert {p.dtype for p in model.parameters()} == {torch.float32, torch.float16, torch.bfloat16}
 
 
@@ -312,12 +312,12 @@ def test_tied_weights_shared_between_two_modules():
     opt = train_both(model, lambda m, s: nn.functional.cross_entropy(m(idx[s]), idx[s]), steps=4,
                      opt_cls=torch.optim.Adam, lr=0.01)
     assert model.out.weight is model.emb.weight
-    assert len(opt._dc_params) == 3, "a tied weight is reduced once"
+    assert len(opt._dc.params) == 3, "a tied weight is reduced once"
     # Named twice (remove_duplicate=False) it is still reduced once.
     model2 = Tied()
     opt2 = dc.DistributedOptimizer(torch.optim.SGD(model2.parameters(), lr=0.1),
                                    named_parameters=model2.named_parameters(remove_duplicate=False), config=FIXED)
-    assert len(opt2._dc_params) == 3
+    assert len(opt2._dc.params) == 3
 
 
 # ---- wrong call order ---------------------------------------------------------------

@@ -113,7 +113,7 @@ def test_an_nccl_default_group_with_a_cpu_model_fails_before_any_communication(m
 
     monkeypatch.setattr(runtime, "all_gather", no_communication)
     monkeypatch.setattr(runtime, "broadcast_", no_communication)
-    monkeypatch.setattr(dc.optimizer.backends, "create", no_communication)
+    monkeypatch.setattr(dc.core.backends, "create", no_communication)
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
     before = copy.deepcopy(model.state_dict())

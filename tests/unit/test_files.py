@@ -105,7 +105,7 @@ def test_a_reader_never_sees_a_partial_timeline_while_training_writes_it(tmp_pat
     finally:
         stop.set()
         thread.join(30)
-        opt._dc_close()
+        opt._dc.close()
     assert not bad, f"{len(bad)} partial reads, the first: {bad[0]}"
     assert len(set(reads)) > 1, f"the reader should have seen the file grow: {len(reads)} reads"
     assert json.loads(path.read_text())["traceEvents"]

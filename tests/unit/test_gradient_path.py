@@ -66,16 +66,16 @@ def test_steady_state_takes_python_once_per_iteration(config):
             loss(model, s).backward()
             opt.step()
             plain(ref, ropt, s)
-        before = opt._dc_python_handovers
+        before = opt._dc.backward.python_handovers
         train(model, opt, range(4, 10), ref, ropt)
         # Only the gradient that opens each iteration goes through Python, and nothing is said about it.
-        assert opt._dc_python_handovers - before == 6
-        assert "python path" not in opt._dc_told
+        assert opt._dc.backward.python_handovers - before == 6
+        assert "python path" not in opt._dc.told
         opt.synchronize()
         assert_same(model, ref)
         assert all(type(p.grad).__name__ == "WatchedGradient" for p in model.parameters())
     finally:
-        opt._dc_close()
+        opt._dc.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the hook runs on autograd's device "
@@ -92,18 +92,18 @@ def test_steady_state_on_a_gpu_takes_python_once_per_iteration_and_equals_plain_
     try:
         for s in range(10):
             if s == 4:
-                before = opt._dc_python_handovers
+                before = opt._dc.backward.python_handovers
             opt.zero_grad()
             gpu_loss(model, s).backward()
             opt.step()
             ropt.zero_grad()
             gpu_loss(ref, s).backward()
             ropt.step()
-        assert opt._dc_python_handovers - before == 6
+        assert opt._dc.backward.python_handovers - before == 6
         opt.synchronize()
         assert_same(model, ref)
     finally:
-        opt._dc_close()
+        opt._dc.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Note [Stream-ordered waits]: the lazy "
@@ -141,13 +141,13 @@ def test_on_a_gpu_the_lazy_step_waits_on_the_stream_not_on_the_host():
             if s >= 4:
                 with torch.no_grad():
                     model(inputs[8 + s])  # applies every pending update at its first read
-                assert not opt._dc_lazy.npending
+                assert not opt._dc.lazy.npending
                 assert not passed.query(), "the forward waited on the host for blocks the device had not finished"
             torch.cuda.synchronize()
         opt.synchronize()
         assert_same(model, ref)
     finally:
-        opt._dc_close()
+        opt._dc.close()
 
 
 def test_two_backward_passes_per_step_take_the_python_path_and_say_so(caplog):
@@ -168,7 +168,7 @@ def test_two_backward_passes_per_step_take_the_python_path_and_say_so(caplog):
         assert len(notices) == 1 and "backward_passes_per_step=2" in notices[0], caplog.messages
         assert f"{2 * n} of {n} gradients" in notices[0]
     finally:
-        opt._dc_close()
+        opt._dc.close()
 
 
 def test_gradients_of_another_layout_take_the_python_path():
@@ -185,11 +185,11 @@ def test_gradients_of_another_layout_take_the_python_path():
             model(torch.tensor([1, 2, 2])).sum().backward()
             opt.step()
         # Per iteration: the gradient that opens it and the sparse one; the other dense one in C++.
-        assert opt._dc_python_handovers == 3 * 2
+        assert opt._dc.backward.python_handovers == 3 * 2
         changed = (model[0].weight.detach() != before).any(dim=1)
         assert changed.tolist() == [i in (1, 2) for i in range(10)]
     finally:
-        opt._dc_close()
+        opt._dc.close()
 
 
 def test_user_post_accumulate_hooks_still_run_and_see_the_gradient():
@@ -203,13 +203,13 @@ def test_user_post_accumulate_hooks_still_run_and_see_the_gradient():
         opt.synchronize()
         assert_same(model, ref)
     finally:
-        opt._dc_close()
+        opt._dc.close()
 
 
 def test_a_closed_optimizer_leaves_backward_alone():
     model, opt, _, _ = pair(LAZY)
     train(model, opt, range(3))
-    opt._dc_close()
+    opt._dc.close()
     for p in model.parameters():
         p.grad = None
     loss(model, 3).backward()  # no hook of ours runs: plain gradients, no error
@@ -228,14 +228,14 @@ def test_a_scheduler_failure_in_the_hook_is_a_dcredit_error():
         def stop_engine(_):
             if first[0]:
                 first[0] = False
-                opt._dc_engine.shutdown()
+                opt._dc.engine.shutdown()
 
         handle = next(iter(model.parameters())).register_hook(stop_engine)  # the last gradient of the backward
         with pytest.raises(dc.DCreditError, match="at the gradient of"):
             out.backward()
         handle.remove()
     finally:
-        opt._dc_close()
+        opt._dc.close()
 
 
 def test_path_rejects_state_arrays_of_the_wrong_size():
@@ -246,12 +246,12 @@ def test_path_rejects_state_arrays_of_the_wrong_size():
     try:
         params = list(model.parameters())
         with pytest.raises(ValueError, match="counts must be"):
-            _ext.load().GradientPath(opt._dc_engine, params, per_tensor(len(params) + 1, "i"),
+            _ext.load().GradientPath(opt._dc.engine, params, per_tensor(len(params) + 1, "i"),
                                      per_tensor(len(params), "B"), per_tensor(len(params), "B"),
                                      per_tensor(len(params), "B"), per_tensor(len(params), "q"), print, print,
                                      print)
     finally:
-        opt._dc_close()
+        opt._dc.close()
 
 
 def test_a_python_hook_registered_after_wrapping_keeps_every_check():
@@ -263,10 +263,10 @@ def test_a_python_hook_registered_after_wrapping_keeps_every_check():
         train(model, opt, range(3), ref, ropt)
         seen = []
         model[2].weight.register_hook(lambda g: seen.append(g.shape))
-        before = opt._dc_python_handovers
+        before = opt._dc.backward.python_handovers
         train(model, opt, range(3, 6), ref, ropt)
         assert seen == [model[2].weight.shape] * 3
-        assert opt._dc_python_handovers - before == 3 + 1  # the iterations' openers, and the gradient that found it
+        assert opt._dc.backward.python_handovers - before == 3 + 1  # the iterations' openers, and the gradient that found it
         opt.synchronize()
         assert_same(model, ref)
         # A second backward before step() is refused before autograd adds its gradient.
@@ -277,7 +277,7 @@ def test_a_python_hook_registered_after_wrapping_keeps_every_check():
             loss(model, 7).backward()
         assert all(torch.equal(p.grad, h) for p, h in zip(model.parameters(), held))
     finally:
-        opt._dc_close()
+        opt._dc.close()
 
 
 def test_a_pre_hook_lost_between_two_passes_still_refuses_the_second():
@@ -292,7 +292,7 @@ def test_a_pre_hook_lost_between_two_passes_still_refuses_the_second():
         with pytest.raises(dc.DCreditError, match=r"'4.bias' was computed 2 times before step\(\)"):
             loss(model, 3).backward()
     finally:
-        opt._dc_close()
+        opt._dc.close()
 
 
 def test_the_gradient_path_finds_a_parameter_cast_after_wrapping():
@@ -302,14 +302,14 @@ def test_the_gradient_path_finds_a_parameter_cast_after_wrapping():
         opt.zero_grad()
         loss(model, 0).backward()
         opt.step()
-        assert opt._dc_path.first_moved() == -1
+        assert opt._dc.backward.path.first_moved() == -1
         weight = model[2].weight
         weight.data = weight.data.double()
-        assert opt._dc_path.first_moved() == 2  # 0.weight, 0.bias, 2.weight
+        assert opt._dc.backward.path.first_moved() == 2  # 0.weight, 0.bias, 2.weight
         weight.data = weight.data.float()
-        assert opt._dc_path.first_moved() == -1
+        assert opt._dc.backward.path.first_moved() == -1
     finally:
-        opt._dc_close()
+        opt._dc.close()
 
 
 def _apply_hooks(module):
@@ -326,18 +326,18 @@ def test_the_apply_hooks_rest_once_nothing_is_pending_and_come_back_first_at_ste
         train(model, opt, range(3), ref, ropt)  # the plan and the first-read learning settle here
         for s in range(3, 6):
             train(model, opt, range(s, s + 1), ref, ropt)
-            assert opt._dc_lazy.npending
+            assert opt._dc.lazy.npending
             hooked = [m for m in model if _apply_hooks(m)]
             assert hooked == [model[0], model[2], model[4]]
             assert all(next(iter(m._forward_pre_hooks.values())) is _apply_hooks(m)[0] for m in hooked)
         with torch.no_grad():
             model(batch(99))
-        assert not opt._dc_lazy.npending and not any(_apply_hooks(m) for m in model)
+        assert not opt._dc.lazy.npending and not any(_apply_hooks(m) for m in model)
         assert users[-1], "the user's pre-hook ran while ours was still in the module"
         opt.synchronize()
         assert_same(model, ref)
     finally:
-        opt._dc_close()
+        opt._dc.close()
 
 
 def test_the_checks_in_one_pass_see_what_the_python_loops_saw():
@@ -348,21 +348,21 @@ def test_the_checks_in_one_pass_see_what_the_python_loops_saw():
     try:
         train(model, opt, range(3))
         opt.synchronize()
-        params, path, T = list(model.parameters()), opt._dc_path, len(list(model.parameters()))
+        params, path, T = list(model.parameters()), opt._dc.backward.path, len(list(model.parameters()))
         assert path.not_watched() == [] and path.first_written([]) == -1
         assert path.addresses() == [p.data_ptr() for p in params]
-        assert opt._dc_engine.finals() == bytes([1] * T)
-        opt._dc_buffers.slots[3].add_(1.0)  # a write that went around p.grad
+        assert opt._dc.engine.finals() == bytes([1] * T)
+        opt._dc.buffers.slots[3].add_(1.0)  # a write that went around p.grad
         assert path.first_written(list(range(T))) == 3 and path.first_written([0, 1, 2]) == -1
         assert path.first_written([4, 3]) == 3 and path.first_written([]) == -1
         with pytest.raises(IndexError, match="tensor 6 out of range"):
             path.first_written([6])
-        opt._dc_buffers.versions[3] = opt._dc_buffers.slots[3]._version
+        opt._dc.buffers.versions[3] = opt._dc.buffers.slots[3]._version
         params[1].grad = None
         params[4].grad = params[4].grad.clone()
         assert path.not_watched() == [1, 4]
     finally:
-        opt._dc_close()
+        opt._dc.close()
 
 
 def test_the_apply_hooks_stay_while_a_timeline_records_the_forward(tmp_path):
@@ -373,12 +373,12 @@ def test_the_apply_hooks_stay_while_a_timeline_records_the_forward(tmp_path):
         train(model, opt, range(5), ref, ropt)
         with torch.no_grad():
             model(batch(99))
-        assert not opt._dc_lazy.npending
+        assert not opt._dc.lazy.npending
         assert [m for m in model if _apply_hooks(m)] == [model[0], model[2], model[4]]
         opt.synchronize()
         assert_same(model, ref)
     finally:
-        opt._dc_close()
+        opt._dc.close()
 
 
 def test_a_parameter_put_in_a_group_after_a_lazy_step_is_not_stepped_by_its_apply():
@@ -388,13 +388,13 @@ def test_a_parameter_put_in_a_group_after_a_lazy_step_is_not_stepped_by_its_appl
     model, opt, ref, ropt = pair(LAZY)
     try:
         train(model, opt, range(4), ref, ropt)
-        assert opt._dc_lazy.npending == 6
+        assert opt._dc.lazy.npending == 6
         extra = nn.Parameter(torch.ones(3))
         extra.grad = torch.ones(3)  # a local gradient: stepping with it would leave synchronous training
         opt.param_groups[0]["params"].append(extra)
         with torch.no_grad():
             model(batch(99))  # applies every pending update
-        assert not opt._dc_lazy.npending
+        assert not opt._dc.lazy.npending
         assert torch.equal(extra.detach(), torch.ones(3))
         opt.param_groups[0]["params"].pop()
         opt.synchronize()
@@ -406,4 +406,4 @@ def test_a_parameter_put_in_a_group_after_a_lazy_step_is_not_stepped_by_its_appl
             opt.step()
     finally:
         opt.param_groups[0]["params"][:] = list(model.parameters())
-        opt._dc_close()
+        opt._dc.close()

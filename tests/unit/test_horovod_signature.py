@@ -40,8 +40,8 @@ def test_positional_order_is_horovods():
     assert inspect.signature(dc.DistributedOptimizer).parameters["config"].kind is inspect.Parameter.KEYWORD_ONLY
     model, opt = model_and_opt()
     wrapped = dc.DistributedOptimizer(opt, model.named_parameters(), dc.Compression.none, 2, config=CONFIG)
-    assert wrapped._dc_bpps == 2 and wrapped._dc_buffers.wire is None
-    wrapped._dc_close()
+    assert wrapped._dc.backward.passes == 2 and wrapped._dc.buffers.wire is None
+    wrapped._dc.close()
 
 
 def test_horovod_signature_matches_when_horovod_is_installed():
@@ -53,9 +53,9 @@ def test_horovod_signature_matches_when_horovod_is_installed():
         model, opt = model_and_opt()
         wrapped = dc.DistributedOptimizer(opt, model.named_parameters(), hvd.Compression.fp16, op=op,
                                           process_set=hvd.global_process_set, config=CONFIG)
-        assert wrapped._dc_buffers.wire is torch.float16
-        assert wrapped._dc_buffers.postscale == (1.0 if ours is dc.Sum else 1.0 / dc.size())
-        wrapped._dc_close()
+        assert wrapped._dc.buffers.wire is torch.float16
+        assert wrapped._dc.buffers.postscale == (1.0 if ours is dc.Sum else 1.0 / dc.size())
+        wrapped._dc.close()
     for op, name in ((hvd.Adasum, "Adasum"), (hvd.Min, "Min"), (hvd.Max, "Max"), (hvd.Product, "Product")):
         model, opt = model_and_opt()
         with pytest.raises(NotImplementedError, match=f"op=hvd.{name} is not supported"):
@@ -78,9 +78,9 @@ def test_bad_horovod_arguments_are_refused_before_anything_changes(kwargs, error
     model, opt = model_and_opt()
     with pytest.raises(error, match=message):
         dc.DistributedOptimizer(opt, model.named_parameters(), config=CONFIG, **kwargs)
-    assert not hasattr(opt, "_dc_names")
+    assert not hasattr(opt, "_dc")
     wrapped = dc.DistributedOptimizer(opt, model.named_parameters(), config=CONFIG)  # nothing was left behind
-    wrapped._dc_close()
+    wrapped._dc.close()
 
 
 def test_a_parameter_in_two_groups_is_named():
@@ -112,13 +112,13 @@ def test_a_new_optimizer_over_the_same_parameters_takes_over():
     model(torch.randn(2, 4)).sum().backward()
     first.step()
     second = dc.DistributedOptimizer(torch.optim.Adam(model.parameters()), model.named_parameters(), config=CONFIG)
-    assert first._dc_closed and not first._dc_lazy.npending
+    assert first._dc.closed and not first._dc.lazy.npending
     with pytest.raises(dc.DCreditError, match="shut down"):
         first.step()
     second.zero_grad()
     model(torch.randn(2, 4)).sum().backward()
     second.step()
-    second._dc_close()
+    second._dc.close()
 
 
 def test_an_optimizer_dropped_after_a_lazy_step_still_applies_its_updates():
@@ -134,7 +134,7 @@ def test_an_optimizer_dropped_after_a_lazy_step_still_applies_its_updates():
             o.zero_grad()
             m(torch.randn(5, 4, generator=torch.Generator().manual_seed(s))).pow(2).mean().backward()
             o.step()
-    assert opt._dc_lazy.npending, "the last step was not lazy: this test needs the lazy path"
+    assert opt._dc.lazy.npending, "the last step was not lazy: this test needs the lazy path"
     gone = weakref.ref(opt)
     del opt
     assert gone() is not None, "dropped with updates pending: nothing would apply them"
@@ -156,7 +156,7 @@ def test_set_backward_passes_per_step():
         wrapped.set_backward_passes_per_step(1)
     with pytest.raises(ValueError, match="positive integer"):
         wrapped.set_backward_passes_per_step(0)
-    wrapped._dc_close()
+    wrapped._dc.close()
 
 
 def test_horovods_state_initialisation_steps_on_zero_gradients_and_reduces_others():
@@ -179,7 +179,7 @@ def test_horovods_state_initialisation_steps_on_zero_gradients_and_reduces_other
     # Nothing computed or assigned since: refused.
     with pytest.raises(dc.DCreditError, match="no gradient was computed"):
         wrapped.step()
-    wrapped._dc_close()
+    wrapped._dc.close()
 
 
 def test_horovod_broadcast_optimizer_state_on_a_fresh_wrapped_optimizer():
@@ -191,7 +191,7 @@ def test_horovod_broadcast_optimizer_state_on_a_fresh_wrapped_optimizer():
         hvd.broadcast_optimizer_state(wrapped, root_rank=0)
         assert len(wrapped.state_dict()["state"]) == 4
     finally:
-        wrapped._dc_close()
+        wrapped._dc.close()
 
 
 def test_sparse_as_dense_gives_a_sparse_optimizer_its_gradient_back_sparse():
@@ -210,4 +210,4 @@ def test_sparse_as_dense_gives_a_sparse_optimizer_its_gradient_back_sparse():
             o.step()
     opt.synchronize()
     assert torch.allclose(emb.weight, ref.weight, atol=1e-6)
-    opt._dc_close()
+    opt._dc.close()

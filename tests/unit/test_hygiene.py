@@ -226,7 +226,7 @@ model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Lin
 opt = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
 other = torch.nn.Linear(4, 2)  # a second optimizer over parameters of its own (over the same ones it would take over)
 opt2 = dc.DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1), named_parameters=other.named_parameters())
-opt2._dc_close()
+opt2._dc.close()
 
 class Counting(collections.abc.MutableMapping):
     """os.environ, counting every read of a DCREDIT_* variable and every full scan."""
@@ -256,7 +256,7 @@ for step in range(4):
 opt.synchronize()
 opt.state_dict()
 model.state_dict()
-print(json.dumps({"window": opt._dc_config.window, "profile_iters": opt._dc_config.profile_iters,
+print(json.dumps({"window": opt._dc.config.window, "profile_iters": opt._dc.config.profile_iters,
                   "reads": counting.reads}))
 '''
 

@@ -35,8 +35,8 @@ for step in range(3):
     model(torch.ones(2, 4) * step).pow(2).mean().backward()
     opt.step()
 opt.synchronize()
-print("backend", opt._dc_backend.name, "size", dc.size(), "kind", dc.runtime.kind())
-opt._dc_close()
+print("backend", opt._dc.backend.name, "size", dc.size(), "kind", dc.runtime.kind())
+opt._dc.close()
 dc.shutdown()
 """
 TRAIN_ON_HOROVOD_OPS = TRAIN.replace('policy="fixed"', 'policy="fixed", backend="horovod"')

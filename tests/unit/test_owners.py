@@ -219,12 +219,15 @@ class _Path:
     def addresses(self):
         return [p.data_ptr() for p in self._params]
 
+    def first_graph_read(self, indices):
+        return -1  # no graph read a pending parameter
+
 
 def test_a_lazy_step_keeps_the_optimizer_while_updates_wait():
     from dcredit_opt.updates import LazyUpdates
 
-    class Owner:  # what the keeper holds: the optimizer, weakly unless updates wait
-        pass
+    class Owner:  # what the keeper holds: the optimizer, weakly unless updates wait; it gives the core
+        _dc = types.SimpleNamespace()
 
     owner = Owner()
     params = [nn.Parameter(torch.zeros(2)) for _ in range(3)]
@@ -238,7 +241,7 @@ def test_a_lazy_step_keeps_the_optimizer_while_updates_wait():
     assert list(updates.pending) == [1, 0, 1] and updates.npending == 2
     path = _Path(params)
     updates.defer(owner, path)
-    assert updates.deferred and updates.keeper() is owner and updates.keeper.strong is owner
+    assert updates.deferred and updates.keeper() is owner._dc and updates.keeper.strong is owner
     assert path.forgotten == [[0, 2]]  # the pending ones (Note [Graph reads])
     updates.applied([0], path)
     assert updates.npending == 1 and path.refreshed == [[0]] and updates.keeper.strong is owner
@@ -257,3 +260,80 @@ def test_updates_read_later_join_an_apply_only_up_to_the_first_not_final():
     assert updates.done_ahead((0,), rows_of={}, done=bytes([0, 1, 0, 1])) == (1,)  # 2 is not final: stop there
     assert updates.done_ahead((2,), rows_of={3: None}, done=bytes([0, 1, 1, 1])) == ()  # 3 waits for its rows
     assert "outside any module's forward" in str(updates.stale_read(0))
+
+
+class _StepperParts:
+    """What a :class:`Stepper` reads, without processes: reduced gradients in plain slots, an engine whose
+    blocks are all done, a tally with no embedding rows, a backward that adds nothing."""
+
+    def __init__(self, params, reduced):
+        self.slots = reduced
+        self.watched = list(reduced)
+        self.as_sparse = {}
+        self.sparse = [False] * len(params)
+        self.checked = []
+        self.rows = {}
+        self.path = _Path(params)
+        self.waited = []
+
+    # the buffers
+    def for_step(self, i):
+        return self.slots[i]
+
+    def check_writes(self, indices, where):
+        self.checked.append((list(indices), where))
+
+    # the backward
+    def add_rows(self, indices):
+        pass
+
+    def drop_unused_grads(self, indices):
+        return []
+
+    # the engine
+    def wait_tensors_on_stream(self, todo, timeout_s):
+        self.waited.append(list(todo))
+
+
+def test_the_stepper_applies_what_waits_with_the_deferring_steps_hyperparameters():
+    from dcredit_opt.lazy import Stepper
+    from dcredit_opt.updates import LazyUpdates
+
+    params = [nn.Parameter(torch.full((2,), float(k))) for k in range(3)]
+    names = ["a", "b", "c"]
+    sgd = torch.optim.SGD([{"params": params[:2], "lr": 0.1}, {"params": params[2:], "lr": 0.2}])
+    reduced = [torch.full((2,), 10.0 * (k + 1)) for k in range(3)]
+    parts = _StepperParts(params, reduced)
+    lazy = LazyUpdates(sgd, names, params, Notices())
+    stepper = Stepper(sgd, torch.optim.SGD, names, params, [], (parts, lazy, parts, parts, parts, None), Config(),
+                      Notices(), None)
+    lazy.take(sgd.param_groups)  # a lazy step(): every update waits, with lr 0.1 and 0.2
+    lazy.skip([])  # no p.grad set to None
+    lazy.defer(sgd, parts.path)
+    sgd.param_groups[0]["lr"] = 5.0  # a scheduler after step(): the next step's, not this one's
+    stepper.apply([2, 0])
+    assert parts.waited == [[2, 0]] and parts.checked == [([0, 1, 2], "the lazy step")]  # first apply: all
+    assert torch.equal(params[0].detach(), torch.full((2,), 0.0 - 0.1 * 10))
+    assert torch.equal(params[1].detach(), torch.full((2,), 1.0))  # still pending: untouched
+    assert torch.equal(params[2].detach(), torch.full((2,), 2.0 - 0.2 * 30))
+    assert list(lazy.pending) == [0, 1, 0] and lazy.npending == 1
+    # The groups are the optimizer's again, with the scheduler's value; p.grad as it was.
+    assert sgd.param_groups[0]["params"] == params[:2] and sgd.param_groups[0]["lr"] == 5.0
+    assert all(p.grad is None for p in params)
+    stepper.apply_pending()
+    assert torch.equal(params[1].detach(), torch.full((2,), 1.0 - 0.1 * 20)) and lazy.npending == 0
+    assert parts.checked[-1] == ([1], "the lazy step") and parts.path.refreshed == [[2, 0], [1]]
+    lazy.remove_hooks()
+
+
+def test_the_stepper_refuses_a_parameter_added_to_the_groups_after_wrapping():
+    from dcredit_opt.lazy import Stepper
+
+    params = [nn.Parameter(torch.zeros(2)) for _ in range(2)]
+    sgd = torch.optim.SGD(params, lr=0.1)
+    parts = _StepperParts(params, [torch.zeros(2)] * 2)
+    stepper = Stepper(sgd, torch.optim.SGD, ["a", "b"], params, [], (parts,) * 6, Config(), Notices(), None)
+    stepper.check_groups()  # as wrapped
+    sgd.param_groups[0]["params"].append(nn.Parameter(torch.zeros(3)))
+    with pytest.raises(DCreditError, match=r"param_groups\[0\].*shape \(3,\).*Nothing was applied"):
+        stepper.check_groups()

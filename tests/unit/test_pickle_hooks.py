@@ -89,7 +89,7 @@ def test_whole_model_saves_and_deep_copies_at_every_step():
         ref_opt.zero_grad()
         (ref(batch(s)) - target).pow(2).mean().backward()
         ref_opt.step()
-        lazy_saves += bool(opt._dc_lazy.npending)
+        lazy_saves += bool(opt._dc.lazy.npending)
         loaded = roundtrip(model)  # right after step(), updates pending from the second step on
         same(loaded, ref, f"step {s}, torch.load(torch.save(model))")
         copies = [loaded]
@@ -126,19 +126,19 @@ def test_copies_train_under_plain_torch_without_our_hooks_doing_anything():
     opt = dc.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters(), config=LAZY)
     for s in range(3):
         plain_step(model, opt, s)
-    assert opt._dc_lazy.npending, "the step was not lazy: this test needs updates pending"
+    assert opt._dc.lazy.npending, "the step was not lazy: this test needs updates pending"
     copies = {"torch.load": roundtrip(model), "copy.deepcopy": copy.deepcopy(model)}  # applies them (reads)
     plain_step(model, opt, 3)
-    assert opt._dc_lazy.npending, "the step was not lazy: this test needs updates pending while the copies train"
-    pending = list(opt._dc_lazy.pending)
+    assert opt._dc.lazy.npending, "the step was not lazy: this test needs updates pending while the copies train"
+    pending = list(opt._dc.lazy.pending)
     calls = []
 
     def spy(name):
-        real = getattr(opt, name)
-        setattr(opt, name, lambda *a: calls.append(name) or real(*a))
+        real = getattr(opt._dc, name)
+        setattr(opt._dc, name, lambda *a: calls.append(name) or real(*a))
 
-    spy("_dc_before_forward")
-    spy("_dc_apply_pending")
+    spy("before_forward")
+    spy("apply_pending")
     for how, c in copies.items():
         fresh = net(7)
         fresh.load_state_dict(c.state_dict())
@@ -149,10 +149,10 @@ def test_copies_train_under_plain_torch_without_our_hooks_doing_anything():
         same(c, fresh, how)
         assert not any(m._forward_pre_hooks for m in c.modules()), f"{how}: an inert forward hook stayed"
         c.load_state_dict(fresh.state_dict())
-        assert list(opt._dc_lazy.pending) == pending, f"{how}: the copy's forward or state_dict touched the optimizer"
+        assert list(opt._dc.lazy.pending) == pending, f"{how}: the copy's forward or state_dict touched the optimizer"
         assert not calls, f"{how}: the copy's hooks called the optimizer: {calls}"
     model(batch(9))
-    assert "_dc_before_forward" in calls and opt._dc_lazy.npending == 0, "the live model's hooks stopped working"
+    assert "before_forward" in calls and opt._dc.lazy.npending == 0, "the live model's hooks stopped working"
 
 
 def test_unwrapped_modules_get_nothing_a_parent_of_ours_gets_the_state_dict_hooks():
@@ -163,14 +163,14 @@ def test_unwrapped_modules_get_nothing_a_parent_of_ours_gets_the_state_dict_hook
         out, target = both(batch(s))
         (out - target).pow(2).mean().backward()
         opt.step()
-    assert opt._dc_lazy.npending, "the step was not lazy: this test needs updates pending"
+    assert opt._dc.lazy.npending, "the step was not lazy: this test needs updates pending"
     no_hooks_at_all(both.teacher)
     top = our_hooks(both)
     assert top["_state_dict_pre_hooks"] and top["_load_state_dict_pre_hooks"], \
         "the parent's state_dict covers our parameters: it must apply pending updates first"
     assert any(our_hooks(m)["_forward_pre_hooks"] for m in both.student.modules())
     saved = both.state_dict()
-    assert opt._dc_lazy.npending == 0, "the parent's state_dict() did not apply what was pending"
+    assert opt._dc.lazy.npending == 0, "the parent's state_dict() did not apply what was pending"
     loaded = roundtrip(both)
     for k, v in loaded.state_dict().items():
         assert torch.equal(v, saved[k]), k
@@ -190,17 +190,20 @@ def test_rewrapping_a_loaded_model_does_not_pile_up_inert_hooks():
             plain_step(model, opt, s)
         now = [{k: len(v) for k, v in our_hooks(m).items()} for m in model.modules()]
         assert now == list(counts.values()), f"cycle {cycle}: hooks per module {now}, first wrap {counts}"
-        opt._dc_close()
+        opt._dc.close()
 
 
 def test_hooks_pickle_to_inert_ones():
     from dcredit_opt import lazy
 
-    class Opt:
+    class Core:
         calls = 0
 
-        def _dc_apply_pending(self):
-            Opt.calls += 1
+        def apply_pending(self):
+            Core.calls += 1
+
+    class Opt:
+        _dc = Core()
 
     o = Opt()
     keeper = lazy.Keeper(o)
@@ -208,7 +211,7 @@ def test_hooks_pickle_to_inert_ones():
     for c in (pickle.loads(pickle.dumps(hook)), copy.deepcopy(hook), copy.deepcopy([hook])[0]):
         assert isinstance(c, lazy._InertApplyHook)
         c(nn.Linear(1, 1), "", False)
-    assert Opt.calls == 0
+    assert Core.calls == 0
     hook(nn.Linear(1, 1), "", False)
-    assert Opt.calls == 1
+    assert Core.calls == 1
     assert isinstance(pickle.loads(pickle.dumps(lazy.weak_forward_hook(keeper))), lazy._InertForwardHook)

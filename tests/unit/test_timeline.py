@@ -130,7 +130,7 @@ def test_optimizer_timeline_holds_the_last_iteration_after_shutdown(tmp_path):
     path = tmp_path / "trace.json"
     model, opt = _model_and_optimizer(timeline_path=str(path))
     _train(opt, model, 4)
-    assert opt._dc_lazy.deferred, "the lazy step should be on"
+    assert opt._dc.lazy.deferred, "the lazy step should be on"
     written = {e["args"]["iteration"] for e in events_of(path) if e["name"].startswith("block ")}
     assert {1, 2} <= written <= {1, 2, 3}, "after step(), the file lags by at most one iteration"
     dc.shutdown()

@@ -1,0 +1,477 @@
+"""What a ``DistributedOptimizer`` does, without being one: the parts, composed, and the policy of ``step()``.
+
+The wrapper (``optimizer.py``) is a subclass of the user's optimizer class
+that keeps Horovod's surface and holds one field of its own, this
+:class:`Core`. The core owns the parts and says when each acts:
+
+- :class:`GradientBuffers` (``buffers.py``): the memory behind every gradient,
+  laid out by the plan, and the version checks on it;
+- :class:`Backward` (``gradients.py``): an iteration's gradients, from the
+  C++ hooks' hand-over to the flush, and the waits for reduced values;
+- :class:`LazyUpdates` (``updates.py``): which updates wait for their first
+  read, where each is applied, the read guard;
+- :class:`Stepper` (``lazy.py``): the wrapped optimizer's step, eager or per
+  apply point, and the checks that come before any update;
+- :class:`UsageTally` (``usage.py``): which gradients exist on which rank,
+  embedding rows and sparse gradients;
+- the backend and its engine (the C++ scheduler), the profiling recorder,
+  the re-planner and the timeline.
+
+The parts hold one another's public methods only, and call back into the
+core weakly (``WeakMethod``): nothing keeps a dropped optimizer alive.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import warnings
+import weakref
+
+import torch
+
+from . import backends, checks, devices, runtime, timeline
+from .buffers import GradientBuffers
+from .errors import DCreditError
+from .gradients import Backward, WeakMethod
+from .layout import fixed_plan
+from .lazy import Stepper, watch_module_hooks_when_compiled
+from .notices import Notices
+from .planner.plan import Plan
+from .planner.profile import RING_STAGE_RATIOS
+from .profiling import profiler, replanner
+from .profiling.planning import DECOUPLING_POLICIES
+from .reduce_ops import Average
+from .updates import LazyUpdates
+from .usage import UsageTally
+
+log = logging.getLogger("dcredit_opt")
+
+
+class Core:
+    """The composed parts of one ``DistributedOptimizer`` (see the module's docstring). Public fields are
+    the parts, read by the wrapper, the model's hooks and the runtime; only the core's methods assign them."""
+
+    def __init__(self, optimizer, base: type, names, params, frozen, passes: int, op, predivide: float, config,
+                 sparse_as_dense: bool, wire, group_of):
+        runtime.init(timeout_s=config.timeout_s, backend=config.backend)
+        devices.check_world(names, params, config.backend)  # before any collective
+        self.config = config
+        self.names = names
+        self.params = params
+        self.kind = base.__name__  # the wrapped optimizer's class, for messages
+        self.closed = False
+        world = runtime.size()
+        prescale = 1.0 / predivide if op == Average else 1.0
+        postscale = predivide / world if op == Average else 1.0
+        checks.check_same_model_on_all_ranks(names, params)
+        checks.check_same_setup_on_all_ranks(config, backward_passes_per_step=passes, op=op.value,
+                                              gradient_predivide_factor=predivide,
+                                              sparse_as_dense=sparse_as_dense, compression=str(wire),
+                                              groups=group_of)
+        self.told = Notices()
+        self._optimizer = weakref.ref(optimizer)
+        self.skip = False  # inside optimizer.skip_synchronize()
+        self._replan = False  # this step() stages a plan: it must be eager
+        me = weakref.ref(self)
+        # Note [Lazy step]: the updates that wait for their first read, and where each is applied.
+        self.lazy = LazyUpdates(optimizer, names, params, self.told)
+        self.backend = backends.create(config.backend, config.channels, config.timeout_s)
+        self.engine = self.backend.engine
+        # Note [Global usage] and Note [Embedding rows]: which gradients exist where, and the rows agreed on.
+        self.tally = UsageTally(names, params, world, self.backend, config, self.told, WeakMethod(me, "rows_arrived"))
+        # The memory behind every gradient, laid out by the plan; the engine reduces in it.
+        self.buffers = GradientBuffers(names, params, self.engine, self.backend, config, self.lazy.keeper,
+                                       prescale=prescale, postscale=postscale, wire=wire, groups=group_of,
+                                       sparse_as_dense=sparse_as_dense)
+        if not sparse_as_dense:  # Note [Sparse gradients] in sparse.py: sparse gradients reduced as rows
+            self.tally.take_sparse_gradients()
+            self.buffers.take_sparse(self.tally.put_sparse, self.tally.as_sparse)
+        self.backward = Backward(names, params, passes, self.engine, self.buffers, self.tally, self.lazy, config,
+                                 prescale=prescale, opening=WeakMethod(me, "_opening"),
+                                 restage=WeakMethod(me, "_restage"), apply_pending=WeakMethod(me, "apply_pending"))
+        parts = (self.buffers, self.lazy, self.tally, self.backward, self.engine, self.backend)
+        self.stepper = Stepper(optimizer, base, names, params, frozen, parts, config, self.told, group_of)
+        if config.policy == "deft" and not self.buffers.sums_delayed():
+            self.backend.close()
+            raise DCreditError(f"Config(policy='deft') sums its delayed gradients on backend 'torch' only; this "
+                               f"job's blocks go through backend '{self.backend.name}': set "
+                               "Config(backend='torch') (it runs under torchrun, horovodrun and mpirun alike)")
+        reducible = self.backend.reducible_dtypes
+        if wire is not None and reducible is not None and wire not in reducible:
+            log.warning("dcredit_opt: backend '%s' cannot reduce %s, so Compression.fp16 changes nothing here: "
+                        "float32 gradients travel as they are", self.backend.name, wire)
+        self.staged_plan = None
+        self.profile = None
+        self.recorder = (profiler.Recorder(names, params, config.profile_iters)
+                         if config.policy != "fixed" and config.profile_iters > 0 and params else None)
+        self.timeline = (timeline.RankTimeline(config.timeline_path, runtime.rank(), runtime.size())
+                         if config.timeline_path else None)
+        # Re-planning while training (replanner.py): watches the blocks and the backward, re-plans with the others.
+        self.replanner = (replanner.Replanner(config, [p.dtype for p in params])
+                          if replanner.wanted(config, world, bool(params)) else None)
+        self._set_plan(fixed_plan(
+            [p.numel() for p in params], [p.element_size() for p in params], config.block_bytes,
+            config.window, config.channels, config.credit_bytes, config.overlap_forward))
+        atexit.register(_drain_at_exit, me)
+        # Dropped without close() (del, garbage collection): what is in flight still
+        # finishes before the channels go, or the peers would wait for blocks never launched.
+        self._dropped = weakref.finalize(optimizer, _close_dropped, self.engine, self.backend, self.backward.life,
+                                         float(config.timeout_s))
+        self._dropped.atexit = False  # at exit, _drain_at_exit drains and the runtime closes
+        runtime.register_user(self)
+        # A gradient beyond backward_passes_per_step, or of a parameter whose update is pending, is refused
+        # before autograd adds it to p.grad, which by then is our slot, possibly on the wire.
+        self.backward.path.install()
+        watch_module_hooks_when_compiled()
+
+    def _set_plan(self, plan: Plan) -> None:
+        """Switch to ``plan``; only between iterations (nothing in flight)."""
+        buffers = self.buffers
+        buffers.set_plan(plan, self.tally.rows_only())
+        self.backward.path.set_slots(buffers.slots, buffers.watched)
+
+    @property
+    def plan(self) -> Plan:
+        """The plan in force (the staged one, once profiling has produced it)."""
+        return self.staged_plan or self.buffers.plan
+
+    # ---- the optimizer's API -------------------------------------------------------------
+
+    def require_open(self, call: str) -> None:
+        if self.closed:
+            raise DCreditError(
+                f"{call} on a DistributedOptimizer that was shut down (dc.shutdown() shuts down every one, after "
+                "applying its pending updates): its hooks and channels are gone. state_dict() still works; to "
+                "train on, call dc.init() and build a new DistributedOptimizer")
+
+    def synchronize(self) -> None:
+        """Finish reducing this iteration's gradients (and apply any pending update)."""
+        self.require_open("synchronize()")
+        self._end_learning()
+        self.apply_pending()
+        backward, everything = self.backward, range(len(self.params))
+        if backward.open and not backward.synchronized:
+            self.stepper.check_frozen()
+            if not backward.flushed:
+                backward.flush()
+            self.buffers.check_writes(everything, "synchronize()")
+            backward.wait_final("synchronize(), waiting for every block")
+            backward.drop_unused_grads(everything)
+            backward.set_synchronized(True)
+            backward.all_final()
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
+            raise ValueError(f"backward_passes_per_step must be a positive integer, got {passes!r}")
+        self.backward.set_passes_per_step(passes)
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        self.skip = True
+        try:
+            yield
+        finally:
+            self.skip = False
+
+    def step(self, closure, grad_scaler):
+        self.require_open("step()")
+        stepper, backward = self.stepper, self.backward
+        stepper.check_groups()
+        self._end_learning()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if backward.synchronized and not self.skip:
+            warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                          "optimizer.synchronize(). This can cause training slowdown. You may want to "
+                          "consider using optimizer.skip_synchronize() context if you use "
+                          "optimizer.synchronize() in your code.")
+        if not backward.open:
+            if not any(backward.counts):
+                if self._zero_gradients_only():
+                    # hvd.broadcast_optimizer_state() makes a fresh optimizer's state so: pending updates
+                    # first, then the wrapped step over every parameter, nothing reduced.
+                    self.apply_pending()
+                    stepper.step_base()
+                    return loss
+                if not self._assigned_gradients():
+                    raise DCreditError("step() called, but no gradient was computed since the last step(): "
+                                       "call loss.backward() before optimizer.step()")
+                # Gradients assigned by hand (from torch.autograd.grad): reduced now, as Horovod's
+                # synchronize() reduces every p.grad whose hook did not fire.
+            backward.begin()  # or fewer backward passes than backward_passes_per_step: reduce what there is
+        if self.timeline is not None:
+            self.timeline.settle()  # Note [Timeline writer] in timeline.py
+        stepper.check_frozen()
+        if not backward.flushed:
+            backward.release()  # the last step()'s updates this forward did not read, then every block
+        if not backward.synchronized:
+            backward.accept_final_writes()
+            self.buffers.check_writes(range(len(self.params)), "step()")
+        dropped, replaced = self._replaced_gradients()
+        if grad_scaler is not None and stepper.scaled_skip(grad_scaler):
+            return loss
+        if self.config.check_finite:
+            stepper.check_finite()
+        updates = self.lazy
+        updates.take(self._optimizer().param_groups)
+        backward.end()
+        if self.replanner is not None and self.recorder is None:  # a re-plan is staged as the first plan is
+            buffers = self.buffers
+            fresh = self.replanner.check(
+                backward.iteration, buffers.plan, self.profile, lambda: buffers.numels(self.tally.rows_only()),
+                self.timeline, wait_blocks=lambda: backward.wait_all("re-planning's check, waiting for the blocks"))
+            if fresh is not None:
+                self.staged_plan, self._replan = fresh, True
+        # The user asked for every gradient now; or profiling, or a plan switch: nothing may wait.
+        eager = backward.synchronized or self.recorder is not None or self._replan
+        lazy = stepper.may_defer(self.buffers.plan, replaced, eager)
+        self._replan = False
+        backward.set_synchronized(False)
+        if lazy:
+            updates.skip(dropped)  # p.grad = None after backward(): no update this step, as in plain torch
+            stepper.apply(updates.eager)
+            updates.defer(self._optimizer(), backward.path)
+        else:
+            stepper.step_now()
+        self._tell_python_path()
+        updates.start_learning(self._optimizer())
+        if self.recorder is not None:
+            self.recorder.on_step(self.engine.ready_times())
+            if self.recorder.done:
+                self._finish_profiling()
+        return loss
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        backward = self.backward
+        if backward.open and (any(backward.marked) or self.tally.rows_captured()) and not backward.synchronized:
+            raise DCreditError("optimizer.zero_grad() was called after loss.backward() but before "
+                               "optimizer.step() or optimizer.synchronize(): the gradients are being reduced")
+        # Our own bookkeeping on gradients, not a read of any parameter: the read guard stands aside (it
+        # would examine every call here while updates are pending; Note [Guard cost] in reads.py).
+        lazy = self.lazy
+        with lazy.guard.paused():
+            if lazy.npending and not set_to_none:  # set to None, as the wrapped zero_grad sets every p.grad
+                pending, buffers = lazy.pending, self.buffers
+                for i, p in enumerate(self.params):
+                    if pending[i] and buffers.is_ours(i, p.grad):
+                        # The slot holds the reduced gradient a pending update still needs.
+                        p.grad = torch.zeros_like(p)
+            # Reads and writes gradients only, never a parameter's values: the guard need not see it.
+            self.stepper.zero_grad_base(set_to_none)
+
+    def apply_pending(self) -> None:
+        self.stepper.apply_pending()
+
+    # ---- what the model's hooks and the watched gradients call --------------------------------------
+
+    def before_forward(self, module: torch.nn.Module) -> None:
+        """Forward pre-hook of a module that first reads some of our parameters."""
+        lazy = self.lazy
+        own = lazy.own(module)
+        if not own:
+            return
+        if self.timeline is not None:
+            self.timeline.on_forward(own[0])
+        if self.recorder is not None:
+            self.recorder.on_forward(own)
+        if lazy.npending:
+            self.stepper.apply_at(own, self.engine.finals())
+        if not lazy.npending:
+            if not self.records_forward():
+                lazy.rest()
+            else:  # the hooks go on recording the forward
+                lazy.guard.leave_if_idle()
+
+    def records_forward(self) -> bool:
+        """Whether the apply points' hooks record the forward (profiling, the timeline): they stay then."""
+        return self.timeline is not None or self.recorder is not None
+
+    def apply_on_read(self, indices) -> None:
+        self.stepper.apply_on_read(indices)
+
+    def gradient_read(self, i: int) -> None:
+        if not self.closed:
+            self.backward.gradient_read(i)
+
+    def rows_arrived(self) -> None:
+        self.backward.rows_arrived()
+
+    # ---- the backward's calls back ------------------------------------------------------------
+
+    def _opening(self, iteration: int) -> None:
+        """An iteration opens: the last one into the timeline and the re-planner's watch; a staged plan in."""
+        if self.timeline is not None and iteration:
+            self.timeline.record(self.engine.trace(), self.engine.ready_times(), self.names,
+                                 self.buffers.layout.block_tensors, iteration)
+        if self.replanner is not None and iteration:  # re-planning's watch (replanner.py)
+            self.replanner.observe(self.engine, self.buffers.layout.block_bytes)
+        if self.staged_plan is not None:
+            # Every rank stages the same plan at the same step(), so every
+            # rank switches here, in the same iteration. The step() that staged
+            # it was eager (profiling), so no update waits in the old slots.
+            assert not self.lazy.npending, "a plan switch with updates pending"
+            plan, self.staged_plan = self.staged_plan, None
+            self._set_plan(plan)
+
+    def _restage(self) -> None:
+        """Tensors became rows-only (Note [Embedding rows]): a plan without their blocks, staged now."""
+        self.staged_plan = self.staged_plan or self.buffers.plan
+        self._replan = True
+
+    # ---- step()'s questions -------------------------------------------------------------------
+
+    def _zero_gradients_only(self) -> bool:
+        """No backward since the last ``step()``, and every gradient present is zero (at least one is).
+
+        ``hvd.broadcast_optimizer_state(opt, root)`` creates the state of a
+        fresh optimizer that way: zero gradients, then ``opt.step()``. The
+        average of zeros is zero on every rank, so stepping locally is exactly
+        the synchronous step; any other gradient, set by hand, was never
+        reduced and is refused.
+        """
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return False
+        for g in grads:
+            values = g.coalesce().values() if g.is_sparse else g
+            if bool(values.any()):
+                return False
+        return True
+
+    def _assigned_gradients(self) -> bool:
+        """Whether some ``p.grad`` was assigned by user code since the last ``step()`` (not our own)."""
+        return any(p.grad is not None and p.grad is not w for p, w in zip(self.params, self.buffers.watched))
+
+    def _replaced_gradients(self) -> tuple[list, list]:
+        """Note [Replaced gradients]: the tensors whose gradient user code set to ``None`` after
+        ``backward()``, and those whose gradient it replaced by another tensor."""
+        dropped, replaced = [], []
+        buffers, marked, rows = self.buffers, self.backward.marked, self.tally.rows
+        for i in self.backward.path.not_watched():  # one C++ pass; nearly always none
+            g = self.params[i].grad
+            if not marked[i] or i in rows:
+                continue
+            if g is None:
+                dropped.append(i)
+            elif not buffers.is_ours(i, g):
+                replaced.append(i)
+        return dropped, replaced
+
+    def _tell_python_path(self) -> None:
+        """Note [Gradient path]: once per optimizer, say so when more than the gradient that opened the
+        iteration went through Python (where it must: several backward passes per step, other layouts)."""
+        slow = self.backward.take_slow_count()
+        if slow <= 1 or "python path" in self.told:
+            return
+        passes = self.backward.passes
+        if passes > 1:
+            why = f"backward_passes_per_step={passes} (each pass's gradients are counted in Python)"
+        elif self.tally.sparse_rows():
+            why = "sparse gradients, reduced as rows (Note [Sparse gradients])"
+        elif any(self.buffers.sparse):
+            why = "sparse gradients, reduced as dense (sparse_as_dense=True)"
+        else:
+            why = ("gradients whose dtype, shape or device differ from their parameter's, or that came after "
+                   "the iteration's blocks were released")
+        self.told.tell("python path", f"dcredit_opt: {slow} of {len(self.params)} gradients of the last iteration "
+                                      f"were handed over in Python, not in the C++ hook, because of {why}; each "
+                                      "costs some microseconds more (Note [Gradient path]). Said once.")
+
+    def _end_learning(self) -> None:
+        self.stepper.end_learning(self.recorder, self.closed)
+
+    # ---- profiling, planning, timeline ---------------------------------------
+
+    def _finish_profiling(self) -> None:
+        """Every rank: measure the network; rank 0: plan; everyone: stage rank 0's plan."""
+        recorder, self.recorder = self.recorder, None
+        device = self.params[0].device
+        allreduce, barrier = self.backend.sweep_collectives()
+        alpha, beta, _ = profiler.measure_alpha_beta(allreduce, barrier, device)
+        ratios = RING_STAGE_RATIOS
+        if self.config.policy in DECOUPLING_POLICIES:  # what a reduce-scatter and an all-gather cost here
+            ratios = profiler.measure_stage_ratios(self.backend.stage_collectives(), barrier, device,
+                                                   runtime.size(), alpha, beta)
+        buffers = self.buffers
+        self.staged_plan, self.profile = profiler.agree_on_plan(recorder, alpha, beta, self.config, self.params,
+                                                                buffers.wire_dtypes(),
+                                                                buffers.numels(self.tally.rows_only()), ratios)
+
+    def use_timeline(self, tl):
+        """Record into ``tl`` (or nothing, for None) from the next iteration on: ``dc.start_timeline()`` and
+        ``dc.stop_timeline()``. Returns the timeline it replaces."""
+        previous, self.timeline = self.timeline, tl
+        return previous
+
+    def end_timeline(self) -> None:
+        """The last iteration into the timeline (drained: its blocks have finished), then close the file."""
+        tl = self.timeline
+        if tl is None:
+            return
+        try:
+            if self.backward.iteration:
+                tl.record(self.engine.trace(), self.engine.ready_times(), self.names,
+                          self.buffers.layout.block_tensors, self.backward.iteration)
+            tl.close(self.names)
+        except (RuntimeError, OSError) as e:
+            log.warning("dcredit_opt: the timeline's last iteration was not written: %s", e)
+
+    # ---- the end ---------------------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Let this iteration's blocks finish before this process stops talking.
+
+        After a lazy ``step()`` the last blocks are still travelling; a rank
+        that exits then would leave its peers waiting on collectives it never
+        joins (they would fail with "connection closed by peer"). Bounded by
+        the timeout; a failure here is only logged, the job is ending anyway.
+        """
+        try:
+            if self.backward.flushed or self.lazy.npending:
+                self.engine.wait_all(float(self.config.timeout_s))
+        except (RuntimeError, TimeoutError) as e:
+            log.warning("dcredit_opt: gradients still in flight at exit did not finish: %s", e)
+
+    def close(self) -> None:
+        """Apply what is pending, then detach from the model: hooks removed, engine shut down. Idempotent."""
+        if self.closed:
+            return
+        try:
+            self.apply_pending()
+        except (RuntimeError, TimeoutError) as e:  # DCreditError included: said once, the job goes on closing
+            log.warning("dcredit_opt: the updates pending at shutdown could not be applied: %s", e)
+        self.closed = True
+        self.lazy.let_go()
+        self._dropped.detach()
+        self.drain()
+        self.end_timeline()
+        self._end_learning()
+        self.lazy.remove_hooks()
+        self.tally.close()
+        self.backward.path.close()
+        self.buffers.release()
+        self.backend.close()
+
+
+def _close_dropped(engine, backend, life, timeout_s: float) -> None:
+    """Finalizer of an optimizer dropped without ``close()``: drain what was released, then close."""
+    try:
+        if life.released:
+            engine.wait_all(timeout_s)
+    except (RuntimeError, TimeoutError) as e:
+        log.warning("dcredit_opt: a dropped optimizer's gradients in flight did not finish: %s", e)
+    try:
+        backend.close()
+    except Exception as e:  # noqa: BLE001 - a finalizer must not raise; said once
+        log.warning("dcredit_opt: closing a dropped optimizer's channels failed: %s", e)
+
+
+def _drain_at_exit(ref) -> None:
+    core = ref()
+    if core is not None and not core.closed:
+        core.drain()
+        core.end_timeline()
