@@ -65,7 +65,7 @@ def main() -> None:
         med = statistics.median(times)
         spread = statistics.stdev(times) if len(times) > 1 else 0.0
         print(f"{datetime.date.today()} {platform.node()} torch {torch.__version__} ranks {dc.size()} "
-              f"launcher {dc.runtime.kind()} backend {backend.name}")
+              f"launcher {dc.world.runtime.kind()} backend {backend.name}")
         print(f"{blocks} blocks of {args.block_kib} KiB per iteration, window {args.window}: "
               f"iteration {med * 1e3:.1f} ms median (stdev {spread * 1e3:.1f} ms, {args.iters} iterations)")
         if cost is not None:

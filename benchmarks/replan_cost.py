@@ -72,7 +72,7 @@ def rank_main(args: argparse.Namespace) -> None:
                 spent[_name].append(time.perf_counter() - t0)
 
         setattr(watched, name, timed)
-    gather = replanner.runtime.all_gather_text
+    gather = replanner.control.all_gather_text
 
     def timed_gather(text, name):
         t0 = time.perf_counter()
@@ -83,7 +83,7 @@ def rank_main(args: argparse.Namespace) -> None:
                 spent["gather"].append(time.perf_counter() - t0)
 
     spent["gather"] = []
-    replanner.runtime.all_gather_text = timed_gather
+    replanner.control.all_gather_text = timed_gather
     estimates = []
     combine = adaptive.combine
 

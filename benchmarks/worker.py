@@ -192,7 +192,7 @@ def run_dc_under_horovod(args, model, batch, rank, world):
     backend = "horovod" if "-ops" in args.scheme else "auto"  # "auto" under Horovod on CPUs: our channels
     # docs/horovod.md's recipe: fusion off (but in -fused, which measures what fusion does to our blocks);
     # with our channels carrying the blocks, a 20 ms cycle (Note [Horovod cycle time] in
-    # dcredit_opt/launchers.py). Blocks on Horovod's operations keep its default cycle.
+    # dcredit_opt/world/launchers.py). Blocks on Horovod's operations keep its default cycle.
     hvd, close_horovod = _join_horovod(rank, world, fusion_off=not args.scheme.endswith("-fused"),
                                        quiet_cycle=backend == "auto")
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)

@@ -18,10 +18,11 @@ from .collectives import *  # Horovod's API: every name in collectives.__all__
 from .collectives.missing import module_getattr as __getattr__  # noqa: F401 - Horovod names we lack: a clear error
 from .compression import Compression
 from .config import Config
-from .errors import CollectiveError, CollectiveTimeout, DCreditError, MismatchError
+from .errors import CollectiveError, CollectiveTimeout, DCreditError, LaunchError, MismatchError
 from .optimizer import DistributedOptimizer
 from .reduce_ops import Average, ReduceOp, Sum
-from .runtime import LaunchError, init, is_initialized, local_rank, rank, shutdown, size
+from .world.job import init, shutdown
+from .world.runtime import is_initialized, local_rank, rank, size
 
 __version__ = "0.1.0"
 

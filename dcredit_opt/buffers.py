@@ -19,8 +19,8 @@ from .delayed import DelayedGradients
 from .errors import DCreditError
 from .layout import build_layout
 from .planner.plan import Plan, validate
-from .runtime import at_rank
 from .watched import WatchedGradient
+from .world.peers import at_rank
 
 
 class GradientBuffers:

@@ -14,9 +14,9 @@ import hashlib
 
 import torch
 
-from . import runtime
 from .config import Config
 from .errors import MismatchError
+from .world import control, runtime
 
 
 def named_tracked_params(optimizer, named_parameters):
@@ -69,17 +69,17 @@ def check_same_model_on_all_ranks(names, params) -> None:
     world = runtime.size()
     if world == 1:
         return
-    device = runtime.control_device()
+    device = control.control_device()
     digests = [digest(f"{n}|{tuple(p.shape)}|{p.dtype}") for n, p in zip(names, params)]
     total = digest("/".join(str(d) for d in digests))
     mine = torch.tensor([len(params), total], dtype=torch.int64, device=device)
-    gathered = runtime.all_gather(mine, name="model.summary")
+    gathered = control.all_gather(mine, name="model.summary")
     if all(bool(torch.equal(g, gathered[0])) for g in gathered):
         return
     longest = max(int(g[0]) for g in gathered)
     padded = torch.full((longest + 1,), -1, dtype=torch.int64, device=device)
     padded[: len(digests)] = torch.tensor(digests, dtype=torch.int64)
-    per_rank = runtime.all_gather(padded, name="model.digests")
+    per_rank = control.all_gather(padded, name="model.digests")
     table = torch.stack(per_rank).cpu()
     first = int((table != table[0]).any(dim=0).nonzero()[0])
     differing = [r for r in range(world) if table[r, first] != table[0, first]]
@@ -111,8 +111,8 @@ def check_same_setup_on_all_ranks(config: Config, **arguments) -> None:
     settings.update(arguments)
     keys = sorted(settings)
     mine = torch.tensor([digest(f"{k}={settings[k]!r}") for k in keys], dtype=torch.int64,
-                        device=runtime.control_device())
-    table = torch.stack(runtime.all_gather(mine, name="setup.digests")).cpu()
+                        device=control.control_device())
+    table = torch.stack(control.all_gather(mine, name="setup.digests")).cpu()
     differ = [j for j in range(len(keys)) if bool((table[:, j] != table[0, j]).any())]
     if differ:
         described = "; ".join(f"{keys[j]} (ranks {[r for r in range(world) if table[r, j] != table[0, j]]} "

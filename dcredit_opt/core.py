@@ -31,7 +31,7 @@ import weakref
 
 import torch
 
-from . import backends, checks, devices, runtime, timeline
+from . import backends, checks, devices, timeline
 from .buffers import GradientBuffers
 from .errors import DCreditError
 from .gradients import Backward, WeakMethod
@@ -45,6 +45,7 @@ from .profiling.planning import DECOUPLING_POLICIES
 from .reduce_ops import Average
 from .updates import LazyUpdates
 from .usage import UsageTally
+from .world import job, runtime
 
 log = logging.getLogger("dcredit_opt")
 
@@ -55,7 +56,7 @@ class Core:
 
     def __init__(self, optimizer, base: type, names, params, frozen, passes: int, op, predivide: float, config,
                  sparse_as_dense: bool, wire, group_of):
-        runtime.init(timeout_s=config.timeout_s, backend=config.backend)
+        job.init(timeout_s=config.timeout_s, backend=config.backend)
         devices.check_world(names, params, config.backend)  # before any collective
         self.config = config
         self.names = names
@@ -120,7 +121,7 @@ class Core:
         self._dropped = weakref.finalize(optimizer, _close_dropped, self.engine, self.backend, self.backward.life,
                                          float(config.timeout_s))
         self._dropped.atexit = False  # at exit, _drain_at_exit drains and the runtime closes
-        runtime.register_user(self)
+        job.register_user(self)
         # A gradient beyond backward_passes_per_step, or of a parameter whose update is pending, is refused
         # before autograd adds it to p.grad, which by then is our slot, possibly on the wire.
         self.backward.path.install()

@@ -15,6 +15,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import _ext, backends
+from .world import control
+
 DEVICE_TYPES = ("cpu", "cuda")
 
 
@@ -54,7 +57,7 @@ def check_group(names, params, backend: str, control: torch.device | None = None
     """The default process group (``backend``) must carry the parameters' device.
 
     ``control`` is where the control plane puts its tensors
-    (``runtime.control_device()``): under NCCL, this rank's current CUDA
+    (``control.control_device()``): under NCCL, this rank's current CUDA
     device, which must then be the parameters' device, or the model check
     and the broadcasts would open communicators on another GPU.
     """
@@ -90,15 +93,13 @@ def check_extension(names, params, with_cuda: bool) -> None:
 
 
 def check_world(names, params, backend: str) -> None:
-    """Every check that needs the joined world (after ``runtime.init()``) for ``Config.backend``."""
-    from . import _ext, backends, runtime
-
-    backend_name = runtime.control_backend()
+    """Every check that needs the joined world (after ``job.init()``) for ``Config.backend``."""
+    backend_name = control.control_backend()
     if backend_name is not None:
         # The control plane (the model check, broadcasts, the plan) runs on the
         # default group (or ours, Gloo), and the torch backend's channels inherit its backend.
         on_cuda = device_of(names, params).type == "cuda"
-        check_group(names, params, backend_name, runtime.control_device() if on_cuda else None)
+        check_group(names, params, backend_name, control.control_device() if on_cuda else None)
     if (backends.detect() if backend == "auto" else backend) == "torch":
         # Only the torch engine orders blocks on CUDA streams itself.
         check_extension(names, params, bool(getattr(_ext.load(), "WITH_CUDA", False)))

@@ -22,7 +22,7 @@ import torch
 from . import _ext, timeline
 from .buffers import clear, per_tensor
 from .errors import DCreditError
-from .runtime import at_rank
+from .world.peers import at_rank
 
 
 class Backward:

@@ -14,10 +14,11 @@ import weakref
 
 import torch
 
-from . import runtime, separable
+from . import separable
 from .errors import DCreditError
-from .runtime import at_rank
 from .timeline import profiled
+from .world import runtime
+from .world.peers import at_rank
 
 
 class Stepper:

@@ -166,7 +166,7 @@ def _check_process_set(process_set) -> None:
 
 
 def _check_devices(names, params):
-    devices.device_of(names, params)  # one device, CPU or CUDA; the rest after runtime.init()
+    devices.device_of(names, params)  # one device, CPU or CUDA; the rest after job.init()
 
 
 class _Wrapper:

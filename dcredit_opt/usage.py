@@ -34,7 +34,7 @@ import torch
 from . import rows, sparse, timeline
 from .buffers import clear, per_tensor
 from .errors import DCreditError
-from .runtime import at_rank
+from .world.peers import at_rank
 
 
 class UsageTally:

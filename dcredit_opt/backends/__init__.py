@@ -23,7 +23,7 @@ other, so they must never share one.
 
 "auto" follows whoever set up the world (``runtime.kind()``): in a Horovod
 job on CPUs, torch.distributed process groups of our own beside Horovod (the
-C++ path, Note [C++ channels under Horovod] in ``runtime.py``;
+C++ path, Note [C++ channels under Horovod] in ``world/channels.py``;
 ``backend="horovod"`` keeps Horovod's operations, and so does a Horovod job
 on GPUs, whose NCCL channels beside Horovod are not built), mpi4py in a job
 that mpirun/mpiexec started and dcredit_opt joined (the user launched with
@@ -33,8 +33,8 @@ instead), torch.distributed otherwise.
 
 from __future__ import annotations
 
-from .. import runtime
 from ..config import BACKENDS
+from ..world import channels, runtime
 from .base import Backend
 from .horovod import HorovodBackend
 from .mpi import MPIBackend
@@ -56,8 +56,8 @@ def create(name: str, channels: int, timeout_s: float) -> Backend:
 
 def detect() -> str:
     """The backend of the launcher that set up the world (see the module docstring); under Horovod on CPUs,
-    process groups of our own beside it (Note [C++ channels under Horovod] in runtime.py)."""
+    process groups of our own beside it (Note [C++ channels under Horovod] in world/channels.py)."""
     kind = runtime.kind()
-    if kind == "horovod" and runtime.horovod_on_cpu():
+    if kind == "horovod" and channels.horovod_on_cpu():
         return "torch"
     return kind

@@ -44,7 +44,8 @@ import threading
 import time
 import weakref
 
-from .. import _ext, runtime
+from .. import _ext
+from ..world import control, peers, runtime
 from .base import Transport
 
 log = logging.getLogger("dcredit_opt")
@@ -117,7 +118,7 @@ class DrivenBackend:
             except (RuntimeError, TimeoutError) as e:
                 if isinstance(e, TimeoutError):
                     self._transport.abandon(True)
-                raise runtime.at_rank(e, where) from e
+                raise peers.at_rank(e, where) from e
         return run
 
     def cost_per_block_us(self) -> tuple[float, float, int]:
@@ -132,7 +133,7 @@ class DrivenBackend:
 
     def wait_tally(self, timeout_s: float) -> None:
         """Wait for the tally in flight, if any; polled, so that the wait has a deadline."""
-        runtime.wait_polled(self._transport.tally_done, timeout_s, lambda: TimeoutError(
+        control.wait_polled(self._transport.tally_done, timeout_s, lambda: TimeoutError(
             f"{self.name}: the sum of which gradients each rank computed did not finish within {timeout_s:g} s "
             "(a peer may be gone or stalled)"))
 
@@ -241,7 +242,7 @@ class _Pump:
         self._engine.close_launches()
         # After a failure (typically a timeout: a peer is gone) what is in
         # flight will not finish; do not make the exit wait for it again.
-        grace = 1.0 if self._engine.error() is not None or runtime.peer_lost() else self._timeout_s
+        grace = 1.0 if self._engine.error() is not None or peers.peer_lost() else self._timeout_s
         for thread in (self._driver, self._completer):
             if thread is not threading.current_thread():
                 thread.join(grace)
@@ -250,7 +251,7 @@ class _Pump:
         # The last tally (Note [Global usage] in usage.py) may still wait for a slower peer: its
         # buffer must outlive it, so the transport is closed only after it (or keeps it, past the grace).
         try:
-            runtime.wait_polled(self._transport.tally_done, grace, TimeoutError)
+            control.wait_polled(self._transport.tally_done, grace, TimeoutError)
         except TimeoutError:
             log.warning("dcredit_opt: the last sum of which gradients each rank computed did not finish "
                         "within %g s (a peer may be gone)", grace)

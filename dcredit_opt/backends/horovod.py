@@ -11,7 +11,7 @@ blocks, in flight at the same time, carry another ``<backend>``; and stable
 from one iteration to the next, so that Horovod's response cache answers it
 without a full negotiation. The profiler's sweep is named
 ``dc.<backend>.sweep.<elements>`` for the same reasons. Fusion is discussed
-in Note [Horovod fusion] (``launchers.py``).
+in Note [Horovod fusion] (``world/launchers.py``).
 
 Horovod runs its collectives one after another on one background thread, so
 channels do not add concurrency here: a window of k blocks means k
@@ -29,9 +29,9 @@ import atexit
 
 import torch
 
-from .. import runtime
 from ..blockops import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
-from ..launchers import warn_if_fusion_on
+from ..world import control, runtime
+from ..world.launchers import warn_if_fusion_on
 from . import packed_rows
 from .driven import DrivenBackend
 
@@ -148,7 +148,7 @@ class _HorovodTransport:
             tensor.copy_(work)
 
     def _wait(self, handle, what: str, timeout_s: float):
-        return runtime.horovod_wait(self._hvd, handle, what, timeout_s)
+        return control.horovod_wait(self._hvd, handle, what, timeout_s)
 
     def start_tally(self, counts) -> None:
         assert self._tally is None, "a tally is already in flight"

@@ -22,10 +22,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .. import runtime
 from ..blockops import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from ..errors import LaunchError
-from ..launchers import import_mpi
+from ..world import control, runtime
+from ..world.launchers import import_mpi
 from . import packed_rows
 from .driven import DrivenBackend
 
@@ -65,7 +65,7 @@ def _wait(request, timeout_s: float, what: str) -> None:
     ends with MPI_Abort at exit, since MPI_Finalize would wait for that request's stalled peer forever (a
     side collective given up on, with every block done, hung the job at exit)."""
     try:
-        runtime.wait_polled(request.Test, timeout_s, lambda: TimeoutError(
+        control.wait_polled(request.Test, timeout_s, lambda: TimeoutError(
             f"mpi: {what} did not arrive within {timeout_s:g} s (a peer may be gone or stalled)"))
     except TimeoutError:
         _IN_FLIGHT_AT_CLOSE.append((request, None))

@@ -1,7 +1,7 @@
 """torch.distributed: blocks all-reduced in C++ on one process group per channel.
 
 Each backend (so each ``DistributedOptimizer``) makes its own groups when it
-is built (``runtime.channel_groups``: ``new_group`` on every rank, in the
+is built (``channels.channel_groups``: ``new_group`` on every rank, in the
 order the optimizers are built) and destroys them when it closes. Groups are
 never shared between optimizers: each optimizer has its own dispatch thread,
 and the launches of two optimizers interleave by each rank's timing, so on a
@@ -33,7 +33,7 @@ What NCCL requires of several communicators, and how we meet it:
    and so calls ``new_group``, in the same order. c10d would create a
    group's communicator at its first collective on the device (or split it
    from the default group's, when that group was bound to a device with
-   ``device_id``); ``runtime.channel_groups`` runs that first collective
+   ``device_id``); ``channels.channel_groups`` runs that first collective
    itself, a one-element all-reduce per group on the training thread while
    the optimizer is built, so every rank creates the communicators one
    after another in the same order. Left to the first launches, the
@@ -85,8 +85,10 @@ import logging
 import torch
 import torch.distributed as dist
 
-from .. import _ext, runtime
+from .. import _ext
 from ..errors import DCreditError
+from ..world import peers, runtime
+from ..world.channels import channel_groups, destroy_channel_groups
 from . import packed_rows
 
 log = logging.getLogger("dcredit_opt")
@@ -96,8 +98,8 @@ class TorchDistBackend:
     name = "torch"
 
     def __init__(self, channels: int, timeout_s: float):
-        self._groups = runtime.channel_groups(channels)  # this backend's own (see the module docstring)
-        self._tally_group = runtime.channel_groups(1, backend="gloo")[0]  # Note [Global usage] in usage.py
+        self._groups = channel_groups(channels)  # this backend's own (see the module docstring)
+        self._tally_group = channel_groups(1, backend="gloo")[0]  # Note [Global usage] in usage.py
         self._tally = _SideSum("a tally")
         self._delayed = _SideSum("a delayed sum")  # the background sum of delayed gradients (planner/deft.py)
         self._timeout_s = float(timeout_s)
@@ -209,12 +211,12 @@ class TorchDistBackend:
             self._wait_at_close(self.wait_tally, "the last sum of which gradients each rank computed")
         groups, self._groups = self._groups + [self._tally_group], []
         self._tally_group = None  # the engine let go of its groups (Engine.shutdown): now they can really go
-        runtime.destroy_channel_groups(groups)
+        destroy_channel_groups(groups)
 
     def _wait_at_close(self, wait, what: str) -> None:
         """``wait(grace)`` for a collective still on the side group: as long as any collective, or briefly
         after a failure; a peer that is gone is logged (the channels' own failure says why), not raised."""
-        grace = 1.0 if self.engine.error() is not None or runtime.peer_lost() else self._timeout_s
+        grace = 1.0 if self.engine.error() is not None or peers.peer_lost() else self._timeout_s
         try:
             wait(grace)
         except RuntimeError as e:
@@ -228,7 +230,7 @@ def _at_rank(collective, where: str):
         try:
             return collective(*args)
         except RuntimeError as e:
-            raise runtime.at_rank(e, f"{where} on channel 0") from e
+            raise peers.at_rank(e, f"{where} on channel 0") from e
 
     return call
 

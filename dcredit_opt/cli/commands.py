@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .. import runtime, timeline
+from .. import timeline
 from ..config import reference_markdown
 from ..planner import policies
 from ..planner.cost import scale_to_workers
@@ -38,6 +38,7 @@ from ..planner.plan import ALL, blocks_of
 from ..planner.profile import Profile, ProfileError
 from ..planner.simulate import simulate
 from ..profiling.planning import CHANNEL_FIFO, make_plan
+from ..world import runtime
 from .model_profile import FactoryError, assume_link, call_factory, load_factory, profile_model
 
 PROG = "python -m dcredit_opt"

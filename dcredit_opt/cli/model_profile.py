@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from .. import runtime
 from ..config import Config
 from ..optimizer import DistributedOptimizer
 from ..planner.cost import ring_allreduce
 from ..planner.profile import Profile
+from ..world import job
 
 
 class FactoryError(ValueError):
@@ -131,7 +131,7 @@ def profile_model(model, batch, loss_fn, *, iters: int = 5) -> Profile | None:
     parameters are updated with a tiny SGD step: the optimizer's choice does
     not change the compute times measured.
     """
-    runtime.init()
+    job.init()
     inputs, target = batch
     params = [p for p in model.parameters() if p.requires_grad]
     opt = DistributedOptimizer(torch.optim.SGD(params, lr=1e-3), named_parameters=[

@@ -10,8 +10,8 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from .. import runtime
-from ..runtime import require_world
+from ..world import control, runtime
+from ..world.runtime import require_world
 from . import core
 from .core import DIST_OPS, Handle, agree, describe, label
 
@@ -53,7 +53,7 @@ def _allreduce_launch(tensors: list, r: _Reduce) -> Handle:
     if size > 1:
         agree(describe("allreduce" if r.fn.startswith("allreduce") else "grouped_allreduce", tensors, r.op,
                         name=r.name), what, r.name)
-    device = runtime.control_device()
+    device = control.control_device()
     wires = [_DIST_WIRE.get(t.dtype, t.dtype) for t in tensors]
     groups: dict[torch.dtype, list[int]] = {}
     for i, wire in enumerate(wires):
@@ -63,7 +63,7 @@ def _allreduce_launch(tensors: list, r: _Reduce) -> Handle:
         flat = torch.cat([tensors[i].detach().reshape(-1).to(device=device, dtype=wire) for i in members])
         flat = _scaled(flat, r.prescale)
         if size > 1:
-            works.append(dist.all_reduce(flat, op=DIST_OPS[r.op], group=runtime.control_group(), async_op=True))
+            works.append(dist.all_reduce(flat, op=DIST_OPS[r.op], group=control.control_group(), async_op=True))
         buffers.append((members, flat))
 
     def finish(_):

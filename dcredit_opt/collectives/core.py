@@ -11,10 +11,10 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from .. import runtime
 from ..errors import CollectiveError, CollectiveTimeout, MismatchError
 from ..reduce_ops import HOROVOD_OP_CODES, ReduceOp
-from ..runtime import require_world
+from ..world import control, runtime
+from ..world.runtime import require_world
 
 # Horovod's reduce ops are ints (reduce_ops.HOROVOD_OP_CODES); Average and Sum are also dcredit_opt's
 # ReduceOp. Adasum is refused (missing.py).
@@ -258,10 +258,10 @@ def _shape_text(row: list[int]) -> str:
 
 def agree(descriptor: list[int], what: str, name: str | None) -> list[list[int]]:
     """All-gather ``descriptor`` (within the deadline); raise on every rank if they disagree."""
-    device = runtime.control_device()
+    device = control.control_device()
     mine = torch.tensor(descriptor, dtype=torch.int64, device=device)
     rows = [torch.empty_like(mine) for _ in range(runtime.size())]
-    Handle(what, works=[dist.all_gather(rows, mine, group=runtime.control_group(), async_op=True)]).wait()
+    Handle(what, works=[dist.all_gather(rows, mine, group=control.control_group(), async_op=True)]).wait()
     table = [r.tolist() for r in rows]
     problem = disagreement(table, what, name, runtime.rank())
     if problem:

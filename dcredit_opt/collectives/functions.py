@@ -11,20 +11,20 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from .. import runtime
 from ..errors import MismatchError
 from ..lazy import core_of
+from ..world import control, job, runtime
 from .objects import TENSOR_DTYPES
 
 
 def _broadcast_(tensor: torch.Tensor, root_rank: int, name: str) -> None:
     """In-place broadcast that also works for tensors the control plane cannot send directly."""
-    dev = runtime.control_device()
+    dev = control.control_device()
     if tensor.device == dev and tensor.is_contiguous():
-        runtime.broadcast_(tensor, root_rank, name)
+        control.broadcast_(tensor, root_rank, name)
         return
     tmp = tensor.detach().to(dev).contiguous()
-    runtime.broadcast_(tmp, root_rank, name)
+    control.broadcast_(tmp, root_rank, name)
     with torch.no_grad():
         tensor.copy_(tmp)
 
@@ -36,7 +36,7 @@ def _check_root(root_rank: int) -> None:
 
 def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable, root_rank: int = 0) -> None:
     """Overwrite ``params`` (a ``state_dict()`` or ``named_parameters()``) with ``root_rank``'s values."""
-    runtime.init()
+    job.init()
     _check_root(root_rank)
     items = list(params.items()) if isinstance(params, Mapping) else list(params)
     for item in items:
@@ -57,7 +57,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     Ranks whose optimizer has no state yet (a fresh start beside a restored
     checkpoint on the root) get the root's state structure first.
     """
-    runtime.init()
+    job.init()
     _check_root(root_rank)
     if runtime.size() == 1:
         return
@@ -72,7 +72,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
         except TypeError as e:  # every rank must hear of it, or the others would wait for the state
             failure = e
             description = json.dumps({"error": f"{type(e).__name__}: {e}"})
-    desc = json.loads(runtime.broadcast_text(description, root_rank))
+    desc = json.loads(control.broadcast_text(description, root_rank))
     if failure is not None:
         raise failure
     if "error" in desc:

@@ -10,9 +10,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from .. import groups, runtime
 from ..errors import CollectiveError
-from ..runtime import require_world
+from ..world import control, groups, runtime
+from ..world.runtime import require_world
 from . import core, objects
 from .allreduce import allreduce
 from .core import Handle, agree, describe, label
@@ -54,12 +54,12 @@ def _allgather_launch(tensor: torch.Tensor, name: str | None, fn: str) -> Handle
     table = agree(describe("allgather", [tensor], name=name, gather=True), what, name)
     firsts = [row[-1] for row in table]
     row_bytes = math.prod(tensor.shape[1:]) * tensor.element_size()
-    device = runtime.control_device()
+    device = control.control_device()
     longest = max(firsts) * row_bytes
     mine = torch.zeros(longest, dtype=torch.uint8, device=device)
     mine[:tensor.shape[0] * row_bytes] = _bytes_of(tensor.detach().to(device).contiguous())
     parts = [torch.empty_like(mine) for _ in range(size)]
-    works = [dist.all_gather(parts, mine, group=runtime.control_group(), async_op=True)] if longest else []
+    works = [dist.all_gather(parts, mine, group=control.control_group(), async_op=True)] if longest else []
 
     def finish(_):
         data = torch.cat([p[:n * row_bytes] for p, n in zip(parts, firsts)])
@@ -145,11 +145,11 @@ def _broadcast_launch(tensor: torch.Tensor, root_rank: int, name: str | None, fn
     size = runtime.size()
     if size > 1:
         agree(describe("broadcast", [tensor], root_rank=root_rank, name=name), what, name)
-    device = runtime.control_device()
+    device = control.control_device()
     staged = tensor.detach().to(device).contiguous()
     if not inplace and staged.data_ptr() == tensor.data_ptr():
         staged = staged.clone()  # the input is not changed
-    works = ([groups.broadcast(_bytes_of(staged), root_rank, runtime.control_group(), async_op=True)]
+    works = ([groups.broadcast(_bytes_of(staged), root_rank, control.control_group(), async_op=True)]
              if size > 1 and staged.numel() else [])
 
     def finish(_):

@@ -27,8 +27,9 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from .. import runtime, timeline
-from ..runtime import require_world
+from .. import timeline
+from ..world import control, job, runtime
+from ..world.runtime import require_world
 
 log = logging.getLogger("dcredit_opt")
 
@@ -74,7 +75,7 @@ def _layout(fn: str) -> Layout:
         return Layout(hvd.local_size(), hvd.cross_rank(), hvd.cross_size(), homogeneous)
     if runtime.size() == 1:
         return Layout(1, 0, 1, True)
-    world = runtime._world  # the identity of this job's world, to know when the answer is stale
+    world = runtime.current()  # the identity of this job's world, to know when the answer is stale
     cached = _layouts.get(id(world))
     if cached is not None and cached[0] is world:
         return cached[1]
@@ -83,7 +84,7 @@ def _layout(fn: str) -> Layout:
         found = torchrun_layout(os.environ)
     if found is None:
         mine = json.dumps([socket.gethostname(), runtime.local_rank()])
-        rows = [json.loads(text) for text in runtime.all_gather_text(mine, "layout")]
+        rows = [json.loads(text) for text in control.all_gather_text(mine, "layout")]
         found = layout_of([h for h, _ in rows], [lr for _, lr in rows], runtime.rank())
     _layouts.clear()
     _layouts[id(world)] = (world, found)
@@ -163,7 +164,7 @@ def gloo_enabled() -> bool:
     kind = require_world("gloo_enabled")
     if kind == "horovod":
         return bool(runtime.horovod().gloo_enabled())
-    return runtime.control_backend() == "gloo"
+    return control.control_backend() == "gloo"
 
 
 def mpi_threads_supported() -> bool:
@@ -201,7 +202,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
         raise TypeError(f"start_timeline: file_path must be a path, got {file_path!r}")
     if not isinstance(mark_cycles, bool):
         raise TypeError(f"start_timeline: mark_cycles must be a bool, got {mark_cycles!r}")
-    users = [u for u in runtime._users.values() if not u.closed]
+    users = job.users()
     if not users:
         log.warning("dcredit_opt: start_timeline(%r): no DistributedOptimizer is live, so there is nothing to "
                     "record; build the optimizer first, or pass Config(timeline_path=...)", str(file_path))

@@ -26,12 +26,12 @@ import time
 
 import torch
 
-from .. import runtime
 from ..config import Config
 from ..errors import DCreditError
 from ..planner.cost import fit_alpha_beta
 from ..planner.plan import Plan, validate
 from ..planner.profile import RING_STAGE_RATIOS, Profile, TensorProfile, canonical_dtype
+from ..world import control, runtime
 from .planning import make_plan
 
 # A sweep from latency-bound to bandwidth-bound messages; 4 repeats each,
@@ -204,7 +204,7 @@ def agree_on_plan(recorder: Recorder, alpha: float, beta: float, config: Config,
             text = plan.to_json()
         except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others would wait
             text = json.dumps({"error": f"{type(e).__name__}: {e}"})
-    data = json.loads(runtime.broadcast_text(text, root_rank=0))
+    data = json.loads(control.broadcast_text(text, root_rank=0))
     if "error" in data:
         raise DCreditError(f"rank 0 could not plan with policy {config.policy!r}: {data['error']}")
     return Plan.from_dict(data), profile

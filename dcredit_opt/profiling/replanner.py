@@ -24,11 +24,11 @@ import json
 import logging
 import math
 
-from .. import runtime
 from ..config import Config
 from ..planner import adaptive
 from ..planner.plan import Plan, validate
 from ..planner.simulate import iteration_time
+from ..world import control, runtime
 from .planning import CHANNEL_FIFO, make_plan
 
 log = logging.getLogger("dcredit_opt")
@@ -52,7 +52,7 @@ def control_on_gpu() -> bool:
     training thread in no fixed order with the blocks our launching thread issues; concurrent NCCL
     communicators can deadlock when their kernels meet in different orders on different ranks. So there a
     check first waits until this step's blocks are done."""
-    return runtime.control_device().type == "cuda"
+    return control.control_device().type == "cuda"
 
 
 def wanted(config: Config, world_size: int, has_params: bool) -> bool:
@@ -123,7 +123,7 @@ class Replanner:
 
     def _decide(self, iteration: int, plan: Plan, numels, timeline) -> Plan | None:
         mine = self._window.take()
-        gathered = runtime.all_gather_text(json.dumps(None if mine is None else mine.to_dict()), "replan.window")
+        gathered = control.all_gather_text(json.dumps(None if mine is None else mine.to_dict()), "replan.window")
         windows = [None if w is None else adaptive.Window.from_dict(w) for w in map(json.loads, gathered)]
         if self._base is None:
             if all(w is not None for w in windows):
@@ -134,7 +134,7 @@ class Replanner:
             return None
         self._hysteresis.reset()
         text = self._plan_on_rank0(plan, estimate, numels) if runtime.rank() == 0 else None
-        data = json.loads(runtime.broadcast_text(text, root_rank=0))
+        data = json.loads(control.broadcast_text(text, root_rank=0))
         if "error" in data:
             self._off = True
             log.warning("dcredit_opt: re-planning stops for this optimizer: rank 0 could not re-plan with policy "

@@ -32,7 +32,7 @@ def results(horovod_first: bool = False, marker: str = "") -> dict:
     """Every collective once (rank r of 2); returns what each gave, for the test to compare with hand values."""
     _join(horovod_first)
     r = dc.rank()
-    out = {"kind": dc.runtime.kind(), "rank": r, "size": dc.size()}
+    out = {"kind": dc.world.runtime.kind(), "rank": r, "size": dc.size()}
     x = torch.tensor([1.0 + r, 10.0 * (r + 1)])  # rank 0: [1, 10], rank 1: [2, 20]
     out["average"] = dc.allreduce(x, name="average")
     out["sum"] = dc.allreduce(x, op=dc.Sum, process_set=dc.global_process_set)
@@ -136,7 +136,7 @@ def results(horovod_first: bool = False, marker: str = "") -> dict:
     out["err_shape"] = _error(lambda: dc.allreduce(torch.ones(2 + r), name="mismatch.shape"))
     out["err_gather_shape"] = _error(lambda: dc.allgather(torch.ones(1, 2 + r), name="mismatch.gather"))
     out["err_root"] = _error(lambda: dc.broadcast(torch.ones(2), r, name="mismatch.root"))
-    if dc.runtime.kind() != "horovod":  # Horovod matches by name: different names would wait for each other
+    if dc.world.runtime.kind() != "horovod":  # Horovod matches by name: different names would wait for each other
         out["err_name"] = _error(lambda: dc.allreduce(torch.ones(1), name=f"mismatch.name.{r}"))
         out["err_op"] = _error(lambda: dc.allreduce(torch.ones(1), op=dc.Sum if r == 0 else dc.Max))
     out["after_errors"] = dc.allreduce(torch.tensor([float(r)]), op=dc.Sum, name="after")

@@ -11,7 +11,7 @@ clean: exit status 0 on every rank.
 
 Each rank prints ``weights equal: <bool>`` per training and, after the last
 ``dc.shutdown()``, ``threads left: [...]``: the names of this process's
-threads other than the main one (Note [Orderly exit] in runtime.py: none of
+threads other than the main one (Note [Orderly exit] in world/job.py: none of
 Gloo's or ours may outlive ``shutdown()``).
 """
 

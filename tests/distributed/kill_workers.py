@@ -76,7 +76,7 @@ def _join(horovod_first: bool, timeout_s: float) -> None:
 def start_barrier(world: int, timeout_s: float = 240.0) -> None:
     if world == 1:
         return
-    if dc.runtime.kind() == "horovod":
+    if dc.world.runtime.kind() == "horovod":
         import horovod.torch as hvd
 
         hvd.allreduce(torch.zeros(1), name="kill_workers.start")  # Horovod's own wait: no deadline

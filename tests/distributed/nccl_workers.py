@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 import dcredit_opt as dc
-from dcredit_opt import _ext, runtime
+from dcredit_opt import _ext
+from dcredit_opt.world import channels
 
 from . import workers
 
@@ -101,7 +102,7 @@ def side_stream_engine(iterations: int = 3, backend: str = "nccl") -> dict:
     device = _join(backend)
     world, rank = dc.size(), dc.rank()
     C = _ext.load()
-    engine = C.Engine.torch(runtime.channel_groups(2), 60.0)
+    engine = C.Engine.torch(channels.channel_groups(2), 60.0)
     buf = torch.zeros(1 << 20, device=device)
     _one_tensor_plan(engine, buf, blocks=4, postscale=0.5, channels=2)
     side = torch.cuda.Stream(device)
@@ -181,7 +182,7 @@ def dispatch_rate(blocks: int = 4096, block_numel: int = 256, tensors: int = 64,
             "priorities": [b // per for b in range(blocks)], "block_tensors": [[b // per] for b in range(blocks)],
             "phase1_windows": [-1] * tensors, "phase2_windows": [8], "credit_bytes": 0, "channels": 2}
     out = {}
-    for name, engine in (("noop", C.Engine.noop(60.0)), ("nccl", C.Engine.torch(runtime.channel_groups(2), 60.0))):
+    for name, engine in (("noop", C.Engine.noop(60.0)), ("nccl", C.Engine.torch(channels.channel_groups(2), 60.0))):
         try:
             engine.set_plan(**plan, buffers=[buf] if name == "nccl" else [], postscale=1.0 / dc.size())
             times = []

@@ -1,5 +1,5 @@
 """What each rank runs in test_own_groups.py: under mpiexec and horovodrun, dcredit_opt's groups are its own
-(Note [Private groups] in groups.py), so the script's torch.distributed stays the script's.
+(Note [Private groups] in world/groups.py), so the script's torch.distributed stays the script's.
 
 The script builds an optimizer, trains, then calls ``dist.init_process_group()`` itself (on a file store the test
 names), uses its default group, and trains on, with the same optimizer and with one built afterwards on backend

@@ -81,14 +81,14 @@ def _watch_checks(opts: list, seen: list) -> None:
     """The control plane taken for the GPU's (replanner.control_on_gpu): at each check's gather, whether every
     optimizer's scheduler had nothing in flight."""
     replanner.control_on_gpu = lambda: True
-    gather = replanner.runtime.all_gather_text
+    gather = replanner.control.all_gather_text
 
     def watched(text, name):
         if name == "replan.window":
             seen.append(all(opt._dc.engine.idle() for opt in opts))
         return gather(text, name)
 
-    replanner.runtime.all_gather_text = watched
+    replanner.control.all_gather_text = watched
 
 
 def _step(model: Net, opts: list, passes: int, step: int, rank: int) -> list:

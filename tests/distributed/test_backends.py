@@ -66,7 +66,7 @@ def horovod_missing(controller: str) -> str | None:
 
 
 # "backend": the one a test asks for by name; "auto": what Config(backend="auto") picks there (under Horovod on
-# CPUs, our own C++ channels beside Horovod: Note [C++ channels under Horovod] in runtime.py).
+# CPUs, our own C++ channels beside Horovod: Note [C++ channels under Horovod] in world/channels.py).
 LAUNCHES = {
     "mpi": {"launcher": ["mpiexec", "-n", "2"], "backend": "mpi", "auto": "mpi", "horovod_first": False,
             "missing": mpi_missing},

@@ -9,7 +9,7 @@
   fresh optimizer, three times, the weights equal on both ranks each time,
   then a last training and an ``all_gather`` on the default group; every
   rank exits 0, and no Gloo thread or thread of ours is left after
-  ``dc.shutdown()`` (Note [Orderly exit] in runtime.py).
+  ``dc.shutdown()`` (Note [Orderly exit] in world/job.py).
 
 Under load, the exit once aborted in about 50 runs, so a few runs here catch
 a regression of the cause (the threads left) at once and its symptom only

@@ -6,7 +6,7 @@ own spawn helper, mpi4py under ``mpiexec``, Horovod under ``horovodrun --gloo``.
 What every case checks (``problems``):
 
 - every surviving rank raises a ``DCreditError`` whose message names the lost peer (Note [Lost peers] in
-  runtime.py) and the phase it was in, and exits non-zero, through the interpreter (a traceback; never
+  world/peers.py) and the phase it was in, and exits non-zero, through the interpreter (a traceback; never
   "terminate called", an abort, a core dump, a segmentation fault);
 - it raises within ``timeout_s`` plus a margin of the fault (the margin is generous on this busy 2-core
   machine; the sweep records the real times);
@@ -51,7 +51,7 @@ from .test_backends import _tool, horovod_missing, mpi_missing
 
 TIMEOUT_S = timing.STALL_TIMEOUT_S
 # Over Config.timeout_s: the block that times out starts a little after the fault, the lost peer is looked for
-# for up to runtime.LOST_WINDOW_S, and Python prints a traceback; generous for a busy machine. The issue's
+# for up to peers.LOST_WINDOW_S, and Python prints a traceback; generous for a busy machine. The issue's
 # target (timeout_s + 5 s) is what the sweep records against.
 RAISE_MARGIN_S = timing.scaled(25.0)
 TARGET_MARGIN_S = 5.0

@@ -8,7 +8,7 @@ writer took 0.93 of a core and the other's 0.26 (the busiest thread is 0.07 of a
 ``HOROVOD_GLOO_TIMEOUT_SECONDS=5``, ``test_force_allreduce`` with gradient blocks on our own channels failed in 4
 of 11 runs ("Timed out waiting 5000ms for recv"), in 7 of 8 with the garbage collector off (more process groups
 alive), and in none of 8 with the variable dropped (none of 6 with gc off too). Note [C++ channels under Horovod] in
-``dcredit_opt/runtime.py`` has the whole account.
+``dcredit_opt/world/channels.py`` has the whole account.
 
 ``-p tests.horovod_peer.no_timeline`` drops the variable once the test modules are imported (after collection),
 before any test calls ``hvd.init()``. Nothing else changes.

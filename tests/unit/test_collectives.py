@@ -21,6 +21,7 @@ import dcredit_opt as dc
 from dcredit_opt.collectives import core, objects
 from dcredit_opt.collectives.jobinfo import Layout, layout_of, torchrun_layout
 from dcredit_opt.collectives.missing import MISSING
+from dcredit_opt.world import channels, control, runtime
 from tests import timing
 
 pytestmark = pytest.mark.timeout(120)
@@ -359,7 +360,7 @@ def test_a_horovod_handle_that_never_completes_times_out_without_spinning(monkey
         def synchronize(self, handle):
             raise AssertionError("synchronize would wait forever")
 
-    monkeypatch.setattr(dc.runtime, "timeout_s", lambda: 0.3)
+    monkeypatch.setattr(runtime, "timeout_s", lambda: 0.3)
     h = core.Handle("allreduce 'x'", hvd=NeverDone(), hvd_handle=7, finish=lambda out: out)
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"^rank 0 of 1: allreduce 'x' did not complete within 0.3 s"):
@@ -381,7 +382,7 @@ def test_a_failed_or_late_transport_wait_is_named(monkeypatch):
             assert timeout.total_seconds() <= 0.3
             raise RuntimeError(self.message)
 
-    monkeypatch.setattr(dc.runtime, "timeout_s", lambda: 0.3)
+    monkeypatch.setattr(runtime, "timeout_s", lambda: 0.3)
     with pytest.raises(TimeoutError, match="broadcast did not complete within 0.3 s"):
         core.Handle("broadcast", works=[Work("Operation timed out!")]).wait()
     with pytest.raises(RuntimeError, match="rank 0 of 1: barrier failed: Connection closed by peer") as info:
@@ -423,21 +424,19 @@ class _FakeHorovod:
 
 
 def _horovod_world(monkeypatch, hvd, timeout_s):
-    from dcredit_opt import runtime
-
-    world = runtime._World(rank=0, size=2, local_rank=0, owns_default_group=False, timeout_s=timeout_s,
-                           kind="horovod", hvd=hvd)
+    world = runtime.World(rank=0, size=2, local_rank=0, owns_default_group=False, timeout_s=timeout_s,
+                          kind="horovod", hvd=hvd)
     monkeypatch.setattr(runtime, "_world", world)
-    return runtime
+    return world
 
 
 def test_the_control_plane_under_horovod_polls_async_operations_to_their_result(monkeypatch):
     hvd = _FakeHorovod(polls_needed=5)
-    runtime = _horovod_world(monkeypatch, hvd, timeout_s=30.0)
-    rows = runtime.all_gather(torch.tensor([[1, 2]], dtype=torch.int32), name="model.summary")
+    _horovod_world(monkeypatch, hvd, timeout_s=30.0)
+    rows = control.all_gather(torch.tensor([[1, 2]], dtype=torch.int32), name="model.summary")
     assert [r.tolist() for r in rows] == [[[1, 2]], [[2, 3]]]
     t = torch.zeros(2, dtype=torch.int16)
-    runtime.broadcast_(t, 1, name="text.length")
+    control.broadcast_(t, 1, name="text.length")
     assert t.view(torch.uint8).tolist() == [7, 7, 7, 7]  # moved as bytes
     assert hvd.started == [("allgather_async", "dc.ctl.model.summary"), ("broadcast_async_", "dc.ctl.text.length", 1)]
 
@@ -445,7 +444,7 @@ def test_the_control_plane_under_horovod_polls_async_operations_to_their_result(
 @pytest.mark.parametrize("call", ["all_gather", "broadcast_"])
 def test_a_control_plane_operation_a_peer_never_joins_times_out_under_horovod(monkeypatch, call):
     hvd = _FakeHorovod(polls_needed=None)
-    runtime = _horovod_world(monkeypatch, hvd, timeout_s=0.3)
+    _horovod_world(monkeypatch, hvd, timeout_s=0.3)
     t = torch.zeros(3, dtype=torch.int64)
     start = time.monotonic()
     op = "all_gather 'dc.ctl.setup.digests'" if call == "all_gather" else "broadcast_ 'dc.ctl.setup.digests'"
@@ -453,9 +452,9 @@ def test_a_control_plane_operation_a_peer_never_joins_times_out_under_horovod(mo
             rf"^rank 0 of 2: control-plane operation {op} did not complete within 0.3 s \(init\(timeout_s=\.\.\.\)\): "
             "a peer is gone or did not reach the same call")):
         if call == "all_gather":
-            runtime.all_gather(t, name="setup.digests")
+            control.all_gather(t, name="setup.digests")
         else:
-            runtime.broadcast_(t, 0, name="setup.digests")
+            control.broadcast_(t, 0, name="setup.digests")
     assert 0.3 <= time.monotonic() - start < timing.scaled(5)
     # Sleeps grow from 20 us to 2 ms: about 160 polls in 0.3 s; a spinning wait would make many thousands.
     assert 5 < hvd.polls < 400, f"{hvd.polls} polls in 0.3 s"
@@ -592,15 +591,14 @@ def test_auto_under_horovod_is_our_channels_on_cpus_and_horovods_operations_on_g
     # Note [C++ channels under Horovod]; whether the job runs on CPUs is decided already (the next test).
     from dcredit_opt import backends
 
-    runtime = _horovod_world(monkeypatch, _FakeHorovod(polls_needed=1), timeout_s=30.0)
-    runtime._world.on_cpu = on_cpu
+    _horovod_world(monkeypatch, _FakeHorovod(polls_needed=1), timeout_s=30.0).on_cpu = on_cpu
     assert backends.detect() == expected
 
 
 def test_whether_a_horovod_job_runs_on_cpus_is_decided_once_by_every_rank(monkeypatch):
     hvd = _FakeHorovod(polls_needed=1)
-    runtime = _horovod_world(monkeypatch, hvd, timeout_s=30.0)
+    _horovod_world(monkeypatch, hvd, timeout_s=30.0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # this rank has CUDA; the fake's rank 1 has not
-    assert runtime.horovod_on_cpu() is True  # one rank without CUDA makes it a CPU job for all
-    assert runtime.horovod_on_cpu() is True
+    assert channels.horovod_on_cpu() is True  # one rank without CUDA makes it a CPU job for all
+    assert channels.horovod_on_cpu() is True
     assert hvd.started == [("allgather_async", "dc.ctl.cpu")]  # asked once per job

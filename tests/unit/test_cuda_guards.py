@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 import dcredit_opt as dc
-from dcredit_opt import _ext, devices, runtime
+from dcredit_opt import _ext, devices
+from dcredit_opt.world import channels, control
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -111,8 +112,8 @@ def test_an_nccl_default_group_with_a_cpu_model_fails_before_any_communication(m
     def no_communication(*args, **kwargs):
         raise AssertionError("communication was attempted before the device check")
 
-    monkeypatch.setattr(runtime, "all_gather", no_communication)
-    monkeypatch.setattr(runtime, "broadcast_", no_communication)
+    monkeypatch.setattr(control, "all_gather", no_communication)
+    monkeypatch.setattr(control, "broadcast_", no_communication)
     monkeypatch.setattr(dc.core.backends, "create", no_communication)
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
@@ -143,7 +144,7 @@ def _plan(engine, buffers, numels_per_tensor, blocks_per_tensor, postscale, chan
 def test_event_api_is_a_no_op_on_cpu_blocks():
     dc.init()
     C = _ext.load()
-    engine = C.Engine.torch(runtime.channel_groups(1), 30.0)
+    engine = C.Engine.torch(channels.channel_groups(1), 30.0)
     try:
         bufs = [torch.full((8,), 2.0), torch.full((12,), 4.0)]
         _plan(engine, bufs, [8, 12], [2, 3], postscale=0.5)
@@ -193,7 +194,7 @@ def test_engines_without_tensors_accept_the_event_flag(record):
 def test_blocks_must_share_one_cpu_or_cuda_device(make, message):
     dc.init()
     C = _ext.load()
-    engine = C.Engine.torch(runtime.channel_groups(1), 30.0)
+    engine = C.Engine.torch(channels.channel_groups(1), 30.0)
     try:
         buffers = make()
         with pytest.raises(ValueError, match=message):

@@ -2,7 +2,7 @@
 
 The engine's own errors (``_C.SchedulerError``, ``_C.Timeout``) derive from
 ``CollectiveError`` and ``CollectiveTimeout`` (``csrc/torch/bindings.cc``);
-``runtime.at_rank``, through which the optimizer re-raises them naming the
+``peers.at_rank``, through which the optimizer re-raises them naming the
 rank and the phase, keeps their type and turns torch.distributed's errors
 into ours. The uneven last step on 2 ranks is in
 ``tests/distributed/test_exit.py``.
@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 
 import dcredit_opt as dc
-from dcredit_opt import _ext, errors, runtime
+from dcredit_opt import _ext, errors
+from dcredit_opt.world import peers, runtime
 from tests.unit.test_scheduler import TWO_TENSORS, complete_in_order, manual_engine
 
 C = _ext.load()
@@ -39,7 +40,7 @@ def test_an_engine_timeout_is_a_dcredit_error():
             engine.wait_all(30.0)
     e = info.value
     assert isinstance(e, C.Timeout) and isinstance(e, dc.CollectiveTimeout) and isinstance(e, TimeoutError)
-    again = runtime.at_rank(e, "phase 1 (backward)")
+    again = peers.at_rank(e, "phase 1 (backward)")
     assert type(again) is C.Timeout
     assert "phase 1 (backward)" in str(again) and "block 1" in str(again)
 
@@ -55,7 +56,7 @@ def test_a_failed_collective_is_a_dcredit_error():
             engine.wait_all(10.0)
     e = info.value
     assert isinstance(e, C.SchedulerError) and isinstance(e, dc.CollectiveError) and not isinstance(e, TimeoutError)
-    assert type(runtime.at_rank(e, "end of phase 1")) is C.SchedulerError
+    assert type(peers.at_rank(e, "end of phase 1")) is C.SchedulerError
 
 
 @pytest.mark.timeout(60)
@@ -78,7 +79,7 @@ class DistBackendError(RuntimeError):
     (RuntimeError("the work failed"), dc.CollectiveError),
 ])
 def test_at_rank_turns_other_errors_into_dcredit_errors(error, kind):
-    again = runtime.at_rank(error, "end of phase 1, summing which gradients each rank computed")
+    again = peers.at_rank(error, "end of phase 1, summing which gradients each rank computed")
     assert type(again) is kind and isinstance(again, dc.DCreditError)
     assert str(error) in str(again) and "summing which gradients" in str(again)
     if kind is dc.CollectiveTimeout:
@@ -87,7 +88,7 @@ def test_at_rank_turns_other_errors_into_dcredit_errors(error, kind):
 
 def test_a_mistake_of_ours_keeps_its_type():
     e = dc.DCreditError("'w' was read before its update")
-    again = runtime.at_rank(e, "phase 2")
+    again = peers.at_rank(e, "phase 2")
     assert type(again) is dc.DCreditError and "phase 2" in str(again)
 
 

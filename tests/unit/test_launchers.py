@@ -35,7 +35,7 @@ for step in range(3):
     model(torch.ones(2, 4) * step).pow(2).mean().backward()
     opt.step()
 opt.synchronize()
-print("backend", opt._dc.backend.name, "size", dc.size(), "kind", dc.runtime.kind())
+print("backend", opt._dc.backend.name, "size", dc.size(), "kind", dc.world.runtime.kind())
 opt._dc.close()
 dc.shutdown()
 """
@@ -186,8 +186,8 @@ def test_mpi_world_of_one_trains_with_gloo_of_its_own_for_control():
     """Note [Private groups]: the control plane is a Gloo group of ours; torch.distributed stays the script's."""
     if not importable("from mpi4py import MPI"):
         pytest.skip("mpi4py cannot load an MPI library (pip install mpich mpi4py)")
-    out = run("import torch.distributed as dist, dcredit_opt as dc\nfrom dcredit_opt import runtime\n"
-              "dc.init(backend='mpi')\nprint('gloo', dist.is_initialized(), runtime.control_backend())\n" + TRAIN)
+    out = run("import torch.distributed as dist, dcredit_opt as dc\nfrom dcredit_opt.world import control\n"
+              "dc.init(backend='mpi')\nprint('gloo', dist.is_initialized(), control.control_backend())\n" + TRAIN)
     assert out.returncode == 0, out.stderr
     assert "gloo False gloo" in out.stdout and "backend mpi size 1 kind mpi" in out.stdout, out.stdout
 
@@ -200,7 +200,7 @@ def test_mpi_world_of_one_trains_with_gloo_of_its_own_for_control():
     ("rack[2,4]n[1]", "rack2n1"), ("x[a-b]", None), ("n[1-3", None), ("n1]", None), ("", None),
 ])
 def test_first_host_of_a_slurm_node_list(nodes, first):
-    from dcredit_opt.launchers import first_host
+    from dcredit_opt.world.launchers import first_host
 
     assert first_host(nodes) == first
 
@@ -211,7 +211,7 @@ SRUN_TASK = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "4", "SLURM_NTASKS": "
 
 
 def test_srun_task_gets_torchrun_variables():
-    from dcredit_opt.launchers import slurm_environment
+    from dcredit_opt.world.launchers import slurm_environment
 
     env = slurm_environment(SRUN_TASK)
     assert {k: env[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")} == {
@@ -226,7 +226,7 @@ def test_srun_task_gets_torchrun_variables():
 
 def test_srun_task_with_an_unreadable_node_list_says_to_export_master_addr():
     from dcredit_opt.errors import LaunchError
-    from dcredit_opt.launchers import slurm_environment
+    from dcredit_opt.world.launchers import slurm_environment
 
     with pytest.raises(LaunchError, match="export MASTER_ADDR"):
         slurm_environment({**SRUN_TASK, "SLURM_STEP_NODELIST": "cn[a-b]"})
@@ -267,7 +267,7 @@ def test_two_srun_tasks_train_together():
 
 
 def test_srun_with_pmi2_joins_through_slurm_and_takes_a_reserved_port():
-    from dcredit_opt.launchers import slurm_environment, srun_pmi
+    from dcredit_opt.world.launchers import slurm_environment, srun_pmi
 
     pmi2 = {**SRUN_TASK, "PMI_RANK": "1", "PMI_SIZE": "4"}
     assert srun_pmi(pmi2)
@@ -277,7 +277,7 @@ def test_srun_with_pmi2_joins_through_slurm_and_takes_a_reserved_port():
 
 
 def test_srun_pmi2_task_is_a_torch_job_not_an_mpi_one():
-    out = run("import dcredit_opt as dc\nprint('launcher', dc.runtime._launcher('auto'))",
+    out = run("import dcredit_opt as dc\nprint('launcher', dc.world.job._launcher('auto'))",
               env={**SRUN_TASK, "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "PMI_RANK": "0", "PMI_SIZE": "1"})
     assert out.returncode == 0, out.stderr
     assert "launcher torch" in out.stdout, out.stdout

@@ -70,7 +70,7 @@ LAYERS = (
     ("the pure planner", ("dcredit_opt.planner", "dcredit_opt.blockops", "dcredit_opt.files")),
     ("the ground", ("dcredit_opt._build_info", "dcredit_opt._ext", "dcredit_opt.config", "dcredit_opt.errors",
                     "dcredit_opt.reduce_ops", "dcredit_opt.timeline")),
-    ("the world", ("dcredit_opt.runtime", "dcredit_opt.launchers", "dcredit_opt.groups")),
+    ("the world", ("dcredit_opt.world",)),
     ("the backends", ("dcredit_opt.backends",)),
     ("profiling", ("dcredit_opt.profiling",)),
     ("the optimizer", ()),
@@ -165,9 +165,18 @@ def test_only_the_entry_point_imports_the_command_line():
     assert _importers_of("dcredit_opt.cli", "dcredit_opt") == ["dcredit_opt.__main__", "dcredit_opt.cli.commands"]
 
 
-def test_launchers_do_not_import_the_runtime():
-    """runtime.py owns "which world are we in"; launchers.py only says how each launcher joins one."""
-    assert _importers_of("dcredit_opt.runtime", "dcredit_opt.launchers") == []
+WORLD = ("runtime", "launchers", "groups", "peers", "control", "channels", "job")
+"""The world's modules, lowest first: each imports only those before it (``launchers.py`` says how each
+launcher joins a job, and knows nothing of the world we are in; ``job.py``, joining and leaving, is its top)."""
+
+
+def test_the_world_is_layered_too():
+    assert {m for m in MODULES if _within(m, "dcredit_opt.world") and m != "dcredit_opt.world"} == {
+        f"dcredit_opt.world.{m}" for m in WORLD}
+    for i, module in enumerate(WORLD):
+        above = {n for n in _ours(MODULES[f"dcredit_opt.world.{module}"])
+                 if _within(n, *(f"dcredit_opt.world.{m}" for m in WORLD[i:]))} - {f"dcredit_opt.world.{module}"}
+        assert above == set(), f"world/{module}.py imports {sorted(above)}"
 
 
 def test_the_installed_package_stands_alone():

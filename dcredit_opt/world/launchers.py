@@ -1,7 +1,7 @@
 """Joining a job that horovodrun or mpirun/mpiexec started.
 
-``runtime.init()`` comes here when the job is Horovod's or MPI's; torchrun's
-``env://`` path stays in ``runtime``. Both functions return the world as the
+``job.init()`` comes here when the job is Horovod's or MPI's; torchrun's
+``env://`` path stays in ``job``. Both functions return the world as the
 launcher sees it and whether we initialised it (so that ``shutdown()`` knows
 what to undo).
 
@@ -24,7 +24,7 @@ cycle (``HOROVOD_CYCLE_TIME``, 1 ms unless set), whether or not any tensor
 is waiting: measured here (2 ranks, Gloo controller, nothing submitted),
 23-24 % of a core per rank; with a 20 ms cycle, 2-3 %. When our own channels
 carry the gradients beside Horovod (a CPU job, Note [C++ channels under
-Horovod] in ``runtime.py``), Horovod only serves the script's own calls
+Horovod] in ``channels.py``), Horovod only serves the script's own calls
 (metrics, broadcasts), and that polling competes with the training thread
 for the cores. So when our channels are set up beside a Horovod whose cycle
 is short, we say so once: ``horovodrun --cycle-time-ms 20`` (or
@@ -44,7 +44,7 @@ import socket
 import numpy as np
 import torch.distributed as dist
 
-from .errors import LaunchError
+from ..errors import LaunchError
 
 log = logging.getLogger("dcredit_opt")
 
@@ -237,7 +237,7 @@ def warn_if_timeline_spins(hvd) -> None:
     """Our channels carry the blocks beside Horovod: say once if Horovod's timeline is on. Its writer thread
     (Horovod 0.28.1) yields in a loop without sleeping, most of a core per rank, and on a machine with few cores
     that keeps Horovod's background loop, and our channels, waiting for a core (Note [C++ channels under
-    Horovod] in runtime.py has the measurements)."""
+    Horovod] in channels.py has the measurements)."""
     timeline = os.environ.get("HOROVOD_TIMELINE")
     if timeline:
         _say_once("timeline", hvd,
@@ -355,7 +355,7 @@ def _check_mpi_matches_launcher(MPI, size: int) -> None:
 
 def before_default_group() -> None:
     """Import, while no default group exists, the torch modules that would pin it (Note [Orderly exit] in
-    runtime.py): every path that makes the default group calls this first."""
+    job.py): every path that makes the default group calls this first."""
     try:
         import torch.distributed.nn.functional  # noqa: F401
     except ImportError:  # a torch without it: nothing to pin the group either
