@@ -20,6 +20,7 @@ from .compression import Compression
 from .config import Config
 from .errors import CollectiveError, CollectiveTimeout, DCreditError, LaunchError, MismatchError
 from .optimizer import DistributedOptimizer
+from .process_sets import ProcessSet
 from .reduce_ops import Average, ReduceOp, Sum
 from .world.job import init, shutdown
 from .world.runtime import is_initialized, local_rank, rank, size
@@ -36,6 +37,7 @@ __all__ = [
     "DistributedOptimizer",
     "LaunchError",
     "MismatchError",
+    "ProcessSet",
     "ReduceOp",
     "Sum",
     "init",

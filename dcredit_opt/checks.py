@@ -16,7 +16,7 @@ import torch
 
 from .config import Config
 from .errors import MismatchError
-from .world import control, runtime
+from .world import runtime
 
 
 def named_tracked_params(optimizer, named_parameters):
@@ -60,26 +60,28 @@ def named_tracked_params(optimizer, named_parameters):
     return names, params, frozen
 
 
-def check_same_model_on_all_ranks(names, params) -> None:
+def check_same_model_on_all_ranks(names, params, plane=None) -> None:
     """Compare names, shapes and dtypes across ranks before any gradient moves.
 
     A mismatch would otherwise surface as a hang or as silently mixed
-    gradients. Only fixed-size integer tensors cross the network.
+    gradients. Only fixed-size integer tensors cross the network. ``plane``:
+    a process set's ranks (``process_sets``), every rank by default.
     """
-    world = runtime.size()
+    plane = plane or _everyone()
+    world = plane.size
     if world == 1:
         return
-    device = control.control_device()
+    device = plane.control_device()
     digests = [digest(f"{n}|{tuple(p.shape)}|{p.dtype}") for n, p in zip(names, params)]
     total = digest("/".join(str(d) for d in digests))
     mine = torch.tensor([len(params), total], dtype=torch.int64, device=device)
-    gathered = control.all_gather(mine, name="model.summary")
+    gathered = plane.all_gather(mine, name="model.summary")
     if all(bool(torch.equal(g, gathered[0])) for g in gathered):
         return
     longest = max(int(g[0]) for g in gathered)
     padded = torch.full((longest + 1,), -1, dtype=torch.int64, device=device)
     padded[: len(digests)] = torch.tensor(digests, dtype=torch.int64)
-    per_rank = control.all_gather(padded, name="model.digests")
+    per_rank = plane.all_gather(padded, name="model.digests")
     table = torch.stack(per_rank).cpu()
     first = int((table != table[0]).any(dim=0).nonzero()[0])
     differing = [r for r in range(world) if table[r, first] != table[0, first]]
@@ -95,7 +97,7 @@ def check_same_model_on_all_ranks(names, params) -> None:
 PER_RANK_FIELDS = ("timeline_path", "timeout_s")
 
 
-def check_same_setup_on_all_ranks(config: Config, **arguments) -> None:
+def check_same_setup_on_all_ranks(config: Config, plane=None, **arguments) -> None:
     """Compare the settings that shape the block sequence or the result across ranks.
 
     Ranks with different settings (a ``DCREDIT_*`` variable set on some
@@ -103,7 +105,8 @@ def check_same_setup_on_all_ranks(config: Config, **arguments) -> None:
     launch mismatched collectives: Gloo aborts the process on a size
     mismatch, other engines hang. One small all-gather at construction.
     """
-    world = runtime.size()
+    plane = plane or _everyone()
+    world = plane.size
     if world == 1:
         return
     settings = {f"Config.{f.name}": getattr(config, f.name) for f in dataclasses.fields(config)
@@ -111,14 +114,20 @@ def check_same_setup_on_all_ranks(config: Config, **arguments) -> None:
     settings.update(arguments)
     keys = sorted(settings)
     mine = torch.tensor([digest(f"{k}={settings[k]!r}") for k in keys], dtype=torch.int64,
-                        device=control.control_device())
-    table = torch.stack(control.all_gather(mine, name="setup.digests")).cpu()
+                        device=plane.control_device())
+    table = torch.stack(plane.all_gather(mine, name="setup.digests")).cpu()
     differ = [j for j in range(len(keys)) if bool((table[:, j] != table[0, j]).any())]
     if differ:
         described = "; ".join(f"{keys[j]} (ranks {[r for r in range(world) if table[r, j] != table[0, j]]} "
                               f"differ from rank 0)" for j in differ)
         raise MismatchError(f"the DistributedOptimizer settings differ between ranks: {described}. Rank "
                          f"{runtime.rank()} has {', '.join(f'{keys[j]}={settings[keys[j]]!r}' for j in differ)}")
+
+
+def _everyone():
+    from .process_sets import everyone
+
+    return everyone()
 
 
 def digest(text: str) -> int:

@@ -31,7 +31,7 @@ import weakref
 
 import torch
 
-from . import backends, checks, devices, timeline
+from . import backends, checks, devices, process_sets, timeline
 from .buffers import GradientBuffers
 from .errors import DCreditError
 from .gradients import Backward, WeakMethod
@@ -45,7 +45,7 @@ from .profiling.planning import DECOUPLING_POLICIES
 from .reduce_ops import Average
 from .updates import LazyUpdates
 from .usage import UsageTally
-from .world import job, runtime
+from .world import job
 
 log = logging.getLogger("dcredit_opt")
 
@@ -55,19 +55,22 @@ class Core:
     the parts, read by the wrapper, the model's hooks and the runtime; only the core's methods assign them."""
 
     def __init__(self, optimizer, base: type, names, params, frozen, passes: int, op, predivide: float, config,
-                 sparse_as_dense: bool, wire, group_of):
+                 sparse_as_dense: bool, wire, group_of, process_set=None):
         job.init(timeout_s=config.timeout_s, backend=config.backend)
         devices.check_world(names, params, config.backend)  # before any collective
+        # Note [Process sets]: the ranks reduced over, their control plane and channels.
+        device = devices.device_of(names, params)
+        self.members = members = process_sets.members(process_set, config.timeout_s, device)
         self.config = config
         self.names = names
         self.params = params
         self.kind = base.__name__  # the wrapped optimizer's class, for messages
         self.closed = False
-        world = runtime.size()
+        world = members.size
         prescale = 1.0 / predivide if op == Average else 1.0
         postscale = predivide / world if op == Average else 1.0
-        checks.check_same_model_on_all_ranks(names, params)
-        checks.check_same_setup_on_all_ranks(config, backward_passes_per_step=passes, op=op.value,
+        checks.check_same_model_on_all_ranks(names, params, members)
+        checks.check_same_setup_on_all_ranks(config, members, backward_passes_per_step=passes, op=op.value,
                                               gradient_predivide_factor=predivide,
                                               sparse_as_dense=sparse_as_dense, compression=str(wire),
                                               groups=group_of)
@@ -78,7 +81,7 @@ class Core:
         me = weakref.ref(self)
         # Note [Lazy step]: the updates that wait for their first read, and where each is applied.
         self.lazy = LazyUpdates(optimizer, names, params, self.told)
-        self.backend = backends.create(config.backend, config.channels, config.timeout_s)
+        self.backend = backends.create(config.backend, config.channels, config.timeout_s, members)
         self.engine = self.backend.engine
         # Note [Global usage] and Note [Embedding rows]: which gradients exist where, and the rows agreed on.
         self.tally = UsageTally(names, params, world, self.backend, config, self.told, WeakMethod(me, "rows_arrived"))
@@ -107,10 +110,10 @@ class Core:
         self.profile = None
         self.recorder = (profiler.Recorder(names, params, config.profile_iters)
                          if config.policy != "fixed" and config.profile_iters > 0 and params else None)
-        self.timeline = (timeline.RankTimeline(config.timeline_path, runtime.rank(), runtime.size())
+        self.timeline = (timeline.RankTimeline(config.timeline_path, members.rank, world)
                          if config.timeline_path else None)
         # Re-planning while training (replanner.py): watches the blocks and the backward, re-plans with the others.
-        self.replanner = (replanner.Replanner(config, [p.dtype for p in params])
+        self.replanner = (replanner.Replanner(config, [p.dtype for p in params], members)
                           if replanner.wanted(config, world, bool(params)) else None)
         self._set_plan(fixed_plan(
             [p.numel() for p in params], [p.element_size() for p in params], config.block_bytes,
@@ -396,11 +399,12 @@ class Core:
         ratios = RING_STAGE_RATIOS
         if self.config.policy in DECOUPLING_POLICIES:  # what a reduce-scatter and an all-gather cost here
             ratios = profiler.measure_stage_ratios(self.backend.stage_collectives(), barrier, device,
-                                                   runtime.size(), alpha, beta)
+                                                   self.members.size, alpha, beta)
         buffers = self.buffers
         self.staged_plan, self.profile = profiler.agree_on_plan(recorder, alpha, beta, self.config, self.params,
                                                                 buffers.wire_dtypes(),
-                                                                buffers.numels(self.tally.rows_only()), ratios)
+                                                                buffers.numels(self.tally.rows_only()), ratios,
+                                                                self.members)
 
     def use_timeline(self, tl):
         """Record into ``tl`` (or nothing, for None) from the next iteration on: ``dc.start_timeline()`` and
@@ -456,6 +460,7 @@ class Core:
         self.backward.path.close()
         self.buffers.release()
         self.backend.close()
+        self.members.close()  # a process set's control group (Note [Orderly exit] in world/job.py)
 
 
 def _close_dropped(engine, backend, life, timeout_s: float) -> None:

@@ -28,7 +28,7 @@ import weakref
 
 import torch
 
-from . import checks, devices, grouping, timeline
+from . import checks, devices, grouping, process_sets, timeline
 from .compression import wire_dtype_of
 from .config import Config
 from .core import Core
@@ -72,9 +72,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     dtype] in ``compression.py``); ``op`` is ``Average`` or ``Sum`` (ours or
     Horovod's); ``groups`` (a list of lists of parameters, or a number of
     groups; ``num_groups`` is its old name) reduces each group's gradients
-    together, in one block, once all of them are ready; ``process_set`` must be
-    the global one. The returned object is an instance of a subclass of
-    ``optimizer``'s class that shares its parameter groups and state, so LR
+    together, in one block, once all of them are ready; ``process_set`` (ours,
+    a list of ranks, a torch process group, or Horovod's) reduces over those
+    ranks only (Note [Process sets] in ``process_sets.py``). The returned
+    object is an instance of a subclass of ``optimizer``'s class that shares its parameter groups and state, so LR
     schedulers and ``isinstance`` checks keep working.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -92,7 +93,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor!r}")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
-    _check_process_set(process_set)
+    process_sets.check_argument(process_set)
     if config is None:
         config = Config.from_env()
     elif not isinstance(config, Config):
@@ -110,7 +111,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped._dc = Core(wrapped, base, names, params, frozen, backward_passes_per_step, op,
-                       float(gradient_predivide_factor), config, sparse_as_dense, wire, group_of)
+                       float(gradient_predivide_factor), config, sparse_as_dense, wire, group_of, process_set)
     core = weakref.ref(wrapped._dc)
     for p in params:
         _mark_reduced_by(p, core)
@@ -152,17 +153,6 @@ def _take_over(owners) -> None:
         log.warning("dcredit_opt: parameter '%s' is reduced by an earlier DistributedOptimizer (%s); that one is "
                     "closed now, its pending updates applied, and the new one takes over", name, other.kind)
         other.close()
-
-
-def _check_process_set(process_set) -> None:
-    """Only the global process set: every rank reduces every gradient."""
-    if process_set is None:
-        return
-    if getattr(process_set, "process_set_id", None) == 0:
-        return  # Horovod's hvd.global_process_set
-    raise NotImplementedError(
-        f"process_set={process_set!r}: dcredit_opt reduces over every rank of the job (the global process set); "
-        "leave process_set out, or use horovod.torch.DistributedOptimizer for a subset of ranks")
 
 
 def _check_devices(names, params):

@@ -34,6 +34,7 @@ instead), torch.distributed otherwise.
 from __future__ import annotations
 
 from ..config import BACKENDS
+from ..errors import DCreditError
 from ..world import channels, runtime
 from .base import Backend
 from .horovod import HorovodBackend
@@ -41,23 +42,29 @@ from .mpi import MPIBackend
 from .torch_dist import TorchDistBackend
 
 
-def create(name: str, channels: int, timeout_s: float) -> Backend:
-    """The backend called ``name`` ("auto" picks the one the job was launched with)."""
+def create(name: str, channels: int, timeout_s: float, members=None) -> Backend:
+    """The backend called ``name`` ("auto" picks the one the job was launched with), over ``members`` (the ranks
+    of a process set, ``process_sets``: its channels and control plane; None: every rank)."""
     if name == "auto":
-        name = detect()
+        name = detect(members)
     if name == "torch":
-        return TorchDistBackend(channels, timeout_s)
+        return TorchDistBackend(channels, timeout_s, members)
     if name == "horovod":
+        if members is not None and not members.everyone:
+            raise DCreditError(f"process_set={members.ranks}: blocks on Horovod's operations (Config(backend="
+                               "'horovod')) are not built for process sets; Config(backend='torch') (the default on "
+                               "CPUs) reduces over the set on Gloo channels of its own")
         return HorovodBackend(channels, timeout_s)
     if name == "mpi":
-        return MPIBackend(channels, timeout_s)
+        return MPIBackend(channels, timeout_s, members)
     raise ValueError(f"unknown backend {name!r}; known backends: auto, {', '.join(BACKENDS)}")
 
 
-def detect() -> str:
+def detect(members=None) -> str:
     """The backend of the launcher that set up the world (see the module docstring); under Horovod on CPUs,
-    process groups of our own beside it (Note [C++ channels under Horovod] in world/channels.py)."""
+    process groups of our own beside it (Note [C++ channels under Horovod] in world/channels.py), decided among
+    ``members`` (a process set's ranks) or every rank."""
     kind = runtime.kind()
-    if kind == "horovod" and channels.horovod_on_cpu():
+    if kind == "horovod" and (channels.horovod_on_cpu() if members is None else members.on_cpu()):
         return "torch"
     return kind

@@ -37,7 +37,7 @@ class MPIBackend(DrivenBackend):
     name = "mpi"
     reducible_dtypes = _SUPPORTED  # float16/bfloat16 gradients travel as float32 (Note [Wire dtype])
 
-    def __init__(self, channels: int, timeout_s: float):
+    def __init__(self, channels: int, timeout_s: float, members=None):
         MPI = import_mpi()
         world = MPI.COMM_WORLD
         if (world.Get_rank(), world.Get_size()) != (runtime.rank(), runtime.size()):
@@ -50,7 +50,11 @@ class MPIBackend(DrivenBackend):
                 "backend 'mpi' starts and waits for collectives from two threads and needs MPI_THREAD_MULTIPLE, "
                 f"but this MPI granted level {MPI.Query_thread()}: use an MPI built with thread support, leave "
                 "mpi4py.rc.thread_level at 'multiple', or use backend 'torch'")
-        comms = [world.Dup() for _ in range(channels + 1)]  # the last one carries the tallies
+        # A process set's communicator (Note [Process sets] in process_sets.py), or every rank's.
+        base = members.mpi_comm() if members is not None else world
+        comms = [base.Dup() for _ in range(channels + 1)]  # the last one carries the tallies
+        if base != world and base != MPI.COMM_SELF:
+            base.Free()  # its duplicates stay
         super().__init__(_MPITransport(MPI, comms[:-1], comms[-1]), timeout_s)
 
 

@@ -97,9 +97,11 @@ log = logging.getLogger("dcredit_opt")
 class TorchDistBackend:
     name = "torch"
 
-    def __init__(self, channels: int, timeout_s: float):
-        self._groups = channel_groups(channels)  # this backend's own (see the module docstring)
-        self._tally_group = channel_groups(1, backend="gloo")[0]  # Note [Global usage] in usage.py
+    def __init__(self, channels: int, timeout_s: float, members=None):
+        # The ranks reduced over: a process set's (Note [Process sets] in process_sets.py), or every rank.
+        self._members = members if members is not None else _Everyone()
+        self._groups = self._members.channel_groups(channels)  # this backend's own (see the module docstring)
+        self._tally_group = self._members.channel_groups(1, backend="gloo")[0]  # Note [Global usage] in usage.py
         self._tally = _SideSum("a tally")
         self._delayed = _SideSum("a delayed sum")  # the background sum of delayed gradients (planner/deft.py)
         self._timeout_s = float(timeout_s)
@@ -211,7 +213,7 @@ class TorchDistBackend:
             self._wait_at_close(self.wait_tally, "the last sum of which gradients each rank computed")
         groups, self._groups = self._groups + [self._tally_group], []
         self._tally_group = None  # the engine let go of its groups (Engine.shutdown): now they can really go
-        destroy_channel_groups(groups)
+        self._members.destroy_channel_groups(groups)
 
     def _wait_at_close(self, wait, what: str) -> None:
         """``wait(grace)`` for a collective still on the side group: as long as any collective, or briefly
@@ -221,6 +223,13 @@ class TorchDistBackend:
             wait(grace)
         except RuntimeError as e:
             log.warning("dcredit_opt: %s did not finish within %g s: %s", what, grace, e)
+
+
+class _Everyone:
+    """Every rank's channels (``world/channels.py``), where no process set is given."""
+
+    channel_groups = staticmethod(channel_groups)
+    destroy_channel_groups = staticmethod(destroy_channel_groups)
 
 
 def _at_rank(collective, where: str):

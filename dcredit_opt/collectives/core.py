@@ -201,8 +201,9 @@ global_process_set = GlobalProcessSet()
 def check_process_set(process_set, fn: str) -> None:
     if process_set is None or getattr(process_set, "process_set_id", None) == 0:
         return  # every rank: Horovod's global process set
-    raise NotImplementedError(f"{fn}: process_set={process_set!r}: dcredit_opt's operations run over every rank "
-                              "(the global process set); leave process_set out")
+    raise NotImplementedError(f"{fn}: process_set={process_set!r}: dcredit_opt's collectives run over every rank "
+                              "(the global process set); leave process_set out (DistributedOptimizer(process_set=) "
+                              "reduces gradients over a process set), or use horovod.torch's for a subset")
 
 
 # ---- the descriptor (Note [Collectives beside the optimizer]) -----------------------------

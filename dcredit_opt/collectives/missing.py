@@ -8,8 +8,8 @@ False, and a ``NotImplementedError``) at the line that reads it.
 
 from __future__ import annotations
 
-_PROCESS_SETS = ("dcredit_opt's operations and optimizer run over every rank (global_process_set); leave "
-                 "process_set out, or use horovod.torch for subsets of ranks")
+_PROCESS_SETS = ("dcredit_opt's process sets need no registration: pass DistributedOptimizer(process_set="
+                 "dcredit_opt.ProcessSet(ranks)); its collectives (allreduce, ...) run over every rank")
 _ALLTOALL = ("use torch.distributed.all_to_all_single (under torchrun), or allgather and keep the rows meant for "
              "this rank")
 _REDUCESCATTER = ("use allreduce and keep this rank's part (out.chunk(size())[rank()]), or "
@@ -30,7 +30,6 @@ MISSING = {
     "join": "uneven inputs are not supported: every rank must run the same number of steps (e.g. "
             "DistributedSampler(..., drop_last=True)); a rank that stops early makes the others raise "
             "a DCreditError (CollectiveTimeout or CollectiveError) within timeout_s",
-    "ProcessSet": _PROCESS_SETS,
     "add_process_set": _PROCESS_SETS,
     "remove_process_set": _PROCESS_SETS,
     "SyncBatchNorm": "use torch.nn.SyncBatchNorm (under torchrun), or horovod.torch.SyncBatchNorm",

@@ -186,17 +186,20 @@ def build_profile(recorder: Recorder, alpha: float, beta: float, world_size: int
 def agree_on_plan(recorder: Recorder, alpha: float, beta: float, config: Config,
                   params: list, wire_dtypes: list | None = None,
                   numels: list | None = None,
-                  stage_ratios: tuple[float, float, float, float] = RING_STAGE_RATIOS) -> tuple[Plan, Profile | None]:
+                  stage_ratios: tuple[float, float, float, float] = RING_STAGE_RATIOS,
+                  plane=None) -> tuple[Plan, Profile | None]:
     """The plan every rank switches to after profiling, and the profile (on rank 0; None elsewhere).
 
     Rank 0 builds the profile from its measurements and plans; the plan goes
     to every rank as JSON (never pickle). A failure on rank 0 goes out the
     same way, so that every rank raises instead of waiting for a plan.
+    ``plane``: a process set's ranks (``process_sets``; rank 0 is its first), every rank by default.
     """
     text, profile = None, None
-    if runtime.rank() == 0:
+    me, world = (runtime.rank(), runtime.size()) if plane is None else (plane.rank, plane.size)
+    if me == 0:
         try:
-            profile = build_profile(recorder, alpha, beta, runtime.size(), wire_dtypes, numels, stage_ratios,
+            profile = build_profile(recorder, alpha, beta, world, wire_dtypes, numels, stage_ratios,
                                     config.collective_host_s)
             plan = make_plan(profile, config.policy, channels=config.channels, overlap_forward=config.overlap_forward)
             validate(plan, numels=numels or [p.numel() for p in params], max_channels=config.channels,
@@ -204,7 +207,7 @@ def agree_on_plan(recorder: Recorder, alpha: float, beta: float, config: Config,
             text = plan.to_json()
         except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others would wait
             text = json.dumps({"error": f"{type(e).__name__}: {e}"})
-    data = json.loads(control.broadcast_text(text, root_rank=0))
+    data = json.loads(control.broadcast_text(text, 0, plane=plane))
     if "error" in data:
         raise DCreditError(f"rank 0 could not plan with policy {config.policy!r}: {data['error']}")
     return Plan.from_dict(data), profile

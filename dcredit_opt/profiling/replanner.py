@@ -64,8 +64,9 @@ def wanted(config: Config, world_size: int, has_params: bool) -> bool:
 class Replanner:
     """Watches one optimizer's blocks and backward, and re-plans with the other ranks (module docstring)."""
 
-    def __init__(self, config: Config, dtypes):
+    def __init__(self, config: Config, dtypes, plane=None):
         self._config = config
+        self._plane = plane  # a process set's ranks (Note [Process sets]); None: every rank
         self._every = config.replan_every
         self._samples = max(1, min(SAMPLES, self._every - 1))
         self._threshold = config.replan_threshold
@@ -123,7 +124,8 @@ class Replanner:
 
     def _decide(self, iteration: int, plan: Plan, numels, timeline) -> Plan | None:
         mine = self._window.take()
-        gathered = control.all_gather_text(json.dumps(None if mine is None else mine.to_dict()), "replan.window")
+        gathered = control.all_gather_text(json.dumps(None if mine is None else mine.to_dict()), "replan.window",
+                                           plane=self._plane)
         windows = [None if w is None else adaptive.Window.from_dict(w) for w in map(json.loads, gathered)]
         if self._base is None:
             if all(w is not None for w in windows):
@@ -133,19 +135,20 @@ class Replanner:
         if not self._hysteresis.update(estimate):
             return None
         self._hysteresis.reset()
-        text = self._plan_on_rank0(plan, estimate, numels) if runtime.rank() == 0 else None
-        data = json.loads(control.broadcast_text(text, root_rank=0))
+        first = self._rank() == 0
+        text = self._plan_on_rank0(plan, estimate, numels) if first else None
+        data = json.loads(control.broadcast_text(text, 0, plane=self._plane))
         if "error" in data:
             self._off = True
             log.warning("dcredit_opt: re-planning stops for this optimizer: rank 0 could not re-plan with policy "
                         "%r: %s; the plan in force stays", self._config.policy, data["error"])
             return None
-        if runtime.rank() == 0:
+        if first:
             self._profile = adaptive.rescale(self._profile, estimate)
         old_s, new_s = data["old_s"], data["new_s"]
         if "plan" not in data:  # not worth a switch: these estimates are the new normal
             self._base = windows
-            if runtime.rank() == 0:
+            if first:
                 log.info("dcredit_opt: iteration %d: estimates moved (%s), but a fresh plan is predicted at %.1f ms "
                          "against %.1f ms for the plan in force: kept", iteration, data["reason"], new_s * 1e3,
                          old_s * 1e3)
@@ -156,13 +159,16 @@ class Replanner:
                                  largest_block=(adaptive.largest_block(plan.partition),
                                                 adaptive.largest_block(fresh.partition)))
         self._replans.append(record)
-        if runtime.rank() == 0:
+        if first:
             log.info("dcredit_opt: re-plan %d at iteration %d: %s; predicted iteration %.1f ms with the plan in "
                      "force, %.1f ms with the new one, which every rank switches to at the next iteration",
                      len(self._replans), iteration, record.reason, old_s * 1e3, new_s * 1e3)
         if timeline is not None:
             timeline.mark("re-plan", record.to_dict())
         return fresh
+
+    def _rank(self) -> int:
+        return runtime.rank() if self._plane is None else self._plane.rank
 
     def _plan_on_rank0(self, plan: Plan, estimate: adaptive.Estimate, numels) -> str:
         """Rank 0: the fresh plan for the rescaled profile, if worth a switch, as JSON for every rank."""

@@ -121,28 +121,47 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str) -> None:
         raise at_rank(e, f"control-plane broadcast {name!r} from rank {root_rank}") from e
 
 
-def broadcast_text(text: str | None, root_rank: int) -> str:
-    """``root_rank``'s ``text`` on every rank, as UTF-8 bytes in a uint8 tensor (no pickle)."""
-    dev = control_device()
-    if runtime.rank() == root_rank:
+def broadcast_text(text: str | None, root_rank: int, plane=None) -> str:
+    """``root_rank``'s ``text`` on every rank, as UTF-8 bytes in a uint8 tensor (no pickle). ``plane``: a process
+    set's control plane (``process_sets``), its ``rank``, ``broadcast_`` and ``control_device``; None: every rank."""
+    me, broadcast_one, dev = _plane(plane, "broadcast_")
+    if me == root_rank:
         payload = torch.tensor(list(text.encode()), dtype=torch.uint8, device=dev)
         length = torch.tensor([payload.numel()], dtype=torch.int64, device=dev)
     else:
         length = torch.zeros(1, dtype=torch.int64, device=dev)
-    broadcast_(length, root_rank, "text.length")
-    if runtime.rank() != root_rank:
+    broadcast_one(length, root_rank, "text.length")
+    if me != root_rank:
         payload = torch.empty(int(length.item()), dtype=torch.uint8, device=dev)
-    broadcast_(payload, root_rank, "text.payload")
+    broadcast_one(payload, root_rank, "text.payload")
     return bytes(payload.cpu().tolist()).decode()
 
 
-def all_gather_text(text: str, name: str) -> list[str]:
+def all_gather_text(text: str, name: str, plane=None) -> list[str]:
     """Every rank's ``text``, in rank order, as UTF-8 bytes in uint8 tensors (no pickle): the lengths, then
-    the bytes, each rank's padded to the longest."""
-    dev = control_device()
+    the bytes, each rank's padded to the longest. ``plane``: as in ``broadcast_text``."""
+    _, gather, dev = _plane(plane, "all_gather")
     payload = torch.tensor(list(text.encode()), dtype=torch.uint8, device=dev)
-    lengths = [int(n) for n in all_gather(torch.tensor([payload.numel()], dtype=torch.int64, device=dev),
-                                          f"{name}.length")]
+    lengths = [int(n) for n in gather(torch.tensor([payload.numel()], dtype=torch.int64, device=dev),
+                                      f"{name}.length")]
     padded = torch.zeros(max(lengths), dtype=torch.uint8, device=dev)
     padded[:payload.numel()] = payload
-    return [bytes(row[:n].cpu().tolist()).decode() for row, n in zip(all_gather(padded, f"{name}.data"), lengths)]
+    return [bytes(row[:n].cpu().tolist()).decode() for row, n in zip(gather(padded, f"{name}.data"), lengths)]
+
+
+def _plane(plane, operation: str) -> tuple:
+    """(this rank, ``operation``, the control device) of ``plane``, or of every rank's control plane."""
+    if plane is None:
+        return runtime.rank(), {"broadcast_": broadcast_, "all_gather": all_gather}[operation], control_device()
+    return plane.rank, getattr(plane, operation), plane.control_device()
+
+
+def shared_store():
+    """The store every rank reaches (process sets meet there, Note [Process sets] in process_sets.py): ours under
+    MPI, the default group's under torchrun (or where the script made one), else None."""
+    world = runtime.current()
+    if world.store is not None:
+        return world.store
+    if dist.is_initialized():
+        return dist.distributed_c10d._get_default_store()
+    return None

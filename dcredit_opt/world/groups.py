@@ -7,7 +7,8 @@ not torch.distributed: ``dist.is_initialized()`` must keep meaning what the
 script did, and a script may call ``dist.init_process_group()`` itself later.
 So there we make no default group. Rank 0 opens a TCPStore of our own
 (``launchers.rendezvous_store``); every group we need (the control plane's
-world group, each optimizer's channels) is a ``ProcessGroup`` made here on that store under a name of its own, with a
+world group, each optimizer's channels, each process set's groups) is a
+``ProcessGroup`` made here on that store under a name of its own, with a
 Gloo backend, exactly as ``new_group`` builds one, but not registered in
 c10d's maps. Such a group takes ``dist.all_reduce(..., group=g)``,
 ``all_gather``, ``barrier`` and the C++ engine as a registered one does;
@@ -17,10 +18,12 @@ c10d's maps. Such a group takes ``dist.all_reduce(..., group=g)``,
 end when the last reference goes (``release``).
 
 Names: every rank makes the same groups in the same order (Note [Same order
-on every rank]), and the name says which (``world``, ``channels/<n>``), so the
-k-th group of one rank meets the k-th of the others under the same prefix of
-the store. Under torchrun nothing changes: the default group is the
-script's (or ours, made by ``init()``), and channels come from ``new_group``.
+on every rank]), and the name says which (``world``, ``channels/<n>``,
+``set/<ranks>/<n>/...``), so the k-th group of one rank meets the k-th of the
+others under the same prefix of the store. Under torchrun nothing changes
+for every rank's channels (``new_group`` on the default group, the script's
+or ours); only process sets (Note [Process sets] in ``process_sets.py``) use
+this construction there, on the default group's store.
 """
 
 from __future__ import annotations

@@ -83,10 +83,10 @@ def _watch_checks(opts: list, seen: list) -> None:
     replanner.control_on_gpu = lambda: True
     gather = replanner.control.all_gather_text
 
-    def watched(text, name):
+    def watched(text, name, **kwargs):
         if name == "replan.window":
             seen.append(all(opt._dc.engine.idle() for opt in opts))
-        return gather(text, name)
+        return gather(text, name, **kwargs)
 
     replanner.control.all_gather_text = watched
 

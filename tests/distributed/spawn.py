@@ -152,6 +152,24 @@ def run_launched(function, launcher: list, world_size: int, timeout_s: float = 1
         return [torch.load(Path(out) / f"result{r}.pt", weights_only=False) for r in range(world_size)]
 
 
+def launch_once(cache: dict, key, start):
+    """What ``start()`` returns, launched once per ``key`` for the whole test module (``cache``): a launch that
+    failed (``RankFailure``) fails every test that reads it; a ``pytest.skip.Exception`` it returned skips them."""
+    import pytest
+
+    if key not in cache:
+        try:
+            cache[key] = start()
+        except RankFailure as e:
+            cache[key] = e
+    out = cache[key]
+    if isinstance(out, pytest.skip.Exception):
+        pytest.skip(str(out))
+    if isinstance(out, Exception):
+        pytest.fail(f"the launch {key!r} failed: {out}")
+    return out
+
+
 def kill_session(proc: subprocess.Popen) -> None:
     """Stop the launcher we started and every process in its session: politely, then not."""
     for sig, grace in ((signal.SIGTERM, timing.scaled(10)), (signal.SIGKILL, timing.scaled(30))):

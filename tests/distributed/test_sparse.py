@@ -19,28 +19,19 @@ _launched: dict = {}
 
 
 def _results(backend: str) -> list:
-    if backend not in _launched:
-        try:
-            if backend == "torch":
-                _launched[backend] = spawn.run(sw.patterns, 2, timeout_s=180, names=NAMES)
-            else:
-                spec = LAUNCHES[backend]
-                reason = spec["missing"]()
-                if reason:
-                    _launched[backend] = pytest.skip.Exception(f"{backend}: {reason}")
-                else:
-                    launcher = [_tool(spec["launcher"][0]), *spec["launcher"][1:]]
-                    _launched[backend] = spawn.run_launched(sw.patterns, launcher, 2, timeout_s=240, names=NAMES,
-                                                            backend=spec["backend"],
-                                                            horovod_first=spec["horovod_first"])
-        except spawn.RankFailure as e:
-            _launched[backend] = e
-    out = _launched[backend]
-    if isinstance(out, pytest.skip.Exception):
-        pytest.skip(str(out))
-    if isinstance(out, Exception):
-        pytest.fail(f"the launch on {backend!r} failed: {out}")
-    return out
+    return spawn.launch_once(_launched, backend, lambda: _launch(backend))
+
+
+def _launch(backend: str) -> list:
+    if backend == "torch":
+        return spawn.run(sw.patterns, 2, timeout_s=180, names=NAMES)
+    spec = LAUNCHES[backend]
+    reason = spec["missing"]()
+    if reason:
+        return pytest.skip.Exception(f"{backend}: {reason}")
+    launcher = [_tool(spec["launcher"][0]), *spec["launcher"][1:]]
+    return spawn.run_launched(sw.patterns, launcher, 2, timeout_s=240, names=NAMES, backend=spec["backend"],
+                              horovod_first=spec["horovod_first"])
 
 
 BACKENDS = ["torch", "mpi", "horovod-gloo", "horovod-mpi"]

@@ -9,7 +9,9 @@ build) and ``-p tests.horovod_peer.no_timeline`` (keeps Horovod's spinning timel
 the swap is ours, not the environment's. Tests that fail with the swap for a known reason are strict xfails: each
 must fail with its own error on every rank (a different error fails the test), and one that starts passing shows.
 
-The two examples (``upstream/examples/pytorch/``, the swap written in) run briefly and must exit 0.
+The two examples (``upstream/examples/pytorch/``, the swap written in) run briefly and must exit 0. The process-set
+test runs first in a launch of its own (``OWN_LAUNCH``), and the sparse and process-set tests also under
+``horovodrun --mpi`` (``MPI_TESTS``), stock and swapped.
 
 Horovod missing skips the module with the reason; ``make test`` installs it (``make horovod``).
 """
@@ -37,6 +39,7 @@ EXAMPLES = HERE / "upstream" / "examples" / "pytorch"
 VENV_BIN = Path(sys.executable).parent
 HOROVODRUN = VENV_BIN / "horovodrun"
 LAUNCH = ["-np", "2", "-H", "localhost:2", "--gloo"]
+LAUNCH_MPI = ["-np", "2", "-H", "localhost:2", "--mpi"]
 WORLD_SIZE = 2
 
 # One launch of the vendored tests takes 15-40 s on 2 busy cores; these limits only guard against hangs.
@@ -54,6 +57,7 @@ EXPECTED_TO_PASS = (
     "test_gradient_clipping",
     "test_missing_named_parameters",
     "test_no_named_parameters",
+    "test_optimizer_process_sets",
     "test_sparse_embeddings",
     "test_synchronize_step_warning",
 )
@@ -81,14 +85,16 @@ KNOWN_FAILURES = {
 }
 
 
-# Vendored tests left out of both runs, stock and swapped, with why.
-NOT_RUN = {
+# Vendored tests run first in a launch of their own (stock and swapped), with why.
+OWN_LAUNCH = {
     "test_optimizer_process_sets": (
-        "adds process sets to a running Horovod (hvd.add_process_set) right after the previous test's "
-        "tearDown barrier; with one initialisation per launch (one_init.py) stock Horovod 0.28.1 aborts there "
-        "intermittently (both ranks, 'Fatal Python error: Aborted'). dcredit_opt refuses any process set but "
-        "the global one with NotImplementedError, which tests/unit/test_horovod_signature.py checks"),
+        "adds process sets to a running Horovod (hvd.add_process_set); right after the previous test's tearDown "
+        "barrier, with one initialisation per launch (one_init.py), stock Horovod 0.28.1 aborts there "
+        "intermittently (both ranks, 'Fatal Python error: Aborted'); as the first test of a launch it does not"),
 }
+
+# Vendored tests also run under horovodrun --mpi (stock and swapped): the optimizer's paths that differ there.
+MPI_TESTS = ("test_sparse_embeddings", "test_optimizer_process_sets")
 
 
 class KnownFailure(AssertionError):
@@ -126,11 +132,12 @@ def _environment() -> dict:
     return env
 
 
-def _horovodrun(command: list, cwd: Path) -> tuple[int, str]:
-    """Run ``command`` on 2 ranks under ``horovodrun --gloo``: its exit code and output; killed whole on timeout."""
+def _horovodrun(command: list, cwd: Path, launch: list = LAUNCH) -> tuple[int, str]:
+    """Run ``command`` on 2 ranks under ``horovodrun`` (``--gloo`` unless ``launch`` says otherwise): its exit code
+    and output; killed whole on timeout."""
     timeout_s = timing.scaled(LAUNCH_TIMEOUT_S)
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen([str(HOROVODRUN), *LAUNCH, *command], cwd=cwd, env=_environment(), stdout=log,
+        proc = subprocess.Popen([str(HOROVODRUN), *launch, *command], cwd=cwd, env=_environment(), stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
             proc.wait(timeout=timeout_s)
@@ -142,18 +149,20 @@ def _horovodrun(command: list, cwd: Path) -> tuple[int, str]:
         return proc.returncode, log.read()
 
 
-def _run_vendored_tests(swap: bool) -> dict:
-    """Every rank's outcomes (``outcomes.py``'s records, in rank order) and the launch's output."""
+def _run_vendored_tests(swap: bool, only: tuple = (), launch: list = LAUNCH) -> dict:
+    """Every rank's outcomes (``outcomes.py``'s records, in rank order) and the launch's output: of the tests
+    ``only`` names, else of every vendored test but those of OWN_LAUNCH."""
     plugins = ["-p", "tests.horovod_peer.one_init", "-p", "tests.horovod_peer.torch_compat",
                "-p", "tests.horovod_peer.no_timeline"] + (
         ["-p", "tests.horovod_peer.swap"] if swap else [])
     with tempfile.TemporaryDirectory(prefix="dcredit-peer-") as out:
         # --rootdir/--confcutdir: the run sees Horovod's files only, not this repository's conftests.
+        selection = ([f"test_torch.py::TorchTests::{name}" for name in only] if only else
+                     [*(f"--deselect=test_torch.py::TorchTests::{name}" for name in OWN_LAUNCH), "test_torch.py"])
         rc, output = _horovodrun(
             [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--rootdir", ".", "--confcutdir", ".",
              "--timeout", f"{timing.scaled(INNER_TEST_TIMEOUT_S):g}", "-p", "tests.horovod_peer.outcomes",
-             "--peer-outcomes", out, *plugins,
-             *(f"--deselect=test_torch.py::TorchTests::{name}" for name in NOT_RUN), "test_torch.py"], cwd=PARALLEL)
+             "--peer-outcomes", out, *plugins, *selection], cwd=PARALLEL, launch=launch)
         files = [Path(out) / f"rank{r}.json" for r in range(WORLD_SIZE)]
         missing = [f.name for f in files if not f.exists()]
         if missing:
@@ -172,6 +181,38 @@ def stock() -> dict:
     return _run_vendored_tests(swap=False)
 
 
+@pytest.fixture(scope="module")
+def swapped_own() -> dict:
+    return _run_vendored_tests(swap=True, only=tuple(OWN_LAUNCH))
+
+
+@pytest.fixture(scope="module")
+def stock_own() -> dict:
+    return _run_vendored_tests(swap=False, only=tuple(OWN_LAUNCH))
+
+
+@functools.cache
+def _mpi_missing() -> str | None:
+    code = "import sys, horovod.torch as hvd; sys.exit(0 if hvd.mpi_built() else 'built without MPI')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timing.scaled(120),
+                         check=False)
+    return None if out.returncode == 0 else "Horovod is built without MPI"
+
+
+@pytest.fixture(scope="module")
+def swapped_mpi() -> dict:
+    if _mpi_missing():
+        pytest.skip(_mpi_missing())
+    return _run_vendored_tests(swap=True, only=MPI_TESTS, launch=LAUNCH_MPI)
+
+
+@pytest.fixture(scope="module")
+def stock_mpi() -> dict:
+    if _mpi_missing():
+        pytest.skip(_mpi_missing())
+    return _run_vendored_tests(swap=False, only=MPI_TESTS, launch=LAUNCH_MPI)
+
+
 def _cases() -> list:
     known = [pytest.param(name, id=name, marks=pytest.mark.xfail(strict=True, raises=KnownFailure, reason=k.why))
              for name, k in KNOWN_FAILURES.items()]
@@ -180,7 +221,7 @@ def _cases() -> list:
 
 @pytest.mark.timeout(420)
 def test_every_vendored_test_ran_with_the_swap(swapped):
-    listed = {*EXPECTED_TO_PASS, *KNOWN_FAILURES}
+    listed = {*EXPECTED_TO_PASS, *KNOWN_FAILURES} - set(OWN_LAUNCH)
     for rank in swapped["ranks"]:
         assert rank["DistributedOptimizer"] == "dcredit_opt.optimizer.DistributedOptimizer", rank
         ran = set(rank["tests"])
@@ -190,7 +231,17 @@ def test_every_vendored_test_ran_with_the_swap(swapped):
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("name", _cases())
-def test_horovod_test_with_dcredit_opt(swapped, name):
+def test_horovod_test_with_dcredit_opt(request, name):
+    _check_outcome(request.getfixturevalue("swapped_own" if name in OWN_LAUNCH else "swapped"), name)
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("name", MPI_TESTS)
+def test_horovod_test_with_dcredit_opt_under_mpi(swapped_mpi, name):
+    _check_outcome(swapped_mpi, name)
+
+
+def _check_outcome(swapped: dict, name: str) -> None:
     results = [rank["tests"].get(name) for rank in swapped["ranks"]]
     if any(r is None for r in results):
         pytest.fail(f"{name} did not run on every rank:\n{swapped['output'][-6000:]}")
@@ -209,11 +260,15 @@ def test_horovod_test_with_dcredit_opt(swapped, name):
 
 
 @pytest.mark.timeout(420)
-def test_stock_horovod_passes_the_same_selection(stock):
-    """The control: without the swap, every vendored test that does not skip itself passes here."""
+@pytest.mark.parametrize("run", ["stock", "stock_own", "stock_mpi"])
+def test_stock_horovod_passes_the_same_selection(request, run):
+    """The control: without the swap, every vendored test that does not skip itself passes here, in each launch."""
+    stock = request.getfixturevalue(run)
+    expected = {"stock": {*EXPECTED_TO_PASS, *KNOWN_FAILURES} - set(OWN_LAUNCH), "stock_own": set(OWN_LAUNCH),
+                "stock_mpi": set(MPI_TESTS)}[run]
     for rank in stock["ranks"]:
         assert rank["DistributedOptimizer"] == "horovod.torch.optimizer.DistributedOptimizer", rank
-        assert set(rank["tests"]) == {*EXPECTED_TO_PASS, *KNOWN_FAILURES}
+        assert set(rank["tests"]) == expected
         bad = {name: r["message"] for name, r in rank["tests"].items() if r["outcome"] == "failed"}
         assert not bad, f"rank {rank['rank']}: stock Horovod fails {bad}:\n{stock['output'][-6000:]}"
 

@@ -70,7 +70,7 @@ def test_every_horovod_name_is_provided_or_refused_with_a_message():
 
 def test_the_refusals_say_what_to_use_instead():
     for name, words in [("alltoall", "all_to_all_single"), ("reducescatter", "allreduce"), ("Adasum", "Average"),
-                        ("join", "same number of steps"), ("ProcessSet", "leave process_set out"),
+                        ("join", "same number of steps"), ("add_process_set", "need no registration"),
                         ("SyncBatchNorm", "torch.nn.SyncBatchNorm"), ("sparse_allreduce_async", "reduces sparse gradients itself")]:
         with pytest.raises(NotImplementedError, match=words):
             getattr(dc, name)

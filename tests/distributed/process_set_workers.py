@@ -1,0 +1,139 @@
+"""What each rank runs in test_process_sets.py: optimizers over process sets (Note [Process sets]) against
+synchronous training over each set's ranks alone.
+
+The reference of ``workers.py``, over a set: every rank of the set regenerates every member's batch (seeded by
+step and global rank) and averages their gradients itself. Several patterns run in one launch, each reported
+under its name (an exception is reported as its type and message).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import traceback
+
+import torch
+
+import dcredit_opt as dc
+
+from . import workers as w
+
+CONFIG = {"policy": "fixed", "block_bytes": 256, "window": 2, "channels": 2}
+
+
+def _reference(ref, step: int, ranks: list, passes: int = 1) -> None:
+    for p in ref.parameters():
+        p.grad = None
+    for r in ranks:
+        w.loss_of(ref, w.batch(step, r)).backward()
+    for p in ref.parameters():
+        p.grad /= len(ranks)
+
+
+def train_on(process_set, ranks: list, steps: int = 5, opt_name: str = "sgd", seed: int = 0, **config) -> dict:
+    """Train a fresh model on ``process_set`` (whose members are ``ranks``) beside the reference over ``ranks``."""
+    torch.manual_seed(seed)
+    model = w.Net()
+    ref = copy.deepcopy(model)
+    cfg = dc.Config(**{**CONFIG, **config})
+    opt = dc.DistributedOptimizer(w.OPTIMIZERS[opt_name](model.parameters()), named_parameters=model.named_parameters(),
+                                  process_set=process_set, config=cfg)
+    ropt = w.OPTIMIZERS[opt_name](ref.parameters())
+    me = dc.rank()
+    for step in range(steps):
+        opt.zero_grad()
+        w.loss_of(model, w.batch(step, me)).backward()
+        opt.step()
+        _reference(ref, step, ranks)
+        ropt.step()
+    opt.synchronize()
+    out = {"diff": w.max_diff(model, ref), "checksum": w.checksum(model), "moved": _moved(ref, seed)}
+    opt._dc.close()
+    return out
+
+
+def _moved(ref, seed: int) -> float:
+    torch.manual_seed(seed)
+    return w.max_diff(w.Net(), ref)
+
+
+def _pattern(out: dict, name: str, fn) -> None:
+    try:
+        out[name] = fn()
+    except Exception as e:  # noqa: BLE001 - reported to the test under the pattern's name
+        out[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+
+
+def four_ranks(timeout_s: float = 4.0) -> dict:
+    """The patterns of a 4-rank job (torchrun or mpiexec); ``backend`` "auto" (MPI's own under mpiexec) and "torch"."""
+    dc.init(timeout_s=30.0)
+    me = dc.rank()
+    out: dict = {}
+    even, odd = [0, 2], [1, 3]
+    mine = even if me in even else odd
+    for backend in ("auto", "torch"):
+        # Two disjoint sets, each its own optimizer: each trains as if alone.
+        _pattern(out, f"disjoint/{backend}", lambda b=backend: train_on(dc.ProcessSet(mine), mine, backend=b))
+    # The 2-D case: each rank's data-parallel set, and one optimizer over every rank, trained in turn.
+    _pattern(out, "two_optimizers", lambda: _two_optimizers(mine))
+    # A set of 2 of the 4: ranks 2 and 3 build nothing meanwhile (they are not involved), then wait at a barrier.
+    if me in (0, 1):
+        _pattern(out, "two_of_four", lambda: train_on(dc.ProcessSet([0, 1]), [0, 1], opt_name="adam", seed=3))
+    dc.barrier()
+    # A torch.distributed group as the set (under torchrun): new_group is collective over every rank.
+    if dc.mpi_enabled():
+        out["torch_group"] = {"skipped": "mpiexec"}
+    else:
+        import torch.distributed as dist
+
+        groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        _pattern(out, "torch_group", lambda: train_on(groups[0] if me in even else groups[1], mine, seed=5))
+    # ---- what must be refused, never trained wrong ----
+    # Rank 3 is given a set that does not hold it.
+    if me == 3:
+        _pattern(out, "outside", lambda: train_on(dc.ProcessSet([0, 1]), [0, 1]))
+    # Ranks 0 and 1 disagree about their set: [0, 1] on rank 0, [0, 1, 2] on rank 1 (rank 2 builds nothing).
+    if me in (0, 1):
+        started = time.monotonic()
+        theirs = [0, 1] if me == 0 else [0, 1, 2]
+        _pattern(out, "differ", lambda: train_on(dc.ProcessSet(theirs), theirs, timeout_s=timeout_s))
+        out["differ"]["took_s"] = time.monotonic() - started
+    dc.barrier()
+    # Rank 3 never builds on [2, 3]: rank 2 is told within the timeout, naming rank 3.
+    if me == 2:
+        started = time.monotonic()
+        _pattern(out, "missing", lambda: train_on(dc.ProcessSet([2, 3]), [2, 3], timeout_s=timeout_s))
+        out["missing"]["took_s"] = time.monotonic() - started
+    dc.barrier()
+    # After those errors, the sets still work.
+    _pattern(out, "after_errors", lambda: train_on(dc.ProcessSet(mine), mine, opt_name="rmsprop", seed=7))
+    return out
+
+
+def _two_optimizers(mine: list, process_set=None) -> dict:
+    """Each rank: model A on its data-parallel set (``process_set``, ours by default), model B on every rank;
+    stepped alternately."""
+    me, everyone = dc.rank(), list(range(dc.size()))
+    models, refs, opts, ropts = [], [], [], []
+    for seed, (ps, name) in enumerate(((process_set or dc.ProcessSet(mine), "sgd"), (None, "adam"))):
+        torch.manual_seed(seed)
+        models.append(w.Net())
+        refs.append(copy.deepcopy(models[-1]))
+        opts.append(dc.DistributedOptimizer(w.OPTIMIZERS[name](models[-1].parameters()),
+                                            named_parameters=models[-1].named_parameters(), process_set=ps,
+                                            config=dc.Config(**CONFIG)))
+        ropts.append(w.OPTIMIZERS[name](refs[-1].parameters()))
+    for step in range(5):
+        for model, ref, opt, ropt, ranks in zip(models, refs, opts, ropts, (mine, everyone)):
+            opt.zero_grad()
+            w.loss_of(model, w.batch(step, me)).backward()
+            opt.step()
+            _reference(ref, step, ranks)
+            ropt.step()
+    diffs = []
+    for model, ref, opt in zip(models, refs, opts):
+        opt.synchronize()
+        diffs.append(w.max_diff(model, ref))
+        opt._dc.close()
+    return {"diff": max(diffs), "checksum": w.checksum(models[0]), "checksum_all": w.checksum(models[1]),
+            "moved": 1.0}

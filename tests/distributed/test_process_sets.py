@@ -1,0 +1,112 @@
+"""Note [Process sets]: an optimizer over some of the ranks reduces over them only and trains as synchronous
+training over those ranks alone; wrong sets end in a DCreditError naming the fix, never a hang or a silent
+wrong result.
+
+One 4-rank launch per launcher runs every pattern (``process_set_workers.py``): torchrun (Gloo) and mpiexec (the
+MPI backend and Gloo), both with ``dc.ProcessSet``; horovodrun --gloo with Horovod's process sets
+(``process_set_horovod.py``). Horovod's own test of process sets runs in the peer suite (tests/horovod_peer).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from . import process_set_horovod as ph
+from . import process_set_workers as pw
+from . import spawn
+from .test_backends import LAUNCHES, _tool
+
+TOL = 1e-5
+_launched: dict = {}
+
+
+def _results(launcher: str) -> list:
+    return spawn.launch_once(_launched, launcher, lambda: _launch(launcher))
+
+
+def _launch(launcher: str) -> list:
+    if launcher == "torch":
+        return spawn.run(pw.four_ranks, 4, timeout_s=300)
+    reason = LAUNCHES[launcher]["missing"]()
+    if reason:
+        return pytest.skip.Exception(f"{launcher}: {reason}")
+    if launcher == "mpi":
+        return spawn.run_launched(pw.four_ranks, [_tool("mpiexec"), "-n", "4"], 4, timeout_s=300)
+    command = [_tool("horovodrun"), "-np", "4", "-H", "localhost:4", "--gloo"]
+    return spawn.run_launched(ph.four_ranks, command, 4, timeout_s=300)
+
+
+def _trained(per_rank: list, name: str, ranks) -> None:
+    for rank in ranks:
+        r = per_rank[rank][name]
+        assert "error" not in r, f"{name}: rank {rank} raised {r['error']}\n{r.get('traceback', '')}"
+        assert r["diff"] < TOL, f"{name}: rank {rank} differs from synchronous training over its set by {r['diff']}"
+        assert r["moved"] > 1e-3, f"{name}: rank {rank}'s reference did not train"
+
+
+def _same_within_sets(per_rank: list, name: str, sets, key: str = "checksum") -> None:
+    for ranks in sets:
+        values = {per_rank[r][name][key] for r in ranks}
+        assert len(values) == 1, f"{name}: the weights differ within set {ranks}: {values}"
+    firsts = {per_rank[ranks[0]][name][key] for ranks in sets}
+    assert len(firsts) == len(sets), f"{name}: disjoint sets trained the same weights (were they mixed?)"
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("launcher", ["torch", "mpi"])
+@pytest.mark.parametrize("name", ["disjoint/auto", "disjoint/torch", "two_optimizers", "after_errors"])
+def test_disjoint_sets_each_train_as_if_alone(launcher, name):
+    per_rank = _results(launcher)
+    _trained(per_rank, name, range(4))
+    _same_within_sets(per_rank, name, ([0, 2], [1, 3]))
+    if name == "two_optimizers":  # the second optimizer of each rank reduces over every rank
+        assert len({r[name]["checksum_all"] for r in per_rank}) == 1
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("launcher", ["torch", "mpi"])
+def test_a_set_of_two_of_four_leaves_the_others_alone(launcher):
+    per_rank = _results(launcher)
+    _trained(per_rank, "two_of_four", [0, 1])
+    assert per_rank[0]["two_of_four"]["checksum"] == per_rank[1]["two_of_four"]["checksum"]
+    assert "two_of_four" not in per_rank[2] and "two_of_four" not in per_rank[3]
+
+
+@pytest.mark.timeout(420)
+def test_a_torch_process_group_is_a_process_set():
+    per_rank = _results("torch")
+    _trained(per_rank, "torch_group", range(4))
+    _same_within_sets(per_rank, "torch_group", ([0, 2], [1, 3]))
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("launcher", ["torch", "mpi"])
+def test_wrong_sets_are_refused_naming_the_fix(launcher):
+    per_rank = _results(launcher)
+    outside = per_rank[3]["outside"]["error"]
+    assert outside.startswith("DCreditError") and "does not hold it" in outside and "ProcessSet([3])" in outside
+    for rank in (0, 1):  # they disagree about their set: both are told at once, naming both sets
+        r = per_rank[rank]["differ"]
+        assert r["error"].startswith("MismatchError"), f"rank {rank}: {r}"
+        assert "[0, 1]" in r["error"] and "[0, 1, 2]" in r["error"] and "same set" in r["error"], r["error"]
+        assert r["took_s"] < 3.0, f"rank {rank} waited {r['took_s']:.1f} s for a mismatch it could see"
+    missing = per_rank[2]["missing"]
+    assert missing["error"].startswith("CollectiveTimeout") and "rank 3" in missing["error"], missing
+    assert 3.5 < missing["took_s"] < 30, missing
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("name", ["disjoint", "two_optimizers"])
+def test_horovod_process_sets_train_as_if_alone(name):
+    per_rank = _results("horovod-gloo")
+    _trained(per_rank, name, range(4))
+    _same_within_sets(per_rank, name, ([0, 2], [1, 3]))
+
+
+@pytest.mark.timeout(420)
+def test_horovod_rank_outside_its_set_steps_alone_as_in_horovod():
+    per_rank = _results("horovod-gloo")
+    _trained(per_rank, "outside", [0, 2, 3])  # rank 3's reference is rank 3 alone
+    for rank in range(4):
+        ours = per_rank[rank]["ours"]["error"]
+        assert ours.startswith("DCreditError") and "hvd.add_process_set" in ours, ours
