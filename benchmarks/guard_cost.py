@@ -1,4 +1,4 @@
-"""What the read guard (Note [Guarded reads] in ``dcredit_opt/reads.py``) costs per iteration.
+"""What the read guard (Note [Guarded reads] in ``dcredit_opt/optimizer/reads.py``) costs per iteration.
 
     .venv/bin/python -m benchmarks.guard_cost --models gpt,vgg,resnet18
 
@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 import dcredit_opt as dc
 from benchmarks.models import get_model, loss_fn
-from dcredit_opt.reads import PendingReadGuard
+from dcredit_opt.optimizer.reads import PendingReadGuard
 
 
 class _Counter(TorchFunctionMode):

@@ -47,7 +47,7 @@ DC_POLICIES = ("wfbp", "mgwfbp", "oasr", "bytescheduler", "usbyte", "dear", "dcr
 # blocks released in one Horovod cycle into one collective (windows then hold only approximately).
 # dc-dcredit-fp16: D-Credit with compression=Compression.fp16 (blocks travel as float16: half the bytes, float16's
 # rounding in the reduced gradient, as with Horovod's fp16 compression). dc-dcredit-dense: D-Credit with
-# Config(embedding_rows=False), embeddings all-reduced densely (Note [Embedding rows] in dcredit_opt/rows.py).
+# Config(embedding_rows=False), embeddings all-reduced densely (Note [Embedding rows] in dcredit_opt/optimizer/rows.py).
 # dc-deft: DeFT's delayed updates (Config(policy="deft", accept_delayed_updates=True)): not synchronous training.
 SCHEMES = ("compute", "comm", "ddp", "horovod") + tuple(f"dc-{p}" for p in DC_POLICIES) + (
     "hvd-dcredit", "hvd-dcredit-ops", "hvd-dcredit-ops-fused", "dc-dcredit-fp16", "dc-dcredit-dense", "dc-deft")

@@ -16,13 +16,13 @@ planner (``dcredit_opt.planner``) works without it.
 from . import collectives
 from .collectives import *  # Horovod's API: every name in collectives.__all__
 from .collectives.missing import module_getattr as __getattr__  # noqa: F401 - Horovod names we lack: a clear error
-from .compression import Compression
 from .config import Config
 from .errors import CollectiveError, CollectiveTimeout, DCreditError, LaunchError, MismatchError
 from .optimizer import DistributedOptimizer
-from .process_sets import ProcessSet
+from .optimizer.compression import Compression
 from .reduce_ops import Average, ReduceOp, Sum
 from .world.job import init, shutdown
+from .world.process_sets import ProcessSet
 from .world.runtime import is_initialized, local_rank, rank, size
 
 __version__ = "0.1.0"

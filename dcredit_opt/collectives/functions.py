@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from ..errors import MismatchError
-from ..lazy import core_of
+from ..optimizer.lazy import core_of
 from ..world import control, job, runtime
 from .objects import TENSOR_DTYPES
 

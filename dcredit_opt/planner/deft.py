@@ -12,7 +12,7 @@ synchronous data parallelism (Invariant 3 of DESIGN.md), so the runtime
 makes such plans only under ``Config(policy="deft",
 accept_delayed_updates=True)``, and says so.
 
-What the runtime does (``optimizer.py``): a delayed tensor has no blocks.
+What the runtime does (``optimizer/``): a delayed tensor has no blocks.
 At the end of each backward its gradient is copied out and summed over
 ranks in the background (one collective for all delayed tensors, on the
 side channel, after the step's other traffic is queued); the reduced

@@ -9,7 +9,7 @@ import time
 
 import dcredit_opt as dc
 from dcredit_opt.blockops import ALL_GATHER, REDUCE_SCATTER
-from dcredit_opt.layout import fixed_plan
+from dcredit_opt.optimizer.layout import fixed_plan
 from dcredit_opt.planner import search
 from dcredit_opt.planner.dcredit import partition_by_bytes
 from dcredit_opt.planner.profile import Profile, TensorProfile

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import dcredit_opt as dc
-from dcredit_opt.layout import fixed_plan
+from dcredit_opt.optimizer.layout import fixed_plan
 
 from .workers import OPTIMIZERS, Net, batch, loss_of, max_diff, reference_grads
 

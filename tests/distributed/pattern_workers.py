@@ -606,7 +606,7 @@ def unused_on_every_rank(job: Job) -> dict:
 
 def _rows_kinds(opt) -> dict:
     """Note [Embedding rows]: the tensors on the rows path, by name: "rows only" or "tied"."""
-    from dcredit_opt import rows
+    from dcredit_opt.optimizer import rows
     return {opt._dc.names[i]: "rows only" if r.kind == rows.ROWS_ONLY else "tied" for i, r in opt._dc.tally.rows.items()}
 
 

@@ -25,7 +25,7 @@ import torch
 
 import dcredit_opt as dc
 from dcredit_opt.blockops import REDUCE_SCATTER
-from dcredit_opt.layout import fixed_plan
+from dcredit_opt.optimizer.layout import fixed_plan
 from dcredit_opt.planner import adaptive
 from dcredit_opt.profiling import replanner
 

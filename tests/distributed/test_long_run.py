@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import dcredit_opt as dc
-from dcredit_opt.layout import fixed_plan
+from dcredit_opt.optimizer.layout import fixed_plan
 from dcredit_opt.planner.plan import ALL, Plan, validate
 
 from . import spawn

@@ -223,7 +223,7 @@ def _cases() -> list:
 def test_every_vendored_test_ran_with_the_swap(swapped):
     listed = {*EXPECTED_TO_PASS, *KNOWN_FAILURES} - set(OWN_LAUNCH)
     for rank in swapped["ranks"]:
-        assert rank["DistributedOptimizer"] == "dcredit_opt.optimizer.DistributedOptimizer", rank
+        assert rank["DistributedOptimizer"] == "dcredit_opt.optimizer.wrapper.DistributedOptimizer", rank
         ran = set(rank["tests"])
         assert ran == listed, (f"rank {rank['rank']}: ran but not listed here {sorted(ran - listed)}, listed but "
                                f"did not run {sorted(listed - ran)}")

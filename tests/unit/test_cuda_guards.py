@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 import dcredit_opt as dc
-from dcredit_opt import _ext, devices
+from dcredit_opt import _ext
+from dcredit_opt.optimizer import devices
 from dcredit_opt.world import channels, control
 
 pytestmark = pytest.mark.timeout(120)
@@ -114,7 +115,7 @@ def test_an_nccl_default_group_with_a_cpu_model_fails_before_any_communication(m
 
     monkeypatch.setattr(control, "all_gather", no_communication)
     monkeypatch.setattr(control, "broadcast_", no_communication)
-    monkeypatch.setattr(dc.core.backends, "create", no_communication)
+    monkeypatch.setattr(dc.optimizer.core.backends, "create", no_communication)
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
     before = copy.deepcopy(model.state_dict())

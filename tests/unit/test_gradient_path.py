@@ -240,7 +240,7 @@ def test_a_scheduler_failure_in_the_hook_is_a_dcredit_error():
 
 def test_path_rejects_state_arrays_of_the_wrong_size():
     from dcredit_opt import _ext
-    from dcredit_opt.buffers import per_tensor
+    from dcredit_opt.optimizer.buffers import per_tensor
 
     model, opt, _, _ = pair(EAGER)
     try:

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 import dcredit_opt as dc
-from dcredit_opt import grouping
-from dcredit_opt.layout import fixed_plan
+from dcredit_opt.optimizer import grouping
+from dcredit_opt.optimizer.layout import fixed_plan
 
 pytestmark = pytest.mark.timeout(120)
 

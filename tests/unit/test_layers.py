@@ -62,8 +62,8 @@ def _ours(names: set[str]) -> set[str]:
 
 
 def test_the_module_map_was_read():
-    assert "dcredit_opt.optimizer" in MODULES and "dcredit_opt.backends.torch_dist" in MODULES
-    assert "dcredit_opt.profiling.profiler" in MODULES["dcredit_opt.core"]
+    assert "dcredit_opt.optimizer.wrapper" in MODULES and "dcredit_opt.backends.torch_dist" in MODULES
+    assert "dcredit_opt.profiling.profiler" in MODULES["dcredit_opt.optimizer.core"]
 
 
 LAYERS = (
@@ -73,7 +73,7 @@ LAYERS = (
     ("the world", ("dcredit_opt.world",)),
     ("the backends", ("dcredit_opt.backends",)),
     ("profiling", ("dcredit_opt.profiling",)),
-    ("the optimizer", ()),
+    ("the optimizer", ("dcredit_opt.optimizer",)),
     ("Horovod's API", ("dcredit_opt.collectives",)),
     ("the package's front", ()),
     ("the tools", ("dcredit_opt.cli", "dcredit_opt.__main__")),
@@ -82,7 +82,8 @@ LAYERS = (
 it, never one above. The planner is pure (profiles in, plans out); the ground is what every layer may use
 (the configuration, the errors, the extension's loader, the timeline's files); the world says which job we
 are in and owns the control plane; a backend launches one block's collective on it; profiling measures the
-live job and turns it into plans; the optimizer is every module left at the top of the package; Horovod's
+live job and turns it into plans; the optimizer (its folder) is the wrapper and the objects that own its
+state; Horovod's
 API is what a script calls; ``dcredit_opt/__init__.py`` is the front; the command line sits on top."""
 
 
@@ -92,7 +93,12 @@ def _layer_of(module: str) -> int:
     for i, (_, places) in enumerate(LAYERS):
         if _within(module, *places):
             return i
-    return [name for name, _ in LAYERS].index("the optimizer")
+    raise AssertionError(f"{module} is in no layer: add it (or its folder) to LAYERS")
+
+
+def test_every_module_has_its_layer():
+    for module in MODULES:
+        _layer_of(module)
 
 
 def test_every_layer_names_modules_that_exist():
@@ -154,20 +160,24 @@ def test_the_horovod_api_is_only_the_packages_front():
 
 
 def test_nothing_below_the_optimizer_imports_it():
-    """``optimizer.py``, the drop-in wrapper, is the runtime's top: the package's front and the tool that
-    builds one to profile a model import it; what both the optimizer and the collectives take (their
-    ``Average`` and ``Sum``) lives below both (``reduce_ops.py``)."""
-    above = ("dcredit_opt", "dcredit_opt.cli.model_profile")
-    assert [m for m in _importers_of("dcredit_opt.optimizer", "dcredit_opt") if m not in above] == []
+    """``optimizer/``, the drop-in wrapper and its parts, is the runtime's top: the package's front, the tool
+    that builds one to profile a model, and ``broadcast_optimizer_state`` (which applies a wrapped optimizer's
+    pending updates first) import it; what both the optimizer and the collectives take (their ``Average`` and
+    ``Sum``) lives below both (``reduce_ops.py``)."""
+    above = ("dcredit_opt", "dcredit_opt.cli.model_profile", "dcredit_opt.collectives.functions")
+    importers = [m for m in _importers_of("dcredit_opt.optimizer", "dcredit_opt")
+                 if not _within(m, "dcredit_opt.optimizer")]
+    assert [m for m in importers if m not in above] == []
 
 
 def test_only_the_entry_point_imports_the_command_line():
     assert _importers_of("dcredit_opt.cli", "dcredit_opt") == ["dcredit_opt.__main__", "dcredit_opt.cli.commands"]
 
 
-WORLD = ("runtime", "launchers", "groups", "peers", "control", "channels", "job")
+WORLD = ("runtime", "launchers", "groups", "peers", "control", "channels", "job", "process_sets")
 """The world's modules, lowest first: each imports only those before it (``launchers.py`` says how each
-launcher joins a job, and knows nothing of the world we are in; ``job.py``, joining and leaving, is its top)."""
+launcher joins a job, and knows nothing of the world we are in; ``job.py`` joins and leaves it; a process
+set, some of its ranks with their own channels and control plane, is built on all of those)."""
 
 
 def test_the_world_is_layered_too():
@@ -222,9 +232,10 @@ def test_each_constant_is_defined_once():
     assert {name: modules for name, modules in where.items() if len(modules) > 1} == {}
 
 
-OWNERS = {"dcredit_opt.usage": ("UsageTally",), "dcredit_opt.buffers": ("GradientBuffers",),
-          "dcredit_opt.updates": ("LazyUpdates",), "dcredit_opt.profiling.replanner": ("Replanner",),
-          "dcredit_opt.gradients": ("Backward",), "dcredit_opt.lazy": ("Stepper",), "dcredit_opt.core": ("Core",)}
+OWNERS = {"dcredit_opt.optimizer.usage": ("UsageTally",), "dcredit_opt.optimizer.buffers": ("GradientBuffers",),
+          "dcredit_opt.optimizer.updates": ("LazyUpdates",), "dcredit_opt.profiling.replanner": ("Replanner",),
+          "dcredit_opt.optimizer.gradients": ("Backward",), "dcredit_opt.optimizer.lazy": ("Stepper",),
+          "dcredit_opt.optimizer.core": ("Core",)}
 """The objects that own a part of the optimizer's state (issue A1), by module: their private fields are
 read and written through ``self`` in their own methods only; others use their methods and public fields."""
 
@@ -278,18 +289,18 @@ def test_only_an_owner_assigns_its_public_fields():
 
 
 def test_the_wrapper_is_a_thin_composition():
-    """The generated optimizer subclass (``optimizer.py``) holds one field of its own, ``_dc``: the core
+    """The generated optimizer subclass (``optimizer/wrapper.py``) holds one field of its own, ``_dc``: the core
     (``core.py``) that composes the owners above. The wrapper's module sets and reads it; everyone else
     reaches the core through ``lazy.core_of`` (the model's hooks through their keeper). No other ``_dc_*``
     name is left on an optimizer; a watched gradient's own two fields are set where it is made (``watched.py``)."""
     reached = []
     for module, (path, tree) in TREES.items():
         for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and node.attr == "_dc" and module != "dcredit_opt.optimizer":
+            if isinstance(node, ast.Attribute) and node.attr == "_dc" and module != "dcredit_opt.optimizer.wrapper":
                 reached.append(f"{path.name}:{node.lineno} ._dc")
-            if isinstance(node, ast.Constant) and node.value == "_dc" and module != "dcredit_opt.lazy":
+            if isinstance(node, ast.Constant) and node.value == "_dc" and module != "dcredit_opt.optimizer.lazy":
                 reached.append(f"{path.name}:{node.lineno} '_dc'")
-            if (isinstance(node, ast.Attribute) and node.attr.startswith("_dc_") and module != "dcredit_opt.watched"
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_dc_") and module != "dcredit_opt.optimizer.watched"
                     and node.attr not in ("_dc_index", "_dc_keeper")):
                 reached.append(f"{path.name}:{node.lineno} .{node.attr}")
     assert reached == []

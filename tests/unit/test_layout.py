@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcredit_opt.layout import build_layout, fixed_plan
+from dcredit_opt.optimizer.layout import build_layout, fixed_plan
 from dcredit_opt.planner.plan import (
     ALL,
     Plan,

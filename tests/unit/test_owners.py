@@ -13,11 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-from dcredit_opt import rows
 from dcredit_opt.config import Config
 from dcredit_opt.errors import DCreditError
-from dcredit_opt.notices import Notices
-from dcredit_opt.usage import UsageTally
+from dcredit_opt.optimizer import rows
+from dcredit_opt.optimizer.notices import Notices
+from dcredit_opt.optimizer.usage import UsageTally
 
 
 class _SideChannel:
@@ -135,8 +135,8 @@ class _Backend:
 
 
 def _buffers(params, block_bytes=16, prescale=1.0, postscale=0.5, sparse_as_dense=False):
-    from dcredit_opt.buffers import GradientBuffers
-    from dcredit_opt.layout import fixed_plan
+    from dcredit_opt.optimizer.buffers import GradientBuffers
+    from dcredit_opt.optimizer.layout import fixed_plan
 
     names = [f"p{i}" for i in range(len(params))]
     engine, backend = _Engine(), _Backend()
@@ -224,7 +224,7 @@ class _Path:
 
 
 def test_a_lazy_step_keeps_the_optimizer_while_updates_wait():
-    from dcredit_opt.updates import LazyUpdates
+    from dcredit_opt.optimizer.updates import LazyUpdates
 
     class Owner:  # what the keeper holds: the optimizer, weakly unless updates wait; it gives the core
         _dc = types.SimpleNamespace()
@@ -251,7 +251,7 @@ def test_a_lazy_step_keeps_the_optimizer_while_updates_wait():
 
 
 def test_updates_read_later_join_an_apply_only_up_to_the_first_not_final():
-    from dcredit_opt.updates import LazyUpdates
+    from dcredit_opt.optimizer.updates import LazyUpdates
 
     params = [nn.Parameter(torch.zeros(2)) for _ in range(4)]
     updates = LazyUpdates(object.__new__(type("O", (), {})), list("abcd"), params, Notices())
@@ -296,8 +296,8 @@ class _StepperParts:
 
 
 def test_the_stepper_applies_what_waits_with_the_deferring_steps_hyperparameters():
-    from dcredit_opt.lazy import Stepper
-    from dcredit_opt.updates import LazyUpdates
+    from dcredit_opt.optimizer.lazy import Stepper
+    from dcredit_opt.optimizer.updates import LazyUpdates
 
     params = [nn.Parameter(torch.full((2,), float(k))) for k in range(3)]
     names = ["a", "b", "c"]
@@ -327,7 +327,7 @@ def test_the_stepper_applies_what_waits_with_the_deferring_steps_hyperparameters
 
 
 def test_the_stepper_refuses_a_parameter_added_to_the_groups_after_wrapping():
-    from dcredit_opt.lazy import Stepper
+    from dcredit_opt.optimizer.lazy import Stepper
 
     params = [nn.Parameter(torch.zeros(2)) for _ in range(2)]
     sgd = torch.optim.SGD(params, lr=0.1)

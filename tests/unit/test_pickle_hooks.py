@@ -46,7 +46,7 @@ def roundtrip(obj):
 def our_hooks(module):
     """Our hooks (live or inert) on ``module`` alone, by kind."""
     def ours(h):
-        return type(getattr(h, "hook", h)).__module__ == "dcredit_opt.lazy"
+        return type(getattr(h, "hook", h)).__module__ == "dcredit_opt.optimizer.lazy"
     return {name: [h for h in getattr(module, name).values() if ours(h)]
             for name in ("_forward_pre_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks")}
 
@@ -194,7 +194,7 @@ def test_rewrapping_a_loaded_model_does_not_pile_up_inert_hooks():
 
 
 def test_hooks_pickle_to_inert_ones():
-    from dcredit_opt import lazy
+    from dcredit_opt.optimizer import lazy
 
     class Core:
         calls = 0

@@ -2,7 +2,7 @@
 
 import torch
 
-from dcredit_opt.reads import Addresses
+from dcredit_opt.optimizer.reads import Addresses
 
 
 def _flat_params():

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from dcredit_opt.backends.packed_rows import pack, unpack
+from dcredit_opt.optimizer.rows import ROWS_ONLY, EmbeddingRows, without_tensors
 from dcredit_opt.planner.plan import Plan, blocks_of, validate
-from dcredit_opt.rows import ROWS_ONLY, EmbeddingRows, without_tensors
 
 
 def _plan(**kw) -> Plan:

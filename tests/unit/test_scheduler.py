@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dcredit_opt import _ext
-from dcredit_opt.layout import build_layout
+from dcredit_opt.optimizer.layout import build_layout
 from dcredit_opt.planner.profile import bytes_of
 from dcredit_opt.planner.simulate import simulate
 from tests import timing

@@ -19,10 +19,10 @@ import weakref
 
 import torch
 
-from . import _ext, timeline
+from .. import _ext, timeline
+from ..errors import DCreditError
+from ..world.peers import at_rank
 from .buffers import clear, per_tensor
-from .errors import DCreditError
-from .world.peers import at_rank
 
 
 class Backward:

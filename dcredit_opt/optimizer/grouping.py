@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from .planner.plan import Plan
+from ..planner.plan import Plan
 
 
 def tensor_groups(groups, names, params) -> tuple[tuple[int, ...], ...]:

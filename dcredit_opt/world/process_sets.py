@@ -48,9 +48,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from .errors import CollectiveTimeout, DCreditError, LaunchError, MismatchError
-from .world import channels, control, groups, launchers, runtime
-from .world.peers import at_rank
+from ..errors import CollectiveTimeout, DCreditError, LaunchError, MismatchError
+from . import channels, control, groups, launchers, runtime
+from .peers import at_rank
 
 log = logging.getLogger("dcredit_opt")
 

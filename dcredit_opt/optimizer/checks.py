@@ -14,9 +14,9 @@ import hashlib
 
 import torch
 
-from .config import Config
-from .errors import MismatchError
-from .world import runtime
+from ..config import Config
+from ..errors import MismatchError
+from ..world import runtime
 
 
 def named_tracked_params(optimizer, named_parameters):
@@ -125,7 +125,7 @@ def check_same_setup_on_all_ranks(config: Config, plane=None, **arguments) -> No
 
 
 def _everyone():
-    from .process_sets import everyone
+    from ..world.process_sets import everyone
 
     return everyone()
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import DCreditError
+from ..errors import DCreditError
 from .rows import ROWS_ONLY
 
 

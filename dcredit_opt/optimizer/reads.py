@@ -118,7 +118,7 @@ class Addresses:
     (``p``, ``p.detach()``, ``p.data``, views). Addresses, not
     ``untyped_storage()``: asking every argument for its storage would give
     our gradient buffers' storages Python objects (see ``_slot`` in
-    ``optimizer.py``).
+    ``wrapper.py``).
     """
 
     def __init__(self, params):

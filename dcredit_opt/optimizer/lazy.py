@@ -14,11 +14,11 @@ import weakref
 
 import torch
 
+from ..errors import DCreditError
+from ..timeline import profiled
+from ..world import runtime
+from ..world.peers import at_rank
 from . import separable
-from .errors import DCreditError
-from .timeline import profiled
-from .world import runtime
-from .world.peers import at_rank
 
 
 class Stepper:
@@ -297,7 +297,7 @@ class Stepper:
         """What this rank proposes for Note [Embedding rows] (in rows.py), from what the tracer saw; every
         rank's proposal travels in the tally, and only what all propose is taken."""
         if not (self._config.embedding_rows and runtime.size() > 1 and self._backward.passes == 1
-                and getattr(self._backend, "exchanges_rows", False)):
+                and self._backend.exchanges_rows):
             return
         self._tally.propose_rows(tracer, {t for g in self._horovod_groups or () for t in g})
 

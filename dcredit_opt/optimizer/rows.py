@@ -56,8 +56,8 @@ import dataclasses
 
 import torch
 
-from .errors import DCreditError
-from .planner.plan import Plan
+from ..errors import DCreditError
+from ..planner.plan import Plan
 
 ROWS_ONLY = 2  # only embeddings read it: no blocks
 TIED = 1  # read otherwise too: blocks for the rest, rows for the embeddings

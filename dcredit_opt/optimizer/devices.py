@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import _ext, backends
-from .world import control
+from .. import _ext, backends
+from ..world import control
 
 DEVICE_TYPES = ("cpu", "cuda")
 

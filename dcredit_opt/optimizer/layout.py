@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from .planner.plan import Plan, PlanError, split_evenly, stages_of
+from ..planner.plan import Plan, PlanError, split_evenly, stages_of
 
 __all__ = ["Layout", "build_layout", "fixed_plan"]
 

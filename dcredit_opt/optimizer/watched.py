@@ -18,7 +18,7 @@ then it runs on the plain tensor and returns plain tensors. So
 ``p.grad = p.grad * 0.5`` see the averaged gradient, and an in-place
 change lands on it and is what ``step()`` uses. A ``p.grad`` replaced after
 ``backward()`` (a new tensor, or ``None``) is what ``step()`` uses for that
-parameter (Note [Replaced gradients] in ``optimizer.py``).
+parameter (Note [Replaced gradients] in ``wrapper.py``).
 
 Our own code hands the plain slot to the collectives and to the wrapped
 optimizer's step, so neither pays for the subclass; a watched gradient's
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import DCreditError
+from ..errors import DCreditError
 from .reads import GRAPH_ALIAS_ATTRIBUTES, attribute_of
 
 # Functions that read metadata only, never values, and make no alias.

@@ -13,14 +13,15 @@ import struct
 
 import torch
 
+from ..backends.base import DelayedSums
+from ..errors import DCreditError
+from ..planner.plan import Plan, validate
+from ..world.peers import at_rank
 from . import grouping, rows, sparse
 from .compression import block_wire_dtype
 from .delayed import DelayedGradients
-from .errors import DCreditError
 from .layout import build_layout
-from .planner.plan import Plan, validate
 from .watched import WatchedGradient
-from .world.peers import at_rank
 
 
 class GradientBuffers:
@@ -72,7 +73,7 @@ class GradientBuffers:
 
     def sums_delayed(self) -> bool:
         """Whether this job's backend can sum DeFT's delayed gradients in the background (torch only)."""
-        return hasattr(self._backend, "start_delayed")
+        return isinstance(self._backend, DelayedSums)
 
     def take_sparse(self, sink, as_sparse: dict) -> None:
         """Sparse gradients go to ``sink(i, grad)`` (True when it took them: reduced as rows), and are handed to

@@ -31,10 +31,11 @@ import weakref
 
 import torch
 
-from . import rows, sparse, timeline
+from .. import timeline
+from ..errors import DCreditError
+from ..world.peers import at_rank
+from . import rows, sparse
 from .buffers import clear, per_tensor
-from .errors import DCreditError
-from .world.peers import at_rank
 
 
 class UsageTally:

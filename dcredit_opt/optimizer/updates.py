@@ -79,8 +79,8 @@ from __future__ import annotations
 
 import weakref
 
+from ..errors import DCreditError
 from .buffers import clear, fill, per_tensor
-from .errors import DCreditError
 from .lazy import Keeper, copy_hyper, drop_inert_hooks, holds_any, weak_apply_hook, weak_forward_hook
 from .reads import FirstReadTracer, PendingReadGuard
 

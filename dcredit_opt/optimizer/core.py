@@ -1,6 +1,6 @@
 """What a ``DistributedOptimizer`` does, without being one: the parts, composed, and the policy of ``step()``.
 
-The wrapper (``optimizer.py``) is a subclass of the user's optimizer class
+The wrapper (``optimizer/wrapper.py``) is a subclass of the user's optimizer class
 that keeps Horovod's surface and holds one field of its own, this
 :class:`Core`. The core owns the parts and says when each acts:
 
@@ -31,21 +31,22 @@ import weakref
 
 import torch
 
-from . import backends, checks, devices, process_sets, timeline
+from .. import backends, timeline
+from ..errors import DCreditError
+from ..planner.plan import Plan
+from ..planner.profile import RING_STAGE_RATIOS
+from ..profiling import profiler, replanner
+from ..profiling.planning import DECOUPLING_POLICIES
+from ..reduce_ops import Average
+from ..world import job, process_sets
+from . import checks, devices
 from .buffers import GradientBuffers
-from .errors import DCreditError
 from .gradients import Backward, WeakMethod
 from .layout import fixed_plan
 from .lazy import Stepper, watch_module_hooks_when_compiled
 from .notices import Notices
-from .planner.plan import Plan
-from .planner.profile import RING_STAGE_RATIOS
-from .profiling import profiler, replanner
-from .profiling.planning import DECOUPLING_POLICIES
-from .reduce_ops import Average
 from .updates import LazyUpdates
 from .usage import UsageTally
-from .world import job
 
 log = logging.getLogger("dcredit_opt")
 

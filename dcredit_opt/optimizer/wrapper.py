@@ -28,14 +28,16 @@ import weakref
 
 import torch
 
-from . import checks, devices, grouping, process_sets, timeline
+from .. import timeline
+from ..config import Config
+from ..errors import DCreditError
+from ..planner.plan import Plan
+from ..reduce_ops import HOROVOD_OP_CODES, Average, ReduceOp
+from ..world import process_sets
+from . import checks, devices, grouping
 from .compression import wire_dtype_of
-from .config import Config
 from .core import Core
-from .errors import DCreditError
 from .lazy import core_of
-from .planner.plan import Plan
-from .reduce_ops import HOROVOD_OP_CODES, Average, ReduceOp
 
 log = logging.getLogger("dcredit_opt")
 
