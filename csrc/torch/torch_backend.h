@@ -59,7 +59,7 @@ class TorchBackend : public Backend {
   // After the scheduler has shut down (its dispatch thread joined, so no
   // Launch runs again): join the waiter, if one started, and drop our
   // references to the process groups, so that destroying them on the Python
-  // side really ends their threads now (Note [Orderly exit] in runtime.py)
+  // side really ends their threads now (Note [Orderly exit] in world/job.py)
   // rather than whenever this engine's Python object goes. Idempotent.
   void Close();
 
