@@ -81,6 +81,11 @@ def start_barrier(world: int, timeout_s: float = 240.0) -> None:
 
         hvd.allreduce(torch.zeros(1), name="kill_workers.start")  # Horovod's own wait: no deadline
         return
+    if dc.world.runtime.kind() == "mpi":  # no torch.distributed default group under mpiexec (Note [Private groups])
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Barrier()  # MPI's own wait: no deadline
+        return
     import datetime
 
     import torch.distributed as dist
