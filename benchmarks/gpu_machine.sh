@@ -36,16 +36,19 @@ cuda)
     build || exit 1
     $PY -c "from dcredit_opt import _ext; print('WITH_CUDA', _ext.load().WITH_CUDA)"
     # -rs lists every skip with its reason; -s prints the dispatch rates.
-    timeout 240 $PY -m pytest -q -p no:cacheprovider -rs -s tests/distributed/test_nccl.py \
+    timeout 180 $PY -m pytest -q -p no:cacheprovider -rs -s tests/distributed/test_nccl.py \
         tests/unit/test_cuda_guards.py tests/unit/test_gradient_path.py tests/unit/test_final_gate.py 2>&1 | tee "$out/tests.log" | grep -v "^\.*$" | tail -25
     # One GPU: one rank (NCCL), so the difference between schemes is what each
     # costs around the same compute: DDP's hooks and buckets, our scheduler.
-    timeout 200 $PY -m benchmarks.harness --device cuda --ranks 1 --network loopback --models vgg,gpt \
-        --schemes compute,ddp,dc-dcredit --iters 40 --warmup 10 --rounds 2 --launch-timeout-s 60 \
-        --results-dir "$out" --name 1gpu --no-progress 2>&1 | tail -45
-    # Where the host waits for the device in steady iterations (torch.profiler).
-    for way in dc ddp; do
-        timeout 90 $PY -m benchmarks.gpu_trace --model gpt --way $way --out "$out" 2>&1 | tail -8
+    # dc-dcredit-eager: every update in step() (Config(lazy_step="off")), against the lazy step's forward.
+    timeout 240 $PY -m benchmarks.harness --device cuda --ranks 1 --network loopback --models vgg,gpt \
+        --schemes compute,ddp,dc-dcredit,dc-dcredit-eager --iters 40 --warmup 10 --rounds 2 --launch-timeout-s 60 \
+        --results-dir "$out" --name 1gpu --no-progress 2>&1 | tail -60
+    # Where the host waits for the device in steady iterations (torch.profiler), and what it does per iteration.
+    for model in gpt vgg; do
+        for way in dc ddp; do
+            timeout 60 $PY -m benchmarks.gpu_trace --model $model --way $way --out "$out" 2>&1 | grep -v Warn | tail -9
+        done
     done
     ;;
 ranks)

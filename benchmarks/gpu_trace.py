@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--out", required=True)
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a dry run of this script")
     args = p.parse_args(argv)
 
     import torch
@@ -43,12 +44,15 @@ def main(argv: list[str] | None = None) -> None:
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29571")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     torch.manual_seed(0)
     spec = get_model(args.model)
-    model = spec.build().cuda()
-    x, y = (t.cuda() for t in spec.make_batch(spec.default_batch, torch.Generator().manual_seed(1)))
+    model = spec.build().to(args.device)
+    x, y = (t.to(args.device) for t in spec.make_batch(spec.default_batch, torch.Generator().manual_seed(1)))
     net = model
     if args.way == "ddp":
         net = torch.nn.parallel.DistributedDataParallel(model)
@@ -71,15 +75,15 @@ def main(argv: list[str] | None = None) -> None:
 
     for _ in range(args.warmup):
         step()
-    torch.cuda.synchronize()
+    sync()
     walls = []
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(args.iters):
             t = time.perf_counter()
             with record_function("bench::iteration"):
                 step()
             walls.append(time.perf_counter() - t)
-        torch.cuda.synchronize()
+        sync()
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -100,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     waits = [e for e in spans if e["name"] == "dcredit_opt::wait"]
     syncs = [e for e in spans if e["name"] in SYNC_CALLS]
     n = max(1, args.iters)
-    print(f"# {args.model}, {args.way}, {torch.cuda.get_device_name()}, {args.iters} profiled iterations "
+    print(f"# {args.model}, {args.way}, {torch.cuda.get_device_name() if cuda else 'CPU'}, {args.iters} profiled iterations "
           f"after {args.warmup}")
     print(f"iteration (profiled): median {statistics.median(walls) * 1e3:.2f} ms")
     for label, group in (("dcredit_opt::wait", waits), ("CUDA synchronising calls", syncs)):
@@ -108,6 +112,19 @@ def main(argv: list[str] | None = None) -> None:
         rest = [e["dur"] for e in group if not inside_forward(e)]
         print(f"{label}: in the forward {len(fwd) / n:.1f} per iteration, {sum(fwd) / n / 1e3:.3f} ms per "
               f"iteration; elsewhere {len(rest) / n:.1f} per iteration, {sum(rest) / n / 1e3:.3f} ms")
+    for part in ("forward", "backward", "step"):
+        durs = [e["dur"] for e in spans if e["name"] == f"bench::{part}"]
+        print(f"host time in {part}: median {statistics.median(durs) / 1e3:.3f} ms" if durs else f"no {part} spans")
+    applies = [e["dur"] for e in spans if e["name"] == "dcredit_opt::apply"]
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    print(f"dcredit_opt::apply: {len(applies) / n:.1f} per iteration, {sum(applies) / n / 1e3:.3f} ms; "
+          f"device kernels and copies: {len(kernels) / n:.0f} per iteration, "
+          f"{sum(e['dur'] for e in kernels) / n / 1e3:.3f} ms")
+    if args.way == "dc":
+        plan = opt.plan
+        print(f"plan: {plan.policy}, {len(plan.numels)} tensors, {sum(len(p) for p in plan.partition)} pieces, "
+              f"{len(plan.merges)} merges, overlap_forward={plan.overlap_forward}, channels={plan.channels}, "
+              f"phase-2 windows {plan.phase2_windows}")
     print(f"trace: {trace}.gz")
     if args.way == "dc":
         dc.shutdown()

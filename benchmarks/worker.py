@@ -48,9 +48,12 @@ DC_POLICIES = ("wfbp", "mgwfbp", "oasr", "bytescheduler", "usbyte", "dear", "dcr
 # dc-dcredit-fp16: D-Credit with compression=Compression.fp16 (blocks travel as float16: half the bytes, float16's
 # rounding in the reduced gradient, as with Horovod's fp16 compression). dc-dcredit-dense: D-Credit with
 # Config(embedding_rows=False), embeddings all-reduced densely (Note [Embedding rows] in dcredit_opt/optimizer/rows.py).
+# dc-dcredit-eager: D-Credit with Config(lazy_step="off"), every update applied in step() (on a GPU behind
+# stream-ordered waits), none in the next forward.
 # dc-deft: DeFT's delayed updates (Config(policy="deft", accept_delayed_updates=True)): not synchronous training.
 SCHEMES = ("compute", "comm", "ddp", "horovod") + tuple(f"dc-{p}" for p in DC_POLICIES) + (
-    "hvd-dcredit", "hvd-dcredit-ops", "hvd-dcredit-ops-fused", "dc-dcredit-fp16", "dc-dcredit-dense", "dc-deft")
+    "hvd-dcredit", "hvd-dcredit-ops", "hvd-dcredit-ops-fused", "dc-dcredit-fp16", "dc-dcredit-dense", "dc-dcredit-eager",
+    "dc-deft")
 
 
 def uses_horovod(scheme: str) -> bool:
@@ -264,9 +267,11 @@ def _join_horovod(rank, world, fusion_off: bool = False, quiet_cycle: bool = Fal
 def run_dc(args, model, batch, rank, world):
     import dcredit_opt as dc
 
-    policy = args.scheme.removeprefix("dc-").removesuffix("-fp16").removesuffix("-dense")
+    policy = args.scheme.removeprefix("dc-").removesuffix("-fp16").removesuffix("-dense").removesuffix("-eager")
     compression = dc.Compression.fp16 if args.scheme.endswith("-fp16") else dc.Compression.none
     overrides = {"embedding_rows": False} if args.scheme.endswith("-dense") else {}
+    if args.scheme.endswith("-eager"):
+        overrides["lazy_step"] = "off"
     if policy == "deft":  # the benchmark accepts what DeFT changes (docs/usage.md): its row is marked as such
         overrides["accept_delayed_updates"] = True
     # DCREDIT_* variables (a timeline path, a timeout) pass through; the

@@ -164,7 +164,7 @@ def gloo_enabled() -> bool:
     kind = require_world("gloo_enabled")
     if kind == "horovod":
         return bool(runtime.horovod().gloo_enabled())
-    return control.control_backend() == "gloo"
+    return "gloo" in (control.control_backend() or "")  # "gloo", or "cpu:gloo,cuda:nccl" for a world of one
 
 
 def mpi_threads_supported() -> bool:

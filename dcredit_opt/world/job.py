@@ -119,8 +119,11 @@ def _init_default_group(timeout_s: float) -> None:
     timeout = datetime.timedelta(seconds=timeout_s)
     before_default_group()
     if not present:
-        store = dist.HashStore()
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
+        # A world of one runs the path a larger world runs, on the backend a larger world would use: on a GPU
+        # NCCL, whose collectives the host only enqueues. Gloo's CUDA all-reduce waits on the host for the
+        # device, so every lazy update would too (Note [Stream-ordered waits]). Gloo beside it for CPU tensors.
+        one = "cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo"
+        dist.init_process_group(one, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return
     missing = [v for v in launcher_vars if v not in env]
     if missing:

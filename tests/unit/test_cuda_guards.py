@@ -224,3 +224,21 @@ def test_cpu_build_has_no_cuda_code():
     for needle in (b"cudaLaunchHostFunc", b"cudaStreamWaitEvent", b"cudaStreamCreateWithFlags", b"libcudart",
                    b"c10_cuda", b"torch_cuda"):
         assert needle not in data, f"{so} mentions {needle.decode()}"
+
+
+@pytest.mark.parametrize("cuda, made", [(True, "cpu:gloo,cuda:nccl"), (False, "gloo")], ids=["gpu", "cpu"])
+def test_a_world_of_one_on_a_gpu_machine_reduces_cuda_tensors_over_nccl(monkeypatch, cuda, made):
+    """With no launcher, the default group of a world of one carries CUDA tensors on NCCL, as a larger world's
+    does: Gloo's CUDA all-reduce would make the host wait for the device at every lazy update (Note
+    [Stream-ordered waits]). CPU tensors stay on Gloo."""
+    from dcredit_opt.world import job
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(job.launchers, "slurm_environment", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    calls = []
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
+    job._init_default_group(5.0)
+    assert [(b, kw["rank"], kw["world_size"]) for b, kw in calls] == [(made, 0, 1)]
+    assert devices.device_types(made) >= {"cpu"}
