@@ -133,16 +133,27 @@ def test_on_a_gpu_the_lazy_step_waits_on_the_stream_not_on_the_host():
                     passed.record()
                     return grad
                 out.register_hook(hold_up)
+            # Where the host was when the device passed the sleep, if it did before the check: the first
+            # of these after which the event had passed is where the host waited for the device.
+            passed_after = []
+
+            def mark(where, passed=passed, s=s, passed_after=passed_after):
+                if s >= 4 and not passed_after and passed.query():
+                    passed_after.append(where)
             out.pow(2).mean().backward()
+            mark("the wrapped model's backward")
             opt.step()
+            mark("opt.step()")
             ropt.zero_grad()
             ref(inputs[s]).pow(2).mean().backward()
             ropt.step()
+            mark("the plain copy's iteration")
             if s >= 4:
                 with torch.no_grad():
                     model(inputs[8 + s])  # applies every pending update at its first read
+                mark("the forward that applied the updates")
                 assert not opt._dc.lazy.npending
-                assert not passed.query(), "the forward waited on the host for blocks the device had not finished"
+                assert not passed_after, f"the host waited for the device in {passed_after[0]} (iteration {s})"
             torch.cuda.synchronize()
         opt.synchronize()
         assert_same(model, ref)
