@@ -40,9 +40,10 @@ cuda)
         tests/unit/test_cuda_guards.py tests/unit/test_gradient_path.py tests/unit/test_final_gate.py 2>&1 | tee "$out/tests.log" | grep -v "^\.*$" | tail -25
     # One GPU: one rank (NCCL), so the difference between schemes is what each
     # costs around the same compute: DDP's hooks and buckets, our scheduler.
-    # dc-dcredit-eager: every update in step() (Config(lazy_step="off")), against the lazy step's forward.
+    # dc-dcredit-devwin: the credit window kept on the device (Config(device_windows=True), Note [Device
+    # windows]), against the host's; off by default until this says it pays.
     timeout 240 $PY -m benchmarks.harness --device cuda --ranks 1 --network loopback --models vgg,gpt \
-        --schemes compute,ddp,dc-dcredit,dc-dcredit-eager --iters 40 --warmup 10 --rounds 2 --launch-timeout-s 60 \
+        --schemes compute,ddp,dc-dcredit,dc-dcredit-devwin --iters 40 --warmup 10 --rounds 2 --launch-timeout-s 60 \
         --results-dir "$out" --name 1gpu --no-progress 2>&1 | tail -60
     # Where the host waits for the device in steady iterations (torch.profiler), and what it does per iteration.
     for model in gpt vgg; do

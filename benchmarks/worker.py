@@ -49,11 +49,12 @@ DC_POLICIES = ("wfbp", "mgwfbp", "oasr", "bytescheduler", "usbyte", "dear", "dcr
 # rounding in the reduced gradient, as with Horovod's fp16 compression). dc-dcredit-dense: D-Credit with
 # Config(embedding_rows=False), embeddings all-reduced densely (Note [Embedding rows] in dcredit_opt/optimizer/rows.py).
 # dc-dcredit-eager: D-Credit with Config(lazy_step="off"), every update applied in step() (on a GPU behind
-# stream-ordered waits), none in the next forward.
+# stream-ordered waits), none in the next forward. dc-dcredit-devwin: D-Credit with Config(device_windows=True),
+# the credit window kept on the GPU (Note [Device windows] in csrc/core/scheduler.cc).
 # dc-deft: DeFT's delayed updates (Config(policy="deft", accept_delayed_updates=True)): not synchronous training.
 SCHEMES = ("compute", "comm", "ddp", "horovod") + tuple(f"dc-{p}" for p in DC_POLICIES) + (
     "hvd-dcredit", "hvd-dcredit-ops", "hvd-dcredit-ops-fused", "dc-dcredit-fp16", "dc-dcredit-dense", "dc-dcredit-eager",
-    "dc-deft")
+    "dc-dcredit-devwin", "dc-deft")
 
 
 def uses_horovod(scheme: str) -> bool:
@@ -268,10 +269,13 @@ def run_dc(args, model, batch, rank, world):
     import dcredit_opt as dc
 
     policy = args.scheme.removeprefix("dc-").removesuffix("-fp16").removesuffix("-dense").removesuffix("-eager")
+    policy = policy.removesuffix("-devwin")
     compression = dc.Compression.fp16 if args.scheme.endswith("-fp16") else dc.Compression.none
     overrides = {"embedding_rows": False} if args.scheme.endswith("-dense") else {}
     if args.scheme.endswith("-eager"):
         overrides["lazy_step"] = "off"
+    if args.scheme.endswith("-devwin"):
+        overrides["device_windows"] = True
     if policy == "deft":  # the benchmark accepts what DeFT changes (docs/usage.md): its row is marked as such
         overrides["accept_delayed_updates"] = True
     # DCREDIT_* variables (a timeline path, a timeout) pass through; the

@@ -64,6 +64,14 @@ class Config:
     """Phase 2, the lazy step (docs/lazy-step.md): ``step()`` returns before every gradient is reduced,
     and each layer's next forward waits only for its own parameters. Off: ``step()`` waits (WFBP-style)."""
 
+    device_windows: bool = False
+    """CUDA blocks on the torch backend (Note [Device windows] in csrc/core/scheduler.cc): keep the credit
+    window on the device. A block whose window is full is launched at once, its collective waiting on the
+    GPU for the results of the blocks whose slots it takes, so the host never waits for the device to launch
+    a block, and a lazy update waits only until its blocks are enqueued. The launch sequence and the windows
+    are the same as without it. Off until measured on GPUs (``benchmarks/gpu_machine.sh``); no effect on CPU
+    blocks or other backends."""
+
     lazy_step: str = "auto"
     """When phase 2 is on, who may have their update deferred to the first read in the next
     forward (Note [Lazy step]): "auto" (torch.optim classes known to update each parameter on
@@ -134,7 +142,8 @@ class Config:
             if isinstance(getattr(self, name), bool):  # bool is an int subclass; never a count
                 raise ValueError(  # noqa: TRY004
                     f"Config.{name} must be an integer, got {getattr(self, name)!r}")
-        for name in ("overlap_forward", "check_finite", "embedding_rows", "accept_delayed_updates"):
+        for name in ("overlap_forward", "device_windows", "check_finite", "embedding_rows",
+                     "accept_delayed_updates"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(  # noqa: TRY004
                     f"Config.{name} must be True or False, got {getattr(self, name)!r}")

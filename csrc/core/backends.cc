@@ -4,9 +4,30 @@ namespace dcredit {
 
 void ManualBackend::Launch(int32_t block, int32_t channel, Done done) {
   std::lock_guard<std::mutex> lock(mu_);
-  pending_.push_back({{block, channel}, std::move(done)});
-  history_.push_back({block, channel});
+  Launched launched{block, channel, std::move(next_behind_)};
+  next_behind_.clear();
+  pending_.push_back({launched, std::move(done)});
+  history_.push_back(std::move(launched));
   cv_.notify_one();
+}
+
+void ManualBackend::SetOrdersOnDevice(bool on) {
+  std::lock_guard<std::mutex> lock(mu_);
+  orders_on_device_ = on;
+}
+
+bool ManualBackend::CanOrderAfter(int32_t block) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!orders_on_device_) return false;
+  for (const Launched& l : history_) {
+    if (l.block == block) return true;
+  }
+  return false;
+}
+
+void ManualBackend::OrderNextAfter(const std::vector<int32_t>& blocks) {
+  std::lock_guard<std::mutex> lock(mu_);
+  next_behind_ = blocks;
 }
 
 bool ManualBackend::NextLaunch(std::chrono::milliseconds timeout, Launched* out) {
@@ -56,6 +77,7 @@ void ManualBackend::Clear() {
   std::lock_guard<std::mutex> lock(mu_);
   pending_.clear();
   history_.clear();
+  next_behind_.clear();
   taken_ = 0;
 }
 

@@ -25,9 +25,15 @@ class ManualBackend : public Backend {
   struct Launched {
     int32_t block;
     int32_t channel;
+    std::vector<int32_t> behind;  // Note [Device windows]: the blocks it waits for "on the device"
   };
 
   void Launch(int32_t block, int32_t channel, Done done) override;
+  // Note [Device windows], for tests: with `on`, a launch may be ordered behind any block launched before
+  // it, as a CUDA device's is behind a block whose final event its launch recorded.
+  void SetOrdersOnDevice(bool on);
+  bool CanOrderAfter(int32_t block) override;
+  void OrderNextAfter(const std::vector<int32_t>& blocks) override;
   // The next launch not yet taken, in launch order; false on timeout or
   // after Close(). For a driver thread that starts the real collective.
   bool NextLaunch(std::chrono::milliseconds timeout, Launched* out);
@@ -45,6 +51,8 @@ class ManualBackend : public Backend {
   std::mutex mu_;
   std::condition_variable cv_;
   bool closed_ = false;
+  bool orders_on_device_ = false;
+  std::vector<int32_t> next_behind_;
   size_t taken_ = 0;  // launches handed out by NextLaunch
   std::vector<std::pair<Launched, Done>> pending_;
   std::vector<Launched> history_;

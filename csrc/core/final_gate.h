@@ -100,6 +100,12 @@ class FinalGate {
     return true;
   }
 
+  // Whether block `block`'s final event is recorded this iteration (Note [Device windows]).
+  bool IsBlockFinal(int32_t block) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return !failed_ && !closed_ && block >= 0 && block < static_cast<int32_t>(final_.size()) && final_[block];
+  }
+
   // Waits until every block covering `tensors` is final and returns true with
   // those blocks in `blocks` (each once); false at once if a block failed or
   // the gate is closed. Throws SchedulerError (a timeout) naming the first

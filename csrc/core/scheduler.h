@@ -99,6 +99,15 @@ class Backend {
   using Done = std::function<void(Status)>;
   virtual ~Backend() = default;
   virtual void Launch(int32_t block, int32_t channel, Done done) = 0;
+  // Note [Device windows]: whether a launch can wait on the device for
+  // launched `block`'s result (its final event is recorded), so that the
+  // credit window holds on the device while the host launches at once.
+  // Called by the dispatch thread under the scheduler's lock: it must not
+  // call back into the scheduler.
+  virtual bool CanOrderAfter(int32_t /*block*/) { return false; }
+  // The next Launch waits on the device for `blocks` (each one
+  // CanOrderAfter said true for). Dispatch thread only, right before it.
+  virtual void OrderNextAfter(const std::vector<int32_t>& /*blocks*/) {}
 };
 
 // What happened to one block in the current iteration (nanoseconds on the
@@ -125,6 +134,9 @@ class Scheduler {
 
   // Installs a plan. Only between iterations (nothing pending).
   void SetPlan(PlanSpec plan);
+  // Note [Device windows]: count the credit window on the device where the
+  // backend can (Backend::CanOrderAfter). Only between iterations.
+  void SetDeviceWindows(bool on);
   // Opens an iteration: every tensor not yet ready, every block pending.
   // Throws if the previous iteration still has blocks in flight.
   void StartIteration();

@@ -277,6 +277,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("wire_buffers") = std::vector<at::Tensor>(), py::arg("block_ops") = std::vector<int32_t>(),
            py::arg("block_after") = std::vector<int32_t>(), py::arg("block_at_flush") = std::vector<bool>(),
            release())
+      .def(
+          "set_device_windows", [](Engine& e, bool on) { e.scheduler().SetDeviceWindows(on); }, py::arg("on"),
+          release(),
+          "Note [Device windows]: count the credit window on the device where the backend can (CUDA blocks); "
+          "only between iterations.")
       .def("start_iteration", &Engine::StartIteration, release())
       .def("mark_ready", &Engine::MarkReady, py::arg("tensor"), py::arg("record_event") = true, release(),
            "Gradient of `tensor` is final. With `record_event` (the default) and blocks on a CUDA device, its "
@@ -359,6 +364,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              for (const auto& l : e.manual().History()) out.append(py::make_tuple(l.block, l.channel));
              return out;
            })
+      .def(
+          "orders_on_device", [](Engine& e, bool on) { e.manual().SetOrdersOnDevice(on); }, py::arg("on"),
+          "Tests of Note [Device windows]: a launch may wait \"on the device\" for any block launched before it.")
+      .def("ordered_behind",
+           [](Engine& e) {
+             py::list out;
+             for (const auto& l : e.manual().History()) out.append(py::cast(l.behind));
+             return out;
+           },
+           "Per launch so far, the blocks it was ordered behind on the device (Note [Device windows]).")
       .def(
           "next_launch",
           [](Engine& e, double timeout_s) -> py::object {

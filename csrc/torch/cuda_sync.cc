@@ -129,8 +129,16 @@ class CudaSync : public DeviceSync {
       const int32_t slot = slot_of_[t];
       if (slot >= 0) events_[slot].Block(launch_stream_.stream());
     }
+    // Note [Device windows]: behind the results of the blocks whose window slots this one takes. Later
+    // launches wait for them too (the launch stream carries every wait): never wrong, at most stricter.
+    for (int32_t b : next_behind_) final_events_[b].Block(launch_stream_.stream());
+    next_behind_.clear();
     return issue();
   }
+
+  bool BlockFinal(int32_t block) override { return gate_.IsBlockFinal(block); }
+
+  void OrderNextAfter(const std::vector<int32_t>& blocks) override { next_behind_ = blocks; }
 
   void RecordFinal(int32_t block) override {
     if (block < 0 || block >= static_cast<int32_t>(final_events_.size())) return;
@@ -177,6 +185,7 @@ class CudaSync : public DeviceSync {
   int32_t next_slot_ = 0;
   // Note [Stream-ordered waits]: per block, the event after its result.
   std::vector<Event> final_events_;
+  std::vector<int32_t> next_behind_;  // Note [Device windows]: dispatch thread only
   FinalGate gate_;
 };
 

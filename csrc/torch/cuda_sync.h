@@ -119,6 +119,10 @@ class DeviceSync {
   virtual bool WaitFinalOnStream(const std::vector<int32_t>& tensors, std::chrono::milliseconds timeout) = 0;
   // Whether every block of `tensor` has its final event now (no wait).
   virtual bool TensorFinal(int32_t tensor) = 0;
+  // Note [Device windows]: whether `block`'s final event is recorded, and the next Launch's wait for
+  // those of `blocks` (dispatch thread only).
+  virtual bool BlockFinal(int32_t block) = 0;
+  virtual void OrderNextAfter(const std::vector<int32_t>& blocks) = 0;
   // The backend is closing: waiters return false. Idempotent.
   virtual void Close() = 0;
 };

@@ -196,6 +196,12 @@ void TorchBackend::SetBlocks(const std::vector<at::Tensor>& buffers, const std::
   sync_ = std::move(sync);
 }
 
+bool TorchBackend::CanOrderAfter(int32_t block) { return sync_ && sync_->BlockFinal(block); }
+
+void TorchBackend::OrderNextAfter(const std::vector<int32_t>& blocks) {
+  if (sync_) sync_->OrderNextAfter(blocks);
+}
+
 void TorchBackend::RecordReady(int32_t tensor) {
   if (sync_) sync_->RecordReady(tensor);
 }

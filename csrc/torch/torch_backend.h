@@ -55,6 +55,10 @@ class TorchBackend : public Backend {
   bool TensorFinal(int32_t tensor);
 
   void Launch(int32_t block, int32_t channel, Done done) override;
+  // Note [Device windows]: on a CUDA device, a launch can wait there for a block whose final event is
+  // recorded; on the CPU never.
+  bool CanOrderAfter(int32_t block) override;
+  void OrderNextAfter(const std::vector<int32_t>& blocks) override;
 
   // After the scheduler has shut down (its dispatch thread joined, so no
   // Launch runs again): join the waiter, if one started, and drop our

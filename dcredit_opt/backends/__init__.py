@@ -42,13 +42,14 @@ from .mpi import MPIBackend
 from .torch_dist import TorchDistBackend
 
 
-def create(name: str, channels: int, timeout_s: float, members=None) -> Backend:
+def create(name: str, channels: int, timeout_s: float, members=None, *, device_windows: bool = False) -> Backend:
     """The backend called ``name`` ("auto" picks the one the job was launched with), over ``members`` (the ranks
-    of a process set, ``process_sets``: its channels and control plane; None: every rank)."""
+    of a process set, ``process_sets``: its channels and control plane; None: every rank). ``device_windows``:
+    ``Config.device_windows``, for the torch backend's CUDA blocks (the others have none)."""
     if name == "auto":
         name = detect(members)
     if name == "torch":
-        return TorchDistBackend(channels, timeout_s, members)
+        return TorchDistBackend(channels, timeout_s, members, device_windows=device_windows)
     if name == "horovod":
         if members is not None and not members.everyone:
             raise DCreditError(f"process_set={members.ranks}: blocks on Horovod's operations (Config(backend="

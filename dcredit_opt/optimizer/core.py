@@ -82,7 +82,8 @@ class Core:
         me = weakref.ref(self)
         # Note [Lazy step]: the updates that wait for their first read, and where each is applied.
         self.lazy = LazyUpdates(optimizer, names, params, self.told)
-        self.backend = backends.create(config.backend, config.channels, config.timeout_s, members)
+        self.backend = backends.create(config.backend, config.channels, config.timeout_s, members,
+                                       device_windows=config.device_windows)
         self.engine = self.backend.engine
         # Note [Global usage] and Note [Embedding rows]: which gradients exist where, and the rows agreed on.
         self.tally = UsageTally(names, params, world, self.backend, config, self.told, WeakMethod(me, "rows_arrived"))

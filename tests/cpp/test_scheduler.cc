@@ -529,3 +529,56 @@ TEST(TwoStagePlansAreValidated) {
 }
 
 }  // namespace
+
+// Note [Device windows]: with a backend that orders launches on the device, every released block is
+// launched at once, in the reference sequence, each behind the oldest blocks holding the slots it takes;
+// completions from another thread, in reverse, then finish the iteration, and the next one starts afresh.
+TEST(DeviceWindowsLaunchAtOnceBehindTheSlotsTheyTake) {
+  PlanSpec plan = SimplePlan({4, 4, 4, 4, 4, 4, 4}, {0, 1, 2, 3, 4, 5, 6}, {2, 0, 0, 0, 0, 0, 0}, {3, 1});
+  plan.channels = 2;
+  const Reference ref = model::Expect(plan);
+  ManualBackend m;
+  m.SetOrdersOnDevice(true);
+  Scheduler s(&m, ms(5000));
+  s.SetPlan(plan);
+  s.SetDeviceWindows(true);
+  for (int iteration = 0; iteration < 3; ++iteration) {
+    const size_t base = m.History().size();
+    s.StartIteration();
+    for (int32_t t = 0; t < 7; ++t) s.MarkReady(t);
+    s.Flush();
+    const auto deadline = Clock::now() + std::chrono::seconds(10);
+    while (m.History().size() < base + 7) {
+      CHECK_MSG(Clock::now() < deadline, "launched " << m.History().size() - base << " of 7 without completions");
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+    const auto history = m.History();
+    // Block 0 goes alone at its event (window 2); the flush releases 1-3 (window 3), then 4, 5, 6 (window 1):
+    // 3 takes block 0's slot, 4 needs the three of 1-3, 5 the one of 4, 6 the one of 5.
+    const std::vector<std::vector<int32_t>> behind = {{}, {}, {}, {0}, {1, 2, 3}, {4}, {5}};
+    for (int32_t i = 0; i < 7; ++i) {
+      CHECK_EQ(history[base + i].block, ref.seq[i]);
+      CHECK_EQ(history[base + i].channel, i % plan.channels);
+      CHECK_MSG(history[base + i].behind == behind[i], "launch " << i << " behind " << Str(history[base + i].behind));
+    }
+    std::thread completer([&m] {
+      for (int32_t b = 6; b >= 0; --b) CHECK(m.Complete(b));
+    });
+    s.WaitAll(ms(5000));
+    completer.join();
+    for (int32_t t = 0; t < 7; ++t) CHECK(s.TensorDone(t));
+  }
+}
+
+// Without a backend that can order on the device, device windows leave the host's window as it was.
+TEST(DeviceWindowsNeedABackendThatOrders) {
+  const PlanSpec plan = SimplePlan({4, 4, 4}, {0, 1, 2}, {0, 0, kReleaseAll}, {1});
+  const Reference ref = model::Expect(plan);
+  ManualBackend m;  // SetOrdersOnDevice not called
+  Scheduler s(&m, ms(5000));
+  s.SetPlan(plan);
+  s.SetDeviceWindows(true);
+  Rng rng(check::Opts().seed + 7);
+  for (int iteration = 0; iteration < 3; ++iteration) Drive(s, m, plan, ref, rng);
+  for (const auto& l : m.History()) CHECK(l.behind.empty());
+}

@@ -32,6 +32,7 @@ FIELDS = (
     ("credit_bytes", "int"),
     ("channels", "int"),
     ("overlap_forward", "bool"),
+    ("device_windows", "bool"),
     ("lazy_step", "str"),
     ("profile_iters", "int"),
     ("collective_host_s", "float"),

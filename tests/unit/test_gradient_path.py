@@ -2,6 +2,7 @@
 C++ post-hook on its accumulator, Python only where it must, and training equals plain torch either way."""
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -102,6 +103,42 @@ def test_steady_state_on_a_gpu_takes_python_once_per_iteration_and_equals_plain_
         assert opt._dc.backward.python_handovers - before == 6
         opt.synchronize()
         assert_same(model, ref)
+    finally:
+        opt._dc.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Note [Device windows]: launches "
+                                                           "ordered behind earlier blocks on a device stream)")
+@pytest.mark.parametrize("lazy_step", ["on", "off"])
+def test_device_windows_on_a_gpu_equal_plain_torch(lazy_step):
+    """Config(device_windows=True) with a window of one block: every block but the first is launched behind
+    the one before it on the device; training equals plain torch, lazy or eager, and the launches did not
+    wait for the device: with the device held up in the last backward, every block of that iteration was
+    launched before the first had finished."""
+    model, ref = net().cuda(), net().cuda()
+    config = dc.Config(block_bytes=64, window=1, policy="fixed", lazy_step=lazy_step, device_windows=True)
+    opt = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                  named_parameters=model.named_parameters(), config=config)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    inputs = [batch(s).cuda() for s in range(8)]
+    try:
+        for s in range(8):
+            opt.zero_grad()
+            out = model(inputs[s])
+            if s == 7:
+                out.register_hook(lambda grad: (torch.cuda._sleep(200_000_000), grad)[1])  # about 0.1 s
+            out.pow(2).mean().backward()
+            opt.step()
+            ropt.zero_grad()
+            ref(inputs[s]).pow(2).mean().backward()
+            ropt.step()
+        opt.synchronize()
+        assert_same(model, ref)
+        trace = opt._dc.engine.trace()  # (block, channel, window, group, seq, release_ns, launch_ns, end_ns)
+        assert len(trace) > 2 and all(t[2] == 1 for t in trace)
+        last_launch = max(t[6] for t in trace)
+        first_end = min(t[7] for t in trace)
+        assert last_launch < first_end, "a block waited on the host for the device to finish an earlier one"
     finally:
         opt._dc.close()
 
@@ -417,4 +454,20 @@ def test_a_parameter_put_in_a_group_after_a_lazy_step_is_not_stepped_by_its_appl
             opt.step()
     finally:
         opt.param_groups[0]["params"][:] = list(model.parameters())
+        opt._dc.close()
+
+
+def test_device_windows_change_nothing_for_cpu_blocks():
+    """Note [Device windows]: CPU blocks cannot be ordered on a device; the host keeps the window, and
+    training equals plain torch as without it."""
+    model, opt, ref, ropt = pair(dataclasses.replace(LAZY, window=1, device_windows=True))
+    try:
+        train(model, opt, range(6), ref, ropt)
+        opt.synchronize()
+        assert_same(model, ref)
+        trace = opt._dc.engine.trace()  # (block, channel, window, group, seq, release_ns, launch_ns, end_ns)
+        by_seq = sorted(trace, key=lambda t: t[4])
+        # A window of one on the host: each block launched after the one before it had ended.
+        assert all(b[6] >= a[7] for a, b in itertools.pairwise(by_seq))
+    finally:
         opt._dc.close()

@@ -635,3 +635,111 @@ def test_engine_launches_what_the_simulator_replays(pp, data):
     for b in expected.blocks:
         _, channel, window, group, seq = trace[b.block_id][:5]
         assert (seq, channel, window, group) == (b.launch_index, b.channel, b.window, b.group), b
+
+
+# ---- Note [Device windows] ---------------------------------------------------
+
+
+def launched(engine, count: int) -> list[int]:
+    """Wait until the engine has made ``count`` launches in all; the blocks, in launch order."""
+    deadline = time.monotonic() + SYNC_S
+    while len(engine.history()) < count:
+        assert time.monotonic() < deadline, f"launched {engine.history()}, waiting for {count} launches"
+        time.sleep(0.0002)
+    return [b for b, _ in engine.history()]
+
+
+@pytest.mark.timeout(60)
+def test_device_windows_launch_at_once_each_block_behind_the_slots_it_takes():
+    """Where the device can keep the window (a launch waits there for earlier blocks' results), the host
+    launches every released block at once, in the same sequence, each behind the oldest blocks holding the
+    slots it needs: the window holds on the device instead of on the host."""
+    spec = Spec(order=(0,), block_tensors=((0,),) * 7, block_bytes=(4,) * 7, block_priority=(0,) * 7,
+                phase1=(2,), phase2=(3, 1))
+    expected = reference(spec)
+    with manual_engine(spec) as engine:
+        engine.orders_on_device(True)
+        engine.set_device_windows(True)
+        for it in range(2):  # the slots are the iteration's own: the second starts as the first did
+            base = 7 * it
+            engine.start_iteration()
+            engine.mark_ready(0)
+            assert launched(engine, base + 2)[base:] == [0, 1]  # a window of 2 before the flush, nothing done
+            time.sleep(0.05)
+            assert len(engine.history()) == base + 2  # nothing releases block 2 before the flush
+            engine.flush()
+            assert launched(engine, base + 7)[base:] == expected.sequence == [0, 1, 2, 3, 4, 5, 6]
+            # Windows 2, 2, 3, 3, 3, 1, 1: block 3 takes block 0's slot, 4 block 1's, 5 (window 1) needs the
+            # three slots of 2-4, and 6 the one of 5.
+            assert engine.ordered_behind()[base:] == [[], [], [], [0], [1], [2, 3, 4], [5]]
+            assert not engine.tensor_done(0)
+            complete_in_order(engine, [6, 5, 4, 3, 2, 1, 0])  # the device may finish them in any order
+            engine.wait_all(10.0)
+
+
+@pytest.mark.timeout(60)
+def test_device_windows_wait_on_the_host_where_the_backend_cannot_order():
+    """A backend that cannot order a launch behind a block (a CPU one, or a block whose result is not yet
+    enqueued) keeps the host's window: the launches and their timing are the scheduler's usual ones."""
+    spec = Spec(order=(0,), block_tensors=((0,),) * 4, block_bytes=(4,) * 4, block_priority=(0,) * 4,
+                phase1=(ALL,), phase2=(1,))
+    with manual_engine(spec) as engine:
+        engine.set_device_windows(True)  # the manual backend does not order on the device unless told to
+        engine.start_iteration()
+        engine.mark_ready(0)
+        assert launched(engine, 4) == [0, 1, 2, 3]  # a window of ALL: four slots
+        engine.flush()
+        assert engine.ordered_behind() == [[], [], [], []]
+        complete_in_order(engine, [0, 1, 2, 3])
+        engine.wait_all(10.0)
+
+    spec = dataclasses.replace(spec, phase1=(1,))
+    expected = reference(spec)
+    with manual_engine(spec) as engine:
+        engine.set_device_windows(True)
+        engine.start_iteration()
+        engine.mark_ready(0)
+        sync(engine, spec, expected, [0])
+        engine.flush()
+        time.sleep(0.05)
+        sync(engine, spec, expected, [0])  # window 1: the host waits for block 0
+        for done, want in [(0, [1]), (1, [2]), (2, [3])]:
+            assert engine.complete(done)
+            sync(engine, spec, expected, want)
+        complete_in_order(engine, [3])
+        engine.wait_all(10.0)
+        assert engine.ordered_behind() == [[], [], [], []]
+
+
+@pytest.mark.timeout(60)
+def test_device_windows_keep_the_sequence_and_only_order_behind_earlier_launches():
+    """Random plans, arrivals and completions with device windows: the launch sequence is the reference
+    model's (the same on every rank), every launch waits only for blocks launched before it, each block's
+    slot is taken over at most once, and every block still completes."""
+    rng = random.Random(7)
+    for _ in range(25):
+        T = rng.randint(1, 6)
+        B = rng.randint(1, 8)
+        cover = [tuple(sorted(rng.sample(range(T), rng.randint(1, min(2, T))))) for _ in range(B)]
+        spec = Spec(order=tuple(rng.sample(range(T), T)), block_tensors=tuple(cover),
+                    block_bytes=tuple(rng.randint(1, 9) for _ in range(B)),
+                    block_priority=tuple(rng.randint(0, 3) for _ in range(B)),
+                    phase1=tuple(rng.choice([0, 1, 2, ALL]) for _ in range(T)),
+                    phase2=tuple(rng.randint(1, 3) for _ in range(rng.randint(1, 3))), channels=rng.randint(1, 3))
+        expected = reference(spec)
+        with manual_engine(spec) as engine:
+            engine.orders_on_device(True)
+            engine.set_device_windows(True)
+            engine.start_iteration()
+            for t in rng.sample(range(T), T):
+                engine.mark_ready(t)
+            engine.flush()
+            seq = launched(engine, B)
+            assert seq == expected.sequence
+            behind = engine.ordered_behind()
+            taken = [b for bs in behind for b in bs]
+            assert len(taken) == len(set(taken)), f"a slot taken over twice: {behind}"
+            for k, bs in enumerate(behind):
+                assert all(seq.index(b) < k for b in bs), f"launch {k} ordered behind a later one: {behind}"
+            complete_in_order(engine, rng.sample(range(B), B))
+            engine.wait_all(10.0)
