@@ -27,6 +27,18 @@ Note [Collectives beside the optimizer]
   own), so these never pair up with blocks. Operations are matched by
   order, so every rank calls them in the same order (Horovod only needs
   the same names).
+- ``process_set=`` runs an operation over some of the ranks, as in
+  Horovod: under Horovod, Horovod's own operation on its set
+  (``hvd.add_process_set``; ours is refused there, naming Horovod's);
+  otherwise on a Gloo group of ours over the set's ranks
+  (``dc.ProcessSet(ranks)``, a list of ranks, or a torch.distributed
+  group), connected at the set's first operation and kept until
+  ``shutdown()`` (Note [Process sets] in ``world/process_sets.py``: the
+  set's ranks meet in the store, so a rank that calls on another set, or
+  never calls, ends in a clear error within ``timeout_s``). Only the set's
+  ranks call it; a rank outside the set gets a ``DCreditError`` naming
+  ``process_set``. ``root_rank`` stays a global rank (Horovod's meaning),
+  and must be one of the set's.
 - Before each operation the ranks all-gather a small descriptor of it
   (operation, op, root, dtype, shape, name: ``describe``). Ranks that
   disagree all raise the same ``ValueError``, naming the ranks and what

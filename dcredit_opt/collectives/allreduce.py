@@ -10,7 +10,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from ..world import control, runtime
+from ..world import runtime
 from ..world.runtime import require_world
 from . import core
 from .core import DIST_OPS, Handle, agree, describe, label
@@ -41,19 +41,21 @@ class _Reduce:
     prescale: float
     postscale: float
     inplace: bool
+    process_set: object = None  # as given: None, a global set, or a process set (core.set_of)
 
 
 def _allreduce_launch(tensors: list, r: _Reduce) -> Handle:
     kind = require_world(r.fn)
-    what = label(r.fn, r.name)
+    plane = core.set_of(r.process_set, r.fn)
+    what = label(r.fn, r.name, plane)
     if kind == "horovod":
-        return _allreduce_horovod(tensors, r, what)
-    size = runtime.size()
+        return _allreduce_horovod(tensors, r, what, plane)
+    size = plane.size
     post = r.postscale / size if r.op == "average" else r.postscale
     if size > 1:
         agree(describe("allreduce" if r.fn.startswith("allreduce") else "grouped_allreduce", tensors, r.op,
-                        name=r.name), what, r.name)
-    device = control.control_device()
+                        name=r.name), what, r.name, plane)
+    device = plane.control_device()
     wires = [_DIST_WIRE.get(t.dtype, t.dtype) for t in tensors]
     groups: dict[torch.dtype, list[int]] = {}
     for i, wire in enumerate(wires):
@@ -63,7 +65,7 @@ def _allreduce_launch(tensors: list, r: _Reduce) -> Handle:
         flat = torch.cat([tensors[i].detach().reshape(-1).to(device=device, dtype=wire) for i in members])
         flat = _scaled(flat, r.prescale)
         if size > 1:
-            works.append(dist.all_reduce(flat, op=DIST_OPS[r.op], group=control.control_group(), async_op=True))
+            works.append(dist.all_reduce(flat, op=DIST_OPS[r.op], group=plane.collective_group(), async_op=True))
         buffers.append((members, flat))
 
     def finish(_):
@@ -80,12 +82,13 @@ def _allreduce_launch(tensors: list, r: _Reduce) -> Handle:
     return handle
 
 
-def _allreduce_horovod(tensors: list, r: _Reduce, what: str) -> Handle:
+def _allreduce_horovod(tensors: list, r: _Reduce, what: str, plane) -> Handle:
     hvd = runtime.horovod()
     op = {"average": hvd.Average, "sum": hvd.Sum, "min": hvd.Min, "max": hvd.Max, "product": hvd.Product}[r.op]
     # Horovod's allreduce takes contiguous int32, int64, float16, float32 and float64 tensors only.
     sent = [t.detach().to(_HOROVOD_WIRE.get(t.dtype, t.dtype)).contiguous() for t in tensors]
-    kw = {"name": r.name, "op": op, "prescale_factor": r.prescale, "postscale_factor": r.postscale}
+    kw = {"name": r.name, "op": op, "prescale_factor": r.prescale, "postscale_factor": r.postscale,
+          **core.horovod_kwargs(plane)}
     if r.fn.startswith("grouped"):
         hvd_handle = hvd.grouped_allreduce_async(sent, **kw)
     else:
@@ -111,7 +114,7 @@ def _deliver(tensors: list, outs: list, inplace: bool) -> list:
 def _reduce_args(fn, tensors, average, name, op, prescale_factor, postscale_factor, process_set, inplace):
     require_world(fn)
     core.check_name(name, fn)
-    core.check_process_set(process_set, fn)
+    core.set_of(process_set, fn)  # a set this rank can use, checked before the tensors
     many = fn.startswith("grouped")
     if many and (isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple))):
         raise TypeError(f"{fn}: tensors must be a list of tensors, got {type(tensors).__name__}")
@@ -122,13 +125,13 @@ def _reduce_args(fn, tensors, average, name, op, prescale_factor, postscale_fact
         core.check_reducible(t, fn, what)
     return tensors, _Reduce(fn, name, core.reduction(op, average, fn),
                             core.check_factor(prescale_factor, "prescale_factor", fn),
-                            core.check_factor(postscale_factor, "postscale_factor", fn), inplace)
+                            core.check_factor(postscale_factor, "postscale_factor", fn), inplace, process_set)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=None) -> Handle:
-    """Start reducing ``tensor`` over all ranks (Average unless ``op`` says otherwise); ``tensor`` is not
-    changed. ``synchronize(handle)`` returns the result."""
+    """Start reducing ``tensor`` over all ranks (of ``process_set``), Average unless ``op`` says otherwise;
+    ``tensor`` is not changed. ``synchronize(handle)`` returns the result."""
     tensors, r = _reduce_args("allreduce_async", tensor, average, name, op, prescale_factor, postscale_factor,
                               process_set, False)
     return _single(_allreduce_launch(tensors, r))
@@ -144,8 +147,8 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
 
 def allreduce(tensor, average=None, name=None, compression=None, op=None, prescale_factor=1.0,
               postscale_factor=1.0, process_set=None) -> torch.Tensor:
-    """``tensor`` reduced over all ranks, as a new tensor: Horovod's ``hvd.allreduce``. Differentiable:
-    the gradient is the same reduction of the output's gradient."""
+    """``tensor`` reduced over all ranks (of ``process_set``), as a new tensor: Horovod's ``hvd.allreduce``.
+    Differentiable: the gradient is the same reduction of the output's gradient."""
     tensors, r = _reduce_args("allreduce", tensor, average, name, op, prescale_factor, postscale_factor,
                               process_set, False)
     sent, ctx = _compress(compression, tensors[0], "allreduce")
@@ -158,7 +161,7 @@ def allreduce(tensor, average=None, name=None, compression=None, op=None, presca
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=None) -> torch.Tensor:
-    """Reduce ``tensor`` over all ranks, in place; returns it."""
+    """Reduce ``tensor`` over all ranks (of ``process_set``), in place; returns it."""
     tensors, r = _reduce_args("allreduce_", tensor, average, name, op, prescale_factor, postscale_factor,
                               process_set, True)
     return _allreduce_launch(tensors, r).wait()[0]
@@ -181,7 +184,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
 
 def grouped_allreduce(tensors, average=None, name=None, compression=None, op=None, prescale_factor=1.0,
                       postscale_factor=1.0, process_set=None) -> list:
-    """The tensors reduced over all ranks, as one operation; a list of new tensors."""
+    """The tensors reduced over all ranks (of ``process_set``), as one operation; a list of new tensors."""
     tensors, r = _reduce_args("grouped_allreduce", tensors, average, name, op, prescale_factor, postscale_factor,
                               process_set, False)
     packed = [_compress(compression, t, "grouped_allreduce") for t in tensors]

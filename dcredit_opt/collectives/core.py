@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ..errors import CollectiveError, CollectiveTimeout, MismatchError
 from ..reduce_ops import HOROVOD_OP_CODES, ReduceOp
-from ..world import control, runtime
+from ..world import process_sets, runtime
 from ..world.runtime import require_world
 
 # Horovod's reduce ops are ints (reduce_ops.HOROVOD_OP_CODES); Average and Sum are also dcredit_opt's
@@ -165,16 +165,21 @@ def check_factor(value, what: str, fn: str) -> float:
     return float(value)
 
 
-def check_root(root_rank, fn: str) -> int:
+def check_root(root_rank, fn: str, plane=None) -> int:
+    """``root_rank``, a global rank (as in Horovod, also with a process set), checked against the job and
+    ``plane``'s ranks (a process set's, ``set_of``)."""
     size = runtime.size()
     if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < size:
         raise ValueError(f"{fn}: root_rank must be a rank in 0..{size - 1}, got {root_rank!r}")
+    if plane is not None and root_rank not in plane.ranks:
+        raise ValueError(f"{fn}: root_rank {root_rank} is not in process_set {plane.ranks}; root_rank is a global "
+                         "rank (hvd.rank()) of one of the set's ranks, as in Horovod")
     return root_rank
 
 
 class GlobalProcessSet:
-    """Horovod's ``hvd.global_process_set``: every rank, the one process set dcredit_opt has. Stateless: it
-    asks the runtime, so it stays right across ``shutdown()`` and ``init()``."""
+    """Horovod's ``hvd.global_process_set``: every rank. Stateless: it asks the runtime, so it stays right across
+    ``shutdown()`` and ``init()``."""
 
     process_set_id = 0  # Horovod's id of the global set, which the optimizer also accepts
 
@@ -198,12 +203,17 @@ class GlobalProcessSet:
 global_process_set = GlobalProcessSet()
 
 
-def check_process_set(process_set, fn: str) -> None:
-    if process_set is None or getattr(process_set, "process_set_id", None) == 0:
-        return  # every rank: Horovod's global process set
-    raise NotImplementedError(f"{fn}: process_set={process_set!r}: dcredit_opt's collectives run over every rank "
-                              "(the global process set); leave process_set out (DistributedOptimizer(process_set=) "
-                              "reduces gradients over a process set), or use horovod.torch's for a subset")
+def set_of(process_set, fn: str):
+    """The ranks ``fn`` runs over (Note [Collectives beside the optimizer]): every rank's plane for None or the
+    global set, else the process set's (``process_sets.for_collectives``: ``ranks``, this rank's position
+    ``rank``, ``size``, and Horovod's set object ``horovod_set`` or the group to run on, ``collective_group()``,
+    with its ``control_device()``). Errors name ``process_set``."""
+    return process_sets.for_collectives(process_set, fn)
+
+
+def horovod_kwargs(plane) -> dict:
+    """The ``process_set=`` to pass to Horovod's operation for ``plane``: none for every rank."""
+    return {} if plane.horovod_set is None else {"process_set": plane.horovod_set}
 
 
 # ---- the descriptor (Note [Collectives beside the optimizer]) -----------------------------
@@ -228,8 +238,10 @@ def describe(operation: str, tensors=(), op: str | None = None, root_rank: int =
             int(tensors[0].shape[0]) if gather and single and tensors[0].dim() else 0]
 
 
-def disagreement(rows: list[list[int]], what: str, name: str | None, rank: int) -> str | None:
-    """Why the ranks' descriptors ``rows`` (in rank order) disagree, or None; ``rank`` is this rank."""
+def disagreement(rows: list[list[int]], what: str, name: str | None, rank: int, ranks=None) -> str | None:
+    """Why the ranks' descriptors ``rows`` (in rank order) disagree, or None; ``rank`` is this rank. ``ranks``: the
+    global rank of each row (a process set's), rows 0, 1, ... by default."""
+    ranks = list(range(len(rows))) if ranks is None else list(ranks)
     fields = (("operation", 0, lambda r: _OPERATIONS[r[0]] if 0 <= r[0] < len(_OPERATIONS) else str(r[0])),
               ("op", 1, lambda r: {-1: "none", **_HOROVOD_OPS}.get(r[1], str(r[1]))),
               ("root_rank", 2, lambda r: str(r[2])),
@@ -241,10 +253,10 @@ def disagreement(rows: list[list[int]], what: str, name: str | None, rank: int) 
         values = [r[index] for r in rows]
         if len(set(values)) > 1:
             return (f"{what}: the ranks disagree on the {label}: "
-                    + ", ".join(f"rank {r} {text(row)}" for r, row in enumerate(rows)))
+                    + ", ".join(f"rank {r} {text(row)}" for r, row in zip(ranks, rows)))
     names = [r[5] for r in rows]
     if len(set(names)) > 1:
-        others = [r for r, n in enumerate(names) if n != names[rank]]
+        others = [r for r, n in zip(ranks, names) if n != names[ranks.index(rank)]]
         return (f"{what}: the ranks gave different names: rank {rank} {name!r}, rank(s) {others} another; "
                 "every rank must call the same collectives in the same order")
     return None
@@ -257,20 +269,23 @@ def _shape_text(row: list[int]) -> str:
     return "[" + ", ".join(map(str, dims)) + (", ...]" if row[7] > _SHAPE_DIMS else "]")
 
 
-def agree(descriptor: list[int], what: str, name: str | None) -> list[list[int]]:
-    """All-gather ``descriptor`` (within the deadline); raise on every rank if they disagree."""
-    device = control.control_device()
-    mine = torch.tensor(descriptor, dtype=torch.int64, device=device)
-    rows = [torch.empty_like(mine) for _ in range(runtime.size())]
-    Handle(what, works=[dist.all_gather(rows, mine, group=control.control_group(), async_op=True)]).wait()
+def agree(descriptor: list[int], what: str, name: str | None, plane=None) -> list[list[int]]:
+    """All-gather ``descriptor`` among ``plane``'s ranks (``set_of``; every rank by default), within the
+    deadline; raise on every one of them if they disagree."""
+    plane = plane if plane is not None else process_sets.everyone()
+    mine = torch.tensor(descriptor, dtype=torch.int64, device=plane.control_device())
+    rows = [torch.empty_like(mine) for _ in range(plane.size)]
+    Handle(what, works=[dist.all_gather(rows, mine, group=plane.collective_group(), async_op=True)]).wait()
     table = [r.tolist() for r in rows]
-    problem = disagreement(table, what, name, runtime.rank())
+    problem = disagreement(table, what, name, runtime.rank(), plane.ranks)
     if problem:
         raise MismatchError(problem)
     return table
 
 
-def label(fn: str, name: str | None) -> str:
-    return f"{fn} {name!r}" if name is not None else fn
+def label(fn: str, name: str | None, plane=None) -> str:
+    """``fn`` and its name for messages, with the process set it runs on unless that is every rank."""
+    where = "" if plane is None or plane.everyone else f" on process_set {plane.ranks}"
+    return (f"{fn} {name!r}" if name is not None else fn) + where
 
 

@@ -8,8 +8,9 @@ False, and a ``NotImplementedError``) at the line that reads it.
 
 from __future__ import annotations
 
-_PROCESS_SETS = ("dcredit_opt's process sets need no registration: pass DistributedOptimizer(process_set="
-                 "dcredit_opt.ProcessSet(ranks)); its collectives (allreduce, ...) run over every rank")
+_PROCESS_SETS = ("dcredit_opt's process sets need no registration: pass process_set=dcredit_opt.ProcessSet(ranks) "
+                 "to DistributedOptimizer and to the collectives (allreduce, ...); in a Horovod job, register "
+                 "Horovod's with horovod.torch's add_process_set and pass that")
 _ALLTOALL = ("use torch.distributed.all_to_all_single (under torchrun), or allgather and keep the rows meant for "
              "this rank")
 _REDUCESCATTER = ("use allreduce and keep this rank's part (out.chunk(size())[rank()]), or "

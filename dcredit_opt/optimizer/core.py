@@ -61,7 +61,7 @@ class Core:
         devices.check_world(names, params, config.backend)  # before any collective
         # Note [Process sets]: the ranks reduced over, their control plane and channels.
         device = devices.device_of(names, params)
-        self.members = members = process_sets.members(process_set, config.timeout_s, device)
+        self.members = members = process_sets.members(process_set, config.timeout_s, device, config.backend)
         self.config = config
         self.names = names
         self.params = params

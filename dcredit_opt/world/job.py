@@ -303,6 +303,9 @@ def shutdown() -> None:
     _abort_mpi_if_lost(lost)
     world = runtime.leave()
     if world is not None:
+        for plane in world.set_planes.values():  # the collectives' process sets (Note [Process sets])
+            plane.close()
+        world.set_planes = {}
         for group in world.channel_groups:  # those of engines that were never closed
             destroy_group(group)
         world.channel_groups, world.group = [], None  # ours end with their last reference (Note [Private groups])

@@ -33,6 +33,9 @@ class World:
     """The control plane's group: ours over every rank with ``store``, else None (the default group)."""
     groups_made: int = 0
     """Groups made on ``store`` so far; the same count on every rank, so each has the same name everywhere."""
+    set_planes: dict = dataclasses.field(default_factory=dict)
+    """The process sets the collectives' ``process_set=`` ran on, by their ranks (``process_sets.for_collectives``);
+    ``shutdown()`` closes them."""
 
 
 _world: World | None = None

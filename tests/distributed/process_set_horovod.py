@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 import dcredit_opt as dc
 
 from . import process_set_workers as pw
@@ -25,5 +27,14 @@ def four_ranks() -> dict:
                                                         seed=2))
     # Ours in a Horovod job: refused, naming Horovod's.
     pw._pattern(out, "ours", lambda: pw.train_on(dc.ProcessSet(mine.ranks), mine.ranks))
+    # The blocks on Horovod's own operations over its set (Config(backend="horovod")); rank 3 again outside.
+    pw._pattern(out, "disjoint/horovod", lambda: pw.train_on(mine, mine.ranks, backend="horovod", opt_name="adam"))
+    if me != 1:
+        pw._pattern(out, "outside/horovod", lambda: pw.train_on(theirs if me == 3 else mine,
+                                                                [3] if me == 3 else mine.ranks, seed=4,
+                                                                backend="horovod"))
+    # Horovod's collectives through ours, on Horovod's sets; ours there refused, naming Horovod's.
+    pw._pattern(out, "collectives", lambda: pw.collectives_on(mine, mine.ranks, theirs))
+    out["collectives/ours"] = pw._error(lambda: dc.allreduce(torch.ones(1), process_set=dc.ProcessSet(mine.ranks)))
     hvd.barrier()
     return out

@@ -47,7 +47,8 @@ def train_on(process_set, ranks: list, steps: int = 5, opt_name: str = "sgd", se
         _reference(ref, step, ranks)
         ropt.step()
     opt.synchronize()
-    out = {"diff": w.max_diff(model, ref), "checksum": w.checksum(model), "moved": _moved(ref, seed)}
+    out = {"diff": w.max_diff(model, ref), "checksum": w.checksum(model), "moved": _moved(ref, seed),
+           "backend": opt._dc.backend.name}
     opt._dc.close()
     return out
 
@@ -88,6 +89,11 @@ def four_ranks(timeout_s: float = 4.0) -> dict:
 
         groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
         _pattern(out, "torch_group", lambda: train_on(groups[0] if me in even else groups[1], mine, seed=5))
+    # Horovod's collectives on each rank's set, ours given as a ProcessSet, a list of ranks and a torch group.
+    _pattern(out, "collectives", lambda: collectives_on(dc.ProcessSet(mine), mine))
+    _pattern(out, "collectives/list", lambda: collectives_on(mine, mine))
+    if not dc.mpi_enabled():
+        _pattern(out, "collectives/torch_group", lambda: collectives_on(groups[0] if me in even else groups[1], mine))
     # ---- what must be refused, never trained wrong ----
     # Rank 3 is given a set that does not hold it.
     if me == 3:
@@ -99,6 +105,15 @@ def four_ranks(timeout_s: float = 4.0) -> dict:
         _pattern(out, "differ", lambda: train_on(dc.ProcessSet(theirs), theirs, timeout_s=timeout_s))
         out["differ"]["took_s"] = time.monotonic() - started
     dc.barrier()
+    # On [0, 1], rank 0's first collective meets rank 1's optimizer: both are told at once, naming both.
+    if me in (0, 1):
+        started = time.monotonic()
+        if me == 0:
+            _pattern(out, "call_or_build", lambda: dc.allreduce(torch.ones(1), process_set=dc.ProcessSet([0, 1])))
+        else:
+            _pattern(out, "call_or_build", lambda: train_on(dc.ProcessSet([0, 1]), [0, 1], timeout_s=timeout_s))
+        out["call_or_build"]["took_s"] = time.monotonic() - started
+    dc.barrier()
     # Rank 3 never builds on [2, 3]: rank 2 is told within the timeout, naming rank 3.
     if me == 2:
         started = time.monotonic()
@@ -108,6 +123,59 @@ def four_ranks(timeout_s: float = 4.0) -> dict:
     # After those errors, the sets still work.
     _pattern(out, "after_errors", lambda: train_on(dc.ProcessSet(mine), mine, opt_name="rmsprop", seed=7))
     return out
+
+
+def collectives_on(process_set, ranks: list, other_set=None) -> dict:
+    """Horovod's collectives on ``process_set`` (whose members are ``ranks``), for the test to compare with values
+    computed by hand (``expected_collectives``); then the calls a rank must be refused, among them one on
+    ``other_set`` (the other ranks by default), which does not hold this rank. Every call is named: Horovod
+    matches an unnamed one by each rank's count of calls, which differs between ranks that built different
+    optimizers before."""
+    me = dc.rank()
+    other = [r for r in range(dc.size()) if r not in ranks]
+    x = torch.tensor([1.0 + me, 10.0 * (me + 1)])
+    ps = process_set
+    out = {
+        "sum": dc.allreduce(x, op=dc.Sum, name="ps.sum", process_set=ps),
+        "average": dc.allreduce(x, name="ps.average", process_set=ps),
+        "grouped": dc.grouped_allreduce([x, torch.tensor([me])], op=dc.Sum, name="ps.grouped", process_set=ps),
+        "max_async": dc.synchronize(dc.allreduce_async(x, op=dc.Max, name="ps.max", process_set=ps)),
+        # rank r gives r // 2 + 1 rows of r: lengths differ within the set
+        "allgather": dc.allgather(torch.full((me // 2 + 1, 2), float(me)), name="ps.allgather", process_set=ps),
+        "broadcast": dc.broadcast(torch.tensor([float(me)]), ranks[1], name="ps.broadcast", process_set=ps),
+        "broadcast_object": dc.broadcast_object({"from": me}, root_rank=ranks[1], name="ps.object", process_set=ps),
+        "allgather_object": dc.allgather_object(me, name="ps.objects", process_set=ps),
+    }
+    dc.barrier(process_set=ps)
+    w = torch.tensor([[1.0 + me]], requires_grad=True)
+    (dc.allgather(w, name="ps.grad", process_set=ps).sum() * (me + 1)).backward()
+    out["grad_allgather"] = w.grad
+    out["root_outside"] = _error(lambda: dc.broadcast(x, other[0], name="ps.bad", process_set=ps))
+    out["outside"] = _error(lambda: dc.allreduce(x, name="ps.bad", process_set=other if other_set is None
+                                                 else other_set))
+    return {k: (v.tolist() if isinstance(v, torch.Tensor) else [t.tolist() for t in v] if k == "grouped" else v)
+            for k, v in out.items()}
+
+
+def expected_collectives(me: int, ranks: list) -> dict:
+    """What ``collectives_on`` gives rank ``me`` of the set ``ranks``, by hand."""
+    xs = [[1.0 + r, 10.0 * (r + 1)] for r in ranks]
+    total = [sum(v[i] for v in xs) for i in range(2)]
+    return {
+        "sum": total, "average": [t / len(ranks) for t in total], "grouped": [total, [sum(ranks)]],
+        "max_async": [max(v[i] for v in xs) for i in range(2)],
+        "allgather": [[float(r)] * 2 for r in ranks for _ in range(r // 2 + 1)],
+        "broadcast": [float(ranks[1])], "broadcast_object": {"from": ranks[1]}, "allgather_object": ranks,
+        "grad_allgather": [[sum(r + 1 for r in ranks) / len(ranks)]],
+    }
+
+
+def _error(call) -> str:
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the test reads the type and message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
 
 
 def _two_optimizers(mine: list, process_set=None) -> dict:

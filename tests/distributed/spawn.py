@@ -40,10 +40,11 @@ def free_port() -> int:
 
 
 class RankFailure(AssertionError):
-    def __init__(self, message: str, returncodes: list, outputs: list):
+    def __init__(self, message: str, returncodes: list, outputs: list, results: list | None = None):
         super().__init__(message)
         self.returncodes = returncodes
         self.outputs = outputs
+        self.results = results  # every rank's result, where each wrote one before the launch failed
 
 
 def run(function, world_size: int, timeout_s: float = 120.0, env: dict | None = None,
@@ -146,10 +147,17 @@ def run_launched(function, launcher: list, world_size: int, timeout_s: float = 1
         if expect_failure:
             return [proc.returncode, output]
         missing = [r for r in range(world_size) if not (Path(out) / f"result{r}.pt").exists()]
+        results = None
+        if not missing:
+            try:
+                results = [torch.load(Path(out) / f"result{r}.pt", weights_only=False) for r in range(world_size)]
+            except Exception:  # a file a failed launch left half written: no results
+                if not proc.returncode:
+                    raise
         if proc.returncode or missing:
             raise RankFailure(f"{launcher[0]} exited with {proc.returncode}, no result from rank(s) {missing}:\n"
-                              f"{output[-6000:]}", [proc.returncode], [output])
-        return [torch.load(Path(out) / f"result{r}.pt", weights_only=False) for r in range(world_size)]
+                              f"{output[-6000:]}", [proc.returncode], [output], results)
+        return results
 
 
 def launch_once(cache: dict, key, start):

@@ -3,8 +3,10 @@ training over those ranks alone; wrong sets end in a DCreditError naming the fix
 wrong result.
 
 One 4-rank launch per launcher runs every pattern (``process_set_workers.py``): torchrun (Gloo) and mpiexec (the
-MPI backend and Gloo), both with ``dc.ProcessSet``; horovodrun --gloo with Horovod's process sets
-(``process_set_horovod.py``). Horovod's own test of process sets runs in the peer suite (tests/horovod_peer).
+MPI backend and Gloo), both with ``dc.ProcessSet``; horovodrun --gloo and --mpi with Horovod's process sets
+(``process_set_horovod.py``), the blocks on our Gloo channels and on Horovod's own operations. The collectives'
+``process_set=`` runs in the same launches. Horovod's own test of process sets runs in the peer suite
+(tests/horovod_peer), on 2 ranks and, under horovodrun --mpi, on 4.
 """
 
 from __future__ import annotations
@@ -17,11 +19,41 @@ from . import spawn
 from .test_backends import LAUNCHES, _tool
 
 TOL = 1e-5
+
+
+class KilledAtExit(AssertionError):
+    """The known horovodrun --mpi shutdown flake: every rank returned its results; then one rank's process ended
+    (status 0) while others were still shutting down (rank 0, the rendezvous store's host, often still in
+    dc.shutdown() at exit), and MPICH's process manager killed every rank still running (signal 9). Seen in about
+    one launch in four of 4 ranks on 2 busy cores."""
+
+
+_KILLED_AT_EXIT = ("known flake: under horovodrun --mpi rank 0 is sometimes killed (signal 9) at shutdown, after every "
+                   "rank returned its results")
+HOROVOD = ["horovod-gloo",
+           pytest.param("horovod-mpi", marks=pytest.mark.xfail(strict=False, raises=KilledAtExit,
+                                                                 reason=_KILLED_AT_EXIT))]
 _launched: dict = {}
 
 
+class _Killed:
+    """A launch of the known shutdown flake (``KilledAtExit``): its results, checked as any launch's, and the
+    message that each test reading it raises once its checks pass (``_exited``)."""
+
+    def __init__(self, message: str, results: list):
+        self.message, self.results = message, results
+
+
 def _results(launcher: str) -> list:
-    return spawn.launch_once(_launched, launcher, lambda: _launch(launcher))
+    out = spawn.launch_once(_launched, launcher, lambda: _launch(launcher))
+    return out.results if isinstance(out, _Killed) else out
+
+
+def _exited(launcher: str) -> None:
+    """After a test's checks of a Horovod launch: ``KilledAtExit`` if that launch ended in the known flake."""
+    out = _launched.get(launcher)
+    if isinstance(out, _Killed):
+        raise KilledAtExit(out.message)
 
 
 def _launch(launcher: str) -> list:
@@ -32,8 +64,15 @@ def _launch(launcher: str) -> list:
         return pytest.skip.Exception(f"{launcher}: {reason}")
     if launcher == "mpi":
         return spawn.run_launched(pw.four_ranks, [_tool("mpiexec"), "-n", "4"], 4, timeout_s=300)
-    command = [_tool("horovodrun"), "-np", "4", "-H", "localhost:4", "--gloo"]
-    return spawn.run_launched(ph.four_ranks, command, 4, timeout_s=300)
+    command = [_tool("horovodrun"), "-np", "4", "-H", "localhost:4", "--mpi" if launcher == "horovod-mpi" else "--gloo"]
+    try:
+        return spawn.run_launched(ph.four_ranks, command, 4, timeout_s=300)
+    except spawn.RankFailure as e:
+        # Only that signature: every rank's results written, the launch ended by a rank killed with signal 9.
+        if launcher == "horovod-mpi" and e.returncodes == [9] and e.results is not None \
+                and "Killed (signal 9)" in e.outputs[0]:
+            return _Killed(str(e), e.results)
+        raise
 
 
 def _trained(per_rank: list, name: str, ranks) -> None:
@@ -95,18 +134,76 @@ def test_wrong_sets_are_refused_naming_the_fix(launcher):
     assert 3.5 < missing["took_s"] < 30, missing
 
 
+def _collectives(per_rank: list, name: str, sets, outside: str = "is not in process_set") -> None:
+    for ranks in sets:
+        for me in ranks:
+            got = per_rank[me][name]
+            assert "error" not in got, f"{name}: rank {me} raised {got['error']}\n{got.get('traceback', '')}"
+            for key, want in pw.expected_collectives(me, ranks).items():
+                assert got[key] == want, f"{name}: rank {me} {key} {got[key]!r}, want {want!r}"
+            assert got["root_outside"].startswith("ValueError") and "is not in process_set" in got["root_outside"]
+            assert got["outside"].startswith("DCreditError") and outside in got["outside"], got["outside"]
+
+
 @pytest.mark.timeout(420)
+@pytest.mark.parametrize("launcher", ["torch", "mpi"])
+def test_collectives_on_a_process_set_reduce_over_its_ranks(launcher):
+    per_rank = _results(launcher)
+    names = ["collectives", "collectives/list"] + (["collectives/torch_group"] if launcher == "torch" else [])
+    for name in names:
+        _collectives(per_rank, name, ([0, 2], [1, 3]))
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("launcher", ["torch", "mpi"])
+def test_a_first_collective_against_an_optimizer_on_the_same_set_is_a_mismatch(launcher):
+    per_rank = _results(launcher)
+    for rank in (0, 1):
+        r = per_rank[rank]["call_or_build"]
+        assert r.get("error", "").startswith("MismatchError"), f"rank {rank}: {r}"
+        assert "the set's first collective" in r["error"] and "a DistributedOptimizer" in r["error"], r["error"]
+        assert r["took_s"] < 3.0, f"rank {rank} waited {r['took_s']:.1f} s for a mismatch it could see"
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("launcher", HOROVOD)
+def test_horovod_collectives_on_horovods_sets(launcher):
+    per_rank = _results(launcher)
+    _collectives(per_rank, "collectives", ([0, 2], [1, 3]))
+    for rank in range(4):
+        ours = per_rank[rank]["collectives/ours"]
+        assert ours.startswith("DCreditError") and "hvd.add_process_set" in ours, ours
+    _exited(launcher)
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("launcher", HOROVOD)
+def test_horovod_backend_over_horovods_sets(launcher):
+    per_rank = _results(launcher)
+    _trained(per_rank, "disjoint/horovod", range(4))
+    _same_within_sets(per_rank, "disjoint/horovod", ([0, 2], [1, 3]))
+    _trained(per_rank, "outside/horovod", [0, 2, 3])  # rank 3 alone, as in Horovod, on the Horovod backend
+    for name, ranks in (("disjoint/horovod", range(4)), ("outside/horovod", [0, 2, 3])):
+        assert all(per_rank[r][name]["backend"] == "horovod" for r in ranks), name
+    _exited(launcher)
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("launcher", HOROVOD)
 @pytest.mark.parametrize("name", ["disjoint", "two_optimizers"])
-def test_horovod_process_sets_train_as_if_alone(name):
-    per_rank = _results("horovod-gloo")
+def test_horovod_process_sets_train_as_if_alone(name, launcher):
+    per_rank = _results(launcher)
     _trained(per_rank, name, range(4))
     _same_within_sets(per_rank, name, ([0, 2], [1, 3]))
+    _exited(launcher)
 
 
 @pytest.mark.timeout(420)
-def test_horovod_rank_outside_its_set_steps_alone_as_in_horovod():
-    per_rank = _results("horovod-gloo")
+@pytest.mark.parametrize("launcher", HOROVOD)
+def test_horovod_rank_outside_its_set_steps_alone_as_in_horovod(launcher):
+    per_rank = _results(launcher)
     _trained(per_rank, "outside", [0, 2, 3])  # rank 3's reference is rank 3 alone
     for rank in range(4):
         ours = per_rank[rank]["ours"]["error"]
         assert ours.startswith("DCreditError") and "hvd.add_process_set" in ours, ours
+    _exited(launcher)

@@ -115,7 +115,7 @@ def test_signatures_are_horovods():
         ours = list(inspect.signature(getattr(dc, name)).parameters)
         theirs = list(inspect.signature(getattr(hvd, name)).parameters)
         if name == "allgather_object":
-            theirs.append("process_set")  # ours also takes Horovod's usual process_set (global only)
+            theirs.append("process_set")  # ours also takes Horovod's usual process_set
         assert ours == theirs, f"{name}: ours {ours}, Horovod's {theirs}"
 
 
@@ -172,7 +172,9 @@ T = torch.tensor([1.0, 2.0])
     (lambda: dc.allreduce(T, name=3), TypeError, "name must be a str or None, got int"),
     (lambda: dc.allreduce(T, prescale_factor="2"), TypeError, "prescale_factor must be a number, got str"),
     (lambda: dc.allreduce(T, postscale_factor=float("inf")), ValueError, "postscale_factor must be finite"),
-    (lambda: dc.allreduce(T, process_set=object()), NotImplementedError, "global process set"),
+    (lambda: dc.allreduce(T, process_set=object()), TypeError, "allreduce: process_set must be a dcredit_opt"),
+    (lambda: dc.allgather(T, process_set=[1]), dc.DCreditError, r"allgather: process_set=\[1\]: rank\(s\) \[1\]"),
+    (lambda: dc.broadcast_(T, 0, process_set=dc.ProcessSet([0, 1])), dc.DCreditError, "broadcast_: process_set"),
     (lambda: dc.allreduce(T, compression="fp16"), TypeError, "compression must be a Compression"),
     (lambda: dc.grouped_allreduce(T), TypeError, "grouped_allreduce: tensors must be a list of tensors, got Tensor"),
     (lambda: dc.grouped_allreduce([T, 1.0]), TypeError, r"tensors\[1\] must be a torch.Tensor, got float"),
@@ -314,6 +316,15 @@ def test_the_global_process_set_is_accepted_everywhere():
     model = nn.Linear(2, 1)
     dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
                             process_set=ps, config=dc.Config(block_bytes=64, policy="fixed"))
+
+
+def test_a_process_set_of_every_rank_runs_the_collectives_on_every_rank():
+    for ps in (dc.ProcessSet([0]), [0]):
+        assert dc.allreduce(torch.tensor([2.0]), op=dc.Sum, process_set=ps).tolist() == [2.0]
+        assert dc.allgather(torch.ones(2, 1), process_set=ps).shape == (2, 1)
+        assert dc.broadcast(torch.tensor([3]), 0, process_set=ps).tolist() == [3]
+        assert dc.allgather_object({"a": 1}, process_set=ps) == [{"a": 1}]
+        dc.barrier(process_set=ps)
 
 
 def test_build_and_world_queries():
@@ -485,6 +496,11 @@ def test_describe_and_disagreement_by_hand():
     assert "the root_rank: rank 0 1, rank 1 0" in core.disagreement([f, g], "broadcast", None, 0)
     big = core.describe("allreduce", [torch.zeros([1] * 8)], "sum")
     assert core._shape_text(big) == "[1, 1, 1, 1, 1, 1, ...]"
+    # Over a process set the rows are the set's ranks, named by their global ranks.
+    assert core.disagreement([a, b], "allreduce on process_set [1, 3]", "loss", 3, [1, 3]) == (
+        "allreduce on process_set [1, 3]: the ranks disagree on the dtype: rank 1 torch.float32, rank 3 "
+        "torch.float64")
+    assert "rank 1 'loss', rank(s) [3] another" in core.disagreement([a, e], "allreduce", "loss", 1, [1, 3])
 
 
 def test_allgather_descriptors_ignore_the_first_dimension_only():

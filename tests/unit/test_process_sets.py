@@ -3,6 +3,9 @@ tested in tests/distributed/test_process_sets.py."""
 
 from __future__ import annotations
 
+import json
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -72,3 +75,49 @@ def test_the_global_process_sets_are_every_rank():
         wrapped = dc.DistributedOptimizer(opt, model.named_parameters(), process_set=process_set, config=CONFIG)
         assert wrapped._dc.members.everyone
         wrapped._dc.close()
+
+
+# ---- the meeting of a set's ranks in the store (Note [Process sets]), with the peer's side written by hand ----
+
+
+def _peer_is(store, rank: int, ranks: list, k: int, purpose: str) -> None:
+    store.set(f"dcredit_opt/sets/building/{rank}", json.dumps([ranks, k, purpose]))
+
+
+@pytest.mark.parametrize("theirs, words", [
+    (([0, 1], 0, "optimizer"), ("rank 0 makes the set's first collective on process_set [0, 1], while rank 1 "
+                                "makes a DistributedOptimizer on that set")),
+    (([0, 1, 2], 0, "collectives"), "while rank 1 makes the set's first collective on process_set [0, 1, 2]"),
+    (([0, 1], 1, "collectives"), "its number 1 on that set"),
+])
+def test_a_peer_doing_something_else_on_a_shared_set_is_a_mismatch_at_once(theirs, words):
+    from dcredit_opt.world import process_sets
+
+    store = dist.HashStore()
+    _peer_is(store, 1, *theirs)
+    started = time.monotonic()
+    with pytest.raises(dc.MismatchError) as info:
+        process_sets._meet(store, [0, 1], 0, 10.0, "collectives")
+    assert words in str(info.value)
+    assert time.monotonic() - started < 2.0
+    # Counted out again: once the peer meets it, the same set and count (0) meet.
+    _peer_is(store, 1, [0, 1], 0, "collectives")
+    store.add("dcredit_opt/sets/arrived/collectives/0,1/0", 1)
+    assert process_sets._meet(store, [0, 1], 0, 10.0, "collectives") == 0
+
+
+def test_a_peer_that_never_comes_is_named_within_the_timeout():
+    from dcredit_opt.world import process_sets
+
+    store = dist.HashStore()
+    started = time.monotonic()
+    with pytest.raises(dc.CollectiveTimeout, match=r"did not come to make the set's first collective within 0.3 s \(rank 1 is not at it\)"):
+        process_sets._meet(store, [0, 1], 0, 0.3, "collectives")
+    assert time.monotonic() - started < 2.0
+
+
+def test_the_collectives_of_a_rank_outside_the_set_are_refused_naming_it():
+    for call in (lambda: dc.allreduce(torch.ones(1), process_set=dc.ProcessSet([0, 1])),
+                 lambda: dc.barrier(process_set=[1])):
+        with pytest.raises(dc.DCreditError, match="process_set"):
+            call()
