@@ -11,7 +11,8 @@ must fail with its own error on every rank (a different error fails the test), a
 
 The two examples (``upstream/examples/pytorch/``, the swap written in) run briefly and must exit 0. The process-set
 test runs first in a launch of its own (``OWN_LAUNCH``), and the sparse and process-set tests also under
-``horovodrun --mpi`` (``MPI_TESTS``), stock and swapped.
+``horovodrun --mpi`` (``MPI_TESTS``), stock and swapped; the process-set test also on 4 ranks under
+``horovodrun --mpi`` (``MPI_4_TESTS``), where its sets hold two ranks each.
 
 Horovod missing skips the module with the reason; ``make test`` installs it (``make horovod``).
 """
@@ -41,6 +42,8 @@ HOROVODRUN = VENV_BIN / "horovodrun"
 LAUNCH = ["-np", "2", "-H", "localhost:2", "--gloo"]
 LAUNCH_MPI = ["-np", "2", "-H", "localhost:2", "--mpi"]
 WORLD_SIZE = 2
+# The process-set test on 4 ranks, where its sets are [0, 2] and [1, 3] (on 2 ranks they are [0] and [1]).
+LAUNCH_MPI_4 = ["-np", "4", "-H", "localhost:4", "--mpi"]
 
 # One launch of the vendored tests takes 15-40 s on 2 busy cores; these limits only guard against hangs.
 LAUNCH_TIMEOUT_S = 300
@@ -95,6 +98,9 @@ OWN_LAUNCH = {
 
 # Vendored tests also run under horovodrun --mpi (stock and swapped): the optimizer's paths that differ there.
 MPI_TESTS = ("test_sparse_embeddings", "test_optimizer_process_sets")
+# And on 4 ranks under horovodrun --mpi (stock and swapped): the test of process sets, which "makes the most sense
+# when running with > 2 processes" (its docstring): ranks 0 and 2 reduce over their set, ranks 1 and 3 are outside.
+MPI_4_TESTS = ("test_optimizer_process_sets",)
 
 
 class KnownFailure(AssertionError):
@@ -133,8 +139,8 @@ def _environment() -> dict:
 
 
 def _horovodrun(command: list, cwd: Path, launch: list = LAUNCH) -> tuple[int, str]:
-    """Run ``command`` on 2 ranks under ``horovodrun`` (``--gloo`` unless ``launch`` says otherwise): its exit code
-    and output; killed whole on timeout."""
+    """Run ``command`` under ``horovodrun`` (on 2 ranks with ``--gloo`` unless ``launch`` says otherwise): its exit
+    code and output; killed whole on timeout."""
     timeout_s = timing.scaled(LAUNCH_TIMEOUT_S)
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen([str(HOROVODRUN), *launch, *command], cwd=cwd, env=_environment(), stdout=log,
@@ -149,9 +155,9 @@ def _horovodrun(command: list, cwd: Path, launch: list = LAUNCH) -> tuple[int, s
         return proc.returncode, log.read()
 
 
-def _run_vendored_tests(swap: bool, only: tuple = (), launch: list = LAUNCH) -> dict:
-    """Every rank's outcomes (``outcomes.py``'s records, in rank order) and the launch's output: of the tests
-    ``only`` names, else of every vendored test but those of OWN_LAUNCH."""
+def _run_vendored_tests(swap: bool, only: tuple = (), launch: list = LAUNCH, world_size: int = WORLD_SIZE) -> dict:
+    """Every rank's outcomes (``outcomes.py``'s records, in rank order, ``world_size`` ranks) and the launch's
+    output: of the tests ``only`` names, else of every vendored test but those of OWN_LAUNCH."""
     plugins = ["-p", "tests.horovod_peer.one_init", "-p", "tests.horovod_peer.torch_compat",
                "-p", "tests.horovod_peer.no_timeline"] + (
         ["-p", "tests.horovod_peer.swap"] if swap else [])
@@ -163,7 +169,7 @@ def _run_vendored_tests(swap: bool, only: tuple = (), launch: list = LAUNCH) -> 
             [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--rootdir", ".", "--confcutdir", ".",
              "--timeout", f"{timing.scaled(INNER_TEST_TIMEOUT_S):g}", "-p", "tests.horovod_peer.outcomes",
              "--peer-outcomes", out, *plugins, *selection], cwd=PARALLEL, launch=launch)
-        files = [Path(out) / f"rank{r}.json" for r in range(WORLD_SIZE)]
+        files = [Path(out) / f"rank{r}.json" for r in range(world_size)]
         missing = [f.name for f in files if not f.exists()]
         if missing:
             pytest.fail(f"the vendored tests wrote no outcomes for {missing} (horovodrun exit code {rc}):\n"
@@ -213,6 +219,20 @@ def stock_mpi() -> dict:
     return _run_vendored_tests(swap=False, only=MPI_TESTS, launch=LAUNCH_MPI)
 
 
+@pytest.fixture(scope="module")
+def swapped_mpi_4() -> dict:
+    if _mpi_missing():
+        pytest.skip(_mpi_missing())
+    return _run_vendored_tests(swap=True, only=MPI_4_TESTS, launch=LAUNCH_MPI_4, world_size=4)
+
+
+@pytest.fixture(scope="module")
+def stock_mpi_4() -> dict:
+    if _mpi_missing():
+        pytest.skip(_mpi_missing())
+    return _run_vendored_tests(swap=False, only=MPI_4_TESTS, launch=LAUNCH_MPI_4, world_size=4)
+
+
 def _cases() -> list:
     known = [pytest.param(name, id=name, marks=pytest.mark.xfail(strict=True, raises=KnownFailure, reason=k.why))
              for name, k in KNOWN_FAILURES.items()]
@@ -241,18 +261,26 @@ def test_horovod_test_with_dcredit_opt_under_mpi(swapped_mpi, name):
     _check_outcome(swapped_mpi, name)
 
 
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("name", MPI_4_TESTS)
+def test_horovod_test_with_dcredit_opt_on_4_ranks_under_mpi(swapped_mpi_4, name):
+    assert len(swapped_mpi_4["ranks"]) == 4
+    _check_outcome(swapped_mpi_4, name)
+
+
 def _check_outcome(swapped: dict, name: str) -> None:
     results = [rank["tests"].get(name) for rank in swapped["ranks"]]
+    world_size = len(results)
     if any(r is None for r in results):
         pytest.fail(f"{name} did not run on every rank:\n{swapped['output'][-6000:]}")
     outcomes = [r["outcome"] for r in results]
-    if outcomes == ["skipped"] * WORLD_SIZE:
+    if outcomes == ["skipped"] * world_size:
         pytest.skip(f"the test skips itself here: {results[0]['message'].removeprefix('Skipped: ')}")
-    if outcomes == ["passed"] * WORLD_SIZE:
+    if outcomes == ["passed"] * world_size:
         return
     failed = [(rank, r) for rank, r in enumerate(results) if r["outcome"] == "failed"]
     known = KNOWN_FAILURES.get(name)
-    if known and len(failed) == WORLD_SIZE and all(known.error in r["detail"] for _, r in failed):
+    if known and len(failed) == world_size and all(known.error in r["detail"] for _, r in failed):
         raise KnownFailure(f"{name}: {failed[0][1]['message']}")
     details = "\n".join(f"--- rank {rank} ({r['outcome']}): {r['message']}\n{r['detail'][-3000:]}"
                         for rank, r in enumerate(results))
@@ -260,12 +288,12 @@ def _check_outcome(swapped: dict, name: str) -> None:
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("run", ["stock", "stock_own", "stock_mpi"])
+@pytest.mark.parametrize("run", ["stock", "stock_own", "stock_mpi", "stock_mpi_4"])
 def test_stock_horovod_passes_the_same_selection(request, run):
     """The control: without the swap, every vendored test that does not skip itself passes here, in each launch."""
     stock = request.getfixturevalue(run)
     expected = {"stock": {*EXPECTED_TO_PASS, *KNOWN_FAILURES} - set(OWN_LAUNCH), "stock_own": set(OWN_LAUNCH),
-                "stock_mpi": set(MPI_TESTS)}[run]
+                "stock_mpi": set(MPI_TESTS), "stock_mpi_4": set(MPI_4_TESTS)}[run]
     for rank in stock["ranks"]:
         assert rank["DistributedOptimizer"] == "horovod.torch.optimizer.DistributedOptimizer", rank
         assert set(rank["tests"]) == expected
