@@ -50,7 +50,8 @@ def per_op_cost_us(repeats: int = 7, number: int = 5000) -> float:
     # one pending update, never read here
     idle = types.SimpleNamespace(lazy=types.SimpleNamespace(npending=1, pending=[True]))  # an optimizer's core
     guard = PendingReadGuard(lambda: idle)
-    guard.arm([torch.zeros(4)])
+    param = torch.zeros(4)
+    guard.arm([param], [param.data_ptr()])
     x = torch.ones(8)
 
     def op():
@@ -85,7 +86,7 @@ def measure(name: str, iters: int, warmup: int) -> dict:
             loss = loss_fn(model(x), y)
             t2 = time.perf_counter()
         loss.backward()
-        guard.arm = (lambda params: None) if on else arm  # step() arms the guard for the next forward
+        guard.arm = (lambda params, where: None) if on else arm  # step() arms the guard for the next forward
         opt.step()
         t3 = time.perf_counter()
         if i >= warmup:
