@@ -51,6 +51,9 @@ cuda)
             timeout 60 $PY -m benchmarks.gpu_trace --model $model --way $way --out "$out" 2>&1 | grep -v Warn | tail -9
         done
     done
+    # Eight files at most are worth carrying back: the tables, the logs and the four traces; the plot is redrawn
+    # from the JSON (benchmarks.report), and the build log matters only when the build failed (printed above).
+    rm -f "$out"/*.png "$out/build.log"
     ;;
 ranks)
     build || exit 1
