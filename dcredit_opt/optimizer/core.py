@@ -115,7 +115,8 @@ class Core:
         self.timeline = (timeline.RankTimeline(config.timeline_path, members.rank, world)
                          if config.timeline_path else None)
         # Re-planning while training (replanner.py): watches the blocks and the backward, re-plans with the others.
-        self.replanner = (replanner.Replanner(config, [p.dtype for p in params], members)
+        self.replanner = (replanner.Replanner(config, [p.dtype for p in params], members,
+                                              cpu_clock=device.type == "cpu")
                           if replanner.wanted(config, world, bool(params)) else None)
         self._set_plan(fixed_plan(
             [p.numel() for p in params], [p.element_size() for p in params], config.block_bytes,

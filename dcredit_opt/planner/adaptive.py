@@ -17,11 +17,15 @@ every check window (``Config.replan_every`` steps):
   what the baseline's fit predicts for the same traffic; the change is
   carried by the profile's ``beta``, priced with the profile's own alpha
   (:func:`link_estimate` and :func:`beta_scale` say why);
-- the compute: the backward span, from the first gradient ready to the last
-  (the scheduler's ready times), as a scale on every tensor's forward and
+- the compute: the backward, as a scale on every tensor's forward and
   backward time. A forward and a backward of the same layers change together
   (a longer sequence, a bigger batch, a slower core), and the backward is the
-  part measured without any communication wait in it.
+  part measured without any communication wait in it. Where the backward runs
+  on the thread that calls ``step()`` (a model on the CPU), it is read as that
+  thread's CPU time from the iteration's first gradient to its ``step()``
+  (``Window.cpu_s``); elsewhere (a device, whose kernels the host only
+  launches) as the span from the first gradient ready to the last (the
+  scheduler's ready times, ``Window.span_s``). Note [Compute in CPU time].
 
 Neither is compared with the profile: the measurements depend on the plan
 (concurrent collectives, a lazy step's CPU use), so each plan's first check
@@ -53,6 +57,26 @@ from collections.abc import Sequence
 
 from .cost import fit_alpha_beta
 from .profile import Profile
+
+# Note [Compute in CPU time]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# On a CPU the backward shares the cores with whatever else runs there: the
+# job's own communication threads and, on a shared machine, other jobs. Read
+# in wall time, its span moves with their load, which comes and goes faster
+# than a check window: measured on 2 shared cores (benchmarks/results/
+# 2026-11-27-p2-adaptive.md), VGG-like's backward span fell from 1281 ms to
+# 854 ms across a doubling of its batch, as the machine's load fell from 17;
+# the doubling was never seen, and checks triggered on load alone. The CPU
+# time of the thread that runs the backward counts only the work it does: it
+# doubles with the batch and stays put when other threads take the cores. So
+# there the compute is read in that thread's CPU time, from the iteration's
+# first gradient (the backward's start, where the iteration opens) to its
+# step(): the same work every iteration apart from the model's. What it does
+# not see is a core that became slower for everyone (a lower clock, a noisy
+# neighbour that stays): a plan tuned for the work is still the plan for it,
+# and the link's estimate, read in wall time, sees what the neighbour does to
+# the collectives. A device's backward is kernels the host only launches: there
+# the wall-time span of the ready times stays the estimate.
 
 SIZE_SPREAD = 2.0
 """A window's per-collective sizes must span at least this factor (largest over smallest) for a fit of both
@@ -116,6 +140,9 @@ class Window:
     """Fitted per-collective start-up, seconds; None where the sizes did not spread (:data:`SIZE_SPREAD`)."""
     beta_s_per_byte: float | None
     """Fitted per-collective seconds per byte; None with ``alpha_s``."""
+    cpu_s: float | None = None
+    """Median CPU time of the thread that ran the backward, from the iteration's first gradient to its
+    ``step()``, seconds; None where it was not read (Note [Compute in CPU time])."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -134,24 +161,29 @@ class WindowRecorder:
     def __init__(self) -> None:
         self._periods: list[tuple[int, int, float]] = []
         self._spans: list[float] = []
+        self._cpu: list[float] = []
         self._iterations = 0
 
     @property
     def iterations(self) -> int:
         return self._iterations
 
-    def add(self, rows: Sequence[Sequence[int]], block_bytes: Sequence[int], ready_ns: Sequence[int]) -> None:
-        """One finished iteration: its trace rows, each block's bytes, each tensor's ready time."""
+    def add(self, rows: Sequence[Sequence[int]], block_bytes: Sequence[int], ready_ns: Sequence[int],
+            cpu_s: float | None = None) -> None:
+        """One finished iteration: its trace rows, each block's bytes, each tensor's ready time, and the CPU
+        seconds of its backward where they were read (Note [Compute in CPU time])."""
         self._periods += busy_periods(rows, block_bytes)
         span = backward_span(ready_ns)
         if span is not None:
             self._spans.append(span)
+        if cpu_s is not None and cpu_s > 0:
+            self._cpu.append(cpu_s)
         self._iterations += 1
 
     def take(self) -> Window | None:
         """The window so far (None if nothing was observed), and a fresh start."""
-        periods, spans, n = self._periods, self._spans, self._iterations
-        self._periods, self._spans, self._iterations = [], [], 0
+        periods, spans, cpu, n = self._periods, self._spans, self._cpu, self._iterations
+        self._periods, self._spans, self._cpu, self._iterations = [], [], [], 0
         if n == 0:
             return None
         alpha = beta = None
@@ -165,7 +197,8 @@ class WindowRecorder:
                     alpha, beta = a, b
         return Window(iterations=n, span_s=statistics.median(spans) if spans else None,
                       busy_s=sum(s for _, _, s in periods) / n, collectives=sum(c for c, _, _ in periods) / n,
-                      nbytes=sum(b for _, b, _ in periods) / n, alpha_s=alpha, beta_s_per_byte=beta)
+                      nbytes=sum(b for _, b, _ in periods) / n, alpha_s=alpha, beta_s_per_byte=beta,
+                      cpu_s=statistics.median(cpu) if cpu else None)
 
 
 # ---- the job's estimate, the same on every rank ------------------------------------------------------------
@@ -205,7 +238,8 @@ class Estimate:
     """What moved since the baseline, for the whole job: scales (1.0 = unchanged)."""
 
     compute: float
-    """Backward span now over the baseline's, of the slowest rank (each side)."""
+    """Backward now over the baseline's, of the slowest rank (each side): in CPU time where every window
+    carries it, else the wall-time span (Note [Compute in CPU time])."""
     link: float
     """Link time now over the baseline's prediction for the same traffic."""
     beta: float
@@ -214,10 +248,12 @@ class Estimate:
     link_rank: int
     """The rank whose link measurement was taken (the least slowed)."""
     span_s: tuple[float, float]
-    """The job's backward span, baseline and now, seconds (for messages)."""
+    """The job's backward, baseline and now, seconds (for messages)."""
     traffic: tuple[float, float] = (0.0, 0.0)
     """What the link rank's window carried per iteration now: collectives and bytes (:func:`rescale` prices
     the link's change on them with the profile's own alpha and beta)."""
+    cpu: bool = False
+    """Whether ``compute`` and ``span_s`` were read in CPU time."""
 
 
 def combine(base: Sequence[Window | None], now: Sequence[Window | None]) -> Estimate | None:
@@ -225,8 +261,9 @@ def combine(base: Sequence[Window | None], now: Sequence[Window | None]) -> Esti
     observed nothing. A pure function of the gathered windows: every rank computes the same."""
     if len(base) != len(now) or not base or any(w is None for w in (*base, *now)):
         return None
-    spans_b = [w.span_s for w in base]
-    spans_n = [w.span_s for w in now]
+    cpu = all(w.cpu_s is not None for w in (*base, *now))
+    spans_b = [w.cpu_s if cpu else w.span_s for w in base]
+    spans_n = [w.cpu_s if cpu else w.span_s for w in now]
     if any(s is None for s in (*spans_b, *spans_n)) or max(spans_b) <= 0:
         compute, span = 1.0, (0.0, 0.0)
     else:
@@ -238,7 +275,7 @@ def combine(base: Sequence[Window | None], now: Sequence[Window | None]) -> Esti
         traffic = (now[rank].collectives, now[rank].nbytes)
     else:  # nothing travelled (a world of one, every gradient unused): only the compute can move
         rank, link, beta, traffic = -1, 1.0, 1.0, (0.0, 0.0)
-    return Estimate(compute=compute, link=link, beta=beta, link_rank=rank, span_s=span, traffic=traffic)
+    return Estimate(compute=compute, link=link, beta=beta, link_rank=rank, span_s=span, traffic=traffic, cpu=cpu)
 
 
 def moved(estimate: Estimate, threshold: float) -> tuple[str, ...]:
@@ -315,7 +352,8 @@ def describe(estimate: Estimate, threshold: float) -> str:
     span_b, span_n = estimate.span_s
     compute = f"compute x{estimate.compute:.2f}"
     if span_b > 0:
-        compute += f" (backward {span_b * 1e3:.1f} ms -> {span_n * 1e3:.1f} ms)"
+        clock = " of CPU" if estimate.cpu else ""
+        compute += f" (backward {span_b * 1e3:.1f} ms -> {span_n * 1e3:.1f} ms{clock})"
     link = f"link x{estimate.link:.2f}"
     link += f" (as rank {estimate.link_rank} measured it)" if estimate.link_rank >= 0 else ""
     which = moved(estimate, threshold)

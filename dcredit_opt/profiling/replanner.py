@@ -6,7 +6,9 @@ its private fields). The optimizer calls it at two points:
 - :meth:`Replanner.observe` at the start of each iteration, where the last
   iteration's blocks have all finished: on the few iterations a window
   observes (the last :data:`SAMPLES` before each check), it reads the
-  scheduler's trace and ready times; on the others it costs one ``if``.
+  scheduler's trace and ready times; on the others it costs one ``if``
+  (and, on a CPU, one read of the thread's CPU clock: the backward starts
+  here, Note [Compute in CPU time] in planner/adaptive.py).
 - :meth:`Replanner.check` in each ``step()`` once the first plan is in force,
   before the step decides whether it may be lazy. Every ``Config.replan_every``
   steps of a plan, every rank sends its window to every rank (one small
@@ -23,6 +25,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
+import time
 
 from ..config import Config
 from ..planner import adaptive
@@ -64,8 +68,13 @@ def wanted(config: Config, world_size: int, has_params: bool) -> bool:
 class Replanner:
     """Watches one optimizer's blocks and backward, and re-plans with the other ranks (module docstring)."""
 
-    def __init__(self, config: Config, dtypes, plane=None):
+    def __init__(self, config: Config, dtypes, plane=None, cpu_clock: bool = False):
         self._config = config
+        # Note [Compute in CPU time]: on a CPU the backward is read in the CPU time of its thread, from the
+        # iteration's start (observe()) to its step() (check()).
+        self._cpu_clock = cpu_clock
+        self._opened: tuple[int, float] | None = None  # (thread, its CPU seconds) where this iteration opened
+        self._cpu_s: float | None = None  # the CPU seconds of the iteration that just ended
         self._plane = plane  # a process set's ranks (Note [Process sets]); None: every rank
         self._every = config.replan_every
         self._samples = max(1, min(SAMPLES, self._every - 1))
@@ -91,7 +100,16 @@ class Replanner:
         """At the start of an iteration (the last one's blocks all finished): read it if the window wants it."""
         if self._observe_next:
             self._observe_next = False
-            self._window.add(engine.trace(), block_bytes, engine.ready_times())
+            self._window.add(engine.trace(), block_bytes, engine.ready_times(), self._cpu_s)
+        if self._cpu_clock:
+            self._opened = (threading.get_ident(), time.thread_time())
+
+    def _backward_cpu_s(self) -> float | None:
+        """In ``step()``: this thread's CPU seconds since the iteration opened on it, or None (not read there)."""
+        opened, self._opened = self._opened, None
+        if opened is None or opened[0] != threading.get_ident():
+            return None
+        return time.thread_time() - opened[1]
 
     def check(self, iteration: int, plan: Plan, profile, numels, timeline=None, wait_blocks=None) -> Plan | None:
         """Once per ``step()`` with a planned plan in force: the plan to stage now, or None.
@@ -105,6 +123,7 @@ class Replanner:
         """
         if self._off:
             return None
+        self._cpu_s = self._backward_cpu_s() if self._cpu_clock else None
         if plan is not self._plan:  # a new plan: a new baseline
             self._plan, self._steps, self._base = plan, 0, None
             self._window.take()

@@ -1,7 +1,7 @@
 """What each rank runs in test_replan.py: adaptive re-planning while training (planner/adaptive.py).
 
 The world changes mid-run: from step ``change_at`` on, the backward of
-``mid`` sleeps, longer on rank 1 than on rank 0 (a slower model, slower on
+``mid`` does more work, longer on rank 1 than on rank 0 (a slower model, slower on
 one rank), so the compute estimate moves for real. What rank 0 plans then
 depends on the simulator's verdict for this toy model, which may well be
 "keep the plan"; ``forced=True`` makes rank 0's planner return a plan with
@@ -73,8 +73,16 @@ def _force_decisions() -> None:
 
 
 def _slow_down(model: Net, seconds) -> None:
-    """``seconds()`` of sleep in the backward, when ``mid.weight``'s gradient is computed."""
-    model.mid.weight.register_hook(lambda grad: time.sleep(seconds()))
+    """``seconds()`` of work in the backward, when ``mid.weight``'s gradient is computed: CPU time of the
+    backward's thread, as a bigger model costs (a sleep would be another job holding the core, which the
+    compute estimate does not count: Note [Compute in CPU time])."""
+
+    def work(grad):
+        end = time.thread_time() + seconds()
+        while time.thread_time() < end:
+            pass
+
+    model.mid.weight.register_hook(work)
 
 
 def _watch_checks(opts: list, seen: list) -> None:
@@ -105,7 +113,7 @@ def _step(model: Net, opts: list, passes: int, step: int, rank: int) -> list:
 
 
 def train(steps: int = 24, change_at: int = 9, passes: int = 1, optimizers: int = 1, forced: bool = True,
-          replan_every: int = 3, sleep_ms: tuple = (15, 30), timeline_path: str | None = None,
+          replan_every: int = 3, work_ms: tuple = (15, 30), timeline_path: str | None = None,
           gpu_control: bool = False, decoupled: bool = False, backend: str = "auto",
           horovod_first: bool = False) -> dict:
     """Train through the change; the re-plans each optimizer recorded, and the worst difference from
@@ -127,7 +135,7 @@ def train(steps: int = 24, change_at: int = 9, passes: int = 1, optimizers: int 
     model = Net()
     ref = copy.deepcopy(model)
     now = {"step": 0}
-    _slow_down(model, lambda: sleep_ms[rank % len(sleep_ms)] / 1000 if now["step"] >= change_at else 0.0)
+    _slow_down(model, lambda: work_ms[rank % len(work_ms)] / 1000 if now["step"] >= change_at else 0.0)
     config = dc.Config(policy="dcredit", profile_iters=3, replan_every=replan_every, replan_threshold=0.2,
                        channels=2, timeline_path=timeline_path, backend=backend)
     named = list(model.named_parameters())
@@ -172,7 +180,8 @@ def _skew_windows(rng) -> None:
         if w is None:
             return None
         return dataclasses.replace(w, busy_s=w.busy_s * factor(),
-                                   span_s=None if w.span_s is None else w.span_s * factor())
+                                   span_s=None if w.span_s is None else w.span_s * factor(),
+                                   cpu_s=None if w.cpu_s is None else w.cpu_s * factor())
 
     adaptive.WindowRecorder.take = skewed
 
@@ -191,7 +200,7 @@ def _record_estimates(seen: list) -> None:
 
 def random_timings(seeds: tuple = tuple(range(1, 7)), steps: int = 24) -> list:
     """For each seed: a job whose shape (backward passes per step, one or two optimizers, the check interval)
-    the seed draws, the same on every rank, and whose timings each rank draws on its own: a sleep in the
+    the seed draws, the same on every rank, and whose timings each rank draws on its own: work in the
     backward that jumps between levels at random steps, and windows skewed at random before they are
     gathered (:func:`_skew_windows`). Odd seeds plan with rank 0's forced planner (:func:`_force_replans`:
     every decision to re-plan switches), even ones with the real planner. Per seed: every estimate the checks

@@ -1,5 +1,5 @@
 """P2: adaptive re-planning on 2 ranks (how: planner/adaptive.py). The compute
-changes mid-run (a sleep in the backward, longer on one rank); every rank re-plans at the same step, the
+changes mid-run (more work in the backward, longer on one rank); every rank re-plans at the same step, the
 staging step is eager, and training equals synchronous data parallelism across the switch: on
 torch.distributed (Gloo), under mpiexec and under horovodrun, with backward_passes_per_step=2, into, between and out of
 decoupled plans, and with two optimizers; and, randomised, ranks with different local timings agree on every
@@ -109,7 +109,7 @@ def test_replans_equal_synchronous_training_on_backend(launch):
 
 @pytest.mark.timeout(180)
 def test_ranks_with_different_timings_agree_on_every_decision():
-    """Randomised: per seed, each rank sleeps in its backward at levels it draws on its own and skews the
+    """Randomised: per seed, each rank works in its backward at levels it draws on its own and skews the
     windows it sends at random (replan_workers.random_timings); the job's shape (backward passes per step,
     one or two optimizers, the check interval) is drawn per seed. Every rank computes the same estimates at
     the same checks, re-plans at the same steps, holds the same plan at every step, and trains as

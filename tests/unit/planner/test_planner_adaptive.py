@@ -37,11 +37,11 @@ def serial_trace(sizes, alpha_s, beta_s, start_ns=MS, gap_ns=0, channels=1):
     return rows, list(sizes)
 
 
-def window(sizes, alpha_s, beta_s, span_s, iterations=4, gap_ns=MS):
+def window(sizes, alpha_s, beta_s, span_s, iterations=4, gap_ns=MS, cpu_s=None):
     rec = WindowRecorder()
     for _ in range(iterations):
         rows, nbytes = serial_trace(sizes, alpha_s, beta_s, gap_ns=gap_ns)
-        rec.add(rows, nbytes, [1, 1 + int(span_s * 1e9)])
+        rec.add(rows, nbytes, [1, 1 + int(span_s * 1e9)], cpu_s)
     return rec.take()
 
 
@@ -113,6 +113,49 @@ def test_combine_takes_the_slowest_compute_and_the_least_slowed_link():
     assert adaptive.combine(base, now[:1]) is None
     text = adaptive.describe(est, 0.1)
     assert text.startswith("moved: compute x2.40 (backward 50.0 ms -> 120.0 ms)") and "link x1.00" in text
+
+
+def test_combine_reads_the_compute_in_cpu_time_where_every_window_carries_it():
+    """Note [Compute in CPU time]: the wall-time span moved with other jobs' load (x0.5 here) while the work
+    doubled (CPU x2): the CPU time is the estimate; a window without it (a device) falls back to the span."""
+    base = [window(SIZES, 2e-4, 1e-9, 0.10, cpu_s=0.08), window(SIZES, 2e-4, 1e-9, 0.12, cpu_s=0.07)]
+    now = [window(SIZES, 2e-4, 1e-9, 0.05, cpu_s=0.16), window(SIZES, 2e-4, 1e-9, 0.06, cpu_s=0.15)]
+    est = adaptive.combine(base, now)
+    assert est.cpu and est.compute == pytest.approx(2.0) and est.span_s == pytest.approx((0.08, 0.16))
+    assert adaptive.describe(est, 0.1).startswith("moved: compute x2.00 (backward 80.0 ms -> 160.0 ms of CPU)")
+    wall = [dataclasses.replace(now[0], cpu_s=None), now[1]]
+    est = adaptive.combine(base, wall)
+    assert not est.cpu and est.compute == pytest.approx(0.06 / 0.12)
+    assert window(SIZES, 2e-4, 1e-9, 0.05).cpu_s is None
+    assert Window.from_dict(json.loads(json.dumps(now[0].to_dict()))) == now[0]
+
+
+def test_the_replanner_reads_the_backwards_cpu_time_not_its_wall_time(monkeypatch):
+    """From the iteration's start (observe) to its step() (check), on the same thread: a sleep there (another
+    job holding the core) adds nothing, work does; on another thread nothing is read."""
+    import threading
+    import time
+
+    from dcredit_opt.profiling import replanner
+    from dcredit_opt.profiling.replanner import Replanner
+
+    monkeypatch.setattr(replanner, "control_on_gpu", lambda: False)  # no world in a unit test
+    r = Replanner(dcredit_opt.Config(), [], cpu_clock=True)
+    r.observe(None, None)
+    time.sleep(0.3)
+    cpu_start = time.thread_time()
+    while time.thread_time() - cpu_start < 0.05:
+        pass
+    cpu = r._backward_cpu_s()
+    assert 0.05 <= cpu < 0.25, cpu
+    assert r._backward_cpu_s() is None  # read once per opening
+    r.observe(None, None)
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(r._backward_cpu_s()))
+    t.start()
+    t.join(timeout=30)
+    assert seen == [None]
+    assert Replanner(dcredit_opt.Config(), [])._cpu_clock is False
 
 
 def est(compute=1.0, link=1.0):
