@@ -31,7 +31,10 @@ Neither is compared with the profile: the measurements depend on the plan
 (concurrent collectives, a lazy step's CPU use), so each plan's first check
 window is its *baseline*, gathered from every rank, and later windows are
 compared with that baseline. A ratio of two measurements taken the same way
-cancels the estimator's own bias, so an unchanged world reads 1.0.
+cancels the estimator's own bias, so an unchanged world reads 1.0. The
+compute is compared with the windows the profile's compute was last set to,
+across plan switches, so that a change between a re-plan and the new plan's
+baseline is not taken into it (Note [Compute across a switch]).
 
 Every rank sends its window (:class:`Window`, JSON) to every rank; every rank
 computes the same :class:`Estimate` from the gathered lists
@@ -44,7 +47,7 @@ threshold for ``patience`` checks in a row; only then does rank 0 plan on the
 rescaled profile (:func:`rescale`), and the fresh plan replaces the current
 one only if the simulator predicts it faster, under the same new profile, by
 more than the threshold (:func:`worth_switching`). Either way the rescaled
-profile becomes the current one and the window becomes the new baseline, so a
+profile becomes the current one and the window becomes the new baseline and reference, so a
 change is acted on once, and a world that flips back is a new change.
 """
 
@@ -77,6 +80,20 @@ from .profile import Profile
 # and the link's estimate, read in wall time, sees what the neighbour does to
 # the collectives. A device's backward is kernels the host only launches: there
 # the wall-time span of the ready times stays the estimate.
+
+# Note [Compute across a switch]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A new plan's first check window is its baseline, because what the link
+# measures depends on the plan. A change that happens between the decision
+# and that window would be taken into the baseline and never seen: measured,
+# a re-plan on noise 3 iterations before VGG-like's batch went from 16 to 64
+# made a baseline of the new batch, and the plan for batch 16 stayed
+# (benchmarks/results/2026-11-27-p2-compute-x4-2.md, round 0). The compute,
+# read in CPU time (Note [Compute in CPU time]), is the model's work, not the
+# plan's: so it is compared with the *reference*, the windows the profile's
+# compute was last set to (the first baseline, then each check that
+# re-planned, kept or switched), across plan switches, and already at a new
+# plan's baseline check, where the link has nothing to be compared with yet.
 
 SIZE_SPREAD = 2.0
 """A window's per-collective sizes must span at least this factor (largest over smallest) for a fit of both
@@ -256,24 +273,32 @@ class Estimate:
     """Whether ``compute`` and ``span_s`` were read in CPU time."""
 
 
-def combine(base: Sequence[Window | None], now: Sequence[Window | None]) -> Estimate | None:
+def combine(base: Sequence[Window | None] | None, now: Sequence[Window | None],
+            reference: Sequence[Window | None] | None = None) -> Estimate | None:
     """The job's estimate from every rank's baseline and current window (rank order), or None where some rank
-    observed nothing. A pure function of the gathered windows: every rank computes the same."""
-    if len(base) != len(now) or not base or any(w is None for w in (*base, *now)):
+    observed nothing. A pure function of the gathered windows: every rank computes the same.
+
+    The link is compared with ``base``, the plan's own baseline (None: the plan has none yet, and the link
+    reads unchanged); the compute with ``reference`` where given (the windows the profile's compute stands
+    for: Note [Compute across a switch]), else with ``base``."""
+    reference = base if reference is None else reference
+    if reference is None or len(reference) != len(now) or not now or any(w is None for w in (*reference, *now)):
         return None
-    cpu = all(w.cpu_s is not None for w in (*base, *now))
-    spans_b = [w.cpu_s if cpu else w.span_s for w in base]
+    if base is not None and (len(base) != len(now) or any(w is None for w in base)):
+        return None
+    cpu = all(w.cpu_s is not None for w in (*reference, *now))
+    spans_b = [w.cpu_s if cpu else w.span_s for w in reference]
     spans_n = [w.cpu_s if cpu else w.span_s for w in now]
     if any(s is None for s in (*spans_b, *spans_n)) or max(spans_b) <= 0:
         compute, span = 1.0, (0.0, 0.0)
     else:
         compute, span = _clamp(max(spans_n) / max(spans_b)), (max(spans_b), max(spans_n))
-    links = [(r, link_estimate(b, n)) for r, (b, n) in enumerate(zip(base, now))]
+    links = [] if base is None else [(r, link_estimate(b, n)) for r, (b, n) in enumerate(zip(base, now))]
     links = [(est[0], r, est) for r, est in links if est is not None]
     if links:
         _, rank, (link, beta) = min(links)
         traffic = (now[rank].collectives, now[rank].nbytes)
-    else:  # nothing travelled (a world of one, every gradient unused): only the compute can move
+    else:  # nothing travelled (a world of one, every gradient unused) or no baseline yet: only the compute
         rank, link, beta, traffic = -1, 1.0, 1.0, (0.0, 0.0)
     return Estimate(compute=compute, link=link, beta=beta, link_rank=rank, span_s=span, traffic=traffic, cpu=cpu)
 

@@ -86,6 +86,8 @@ class Replanner:
         self._steps = 0  # step() calls since it took effect
         self._observe_next = False  # the iteration that just ended is observed at the next start
         self._base = None  # every rank's baseline window of this plan (gathered, the same everywhere)
+        # the windows the profile's compute stands for, across plans (Note [Compute across a switch])
+        self._reference = None
         self._profile = None  # rank 0: the profile the plan in force was made for, rescaled at each decision
         self._off = False  # rank 0 failed to plan once: said, and re-planning stops on every rank
         self._replans: list[adaptive.Replan] = []
@@ -146,11 +148,15 @@ class Replanner:
         gathered = control.all_gather_text(json.dumps(None if mine is None else mine.to_dict()), "replan.window",
                                            plane=self._plane)
         windows = [None if w is None else adaptive.Window.from_dict(w) for w in map(json.loads, gathered)]
-        if self._base is None:
-            if all(w is not None for w in windows):
-                self._base = windows
-            return None
-        estimate = adaptive.combine(self._base, windows)
+        base = self._base
+        if base is None:  # this plan's baseline; its compute is already compared (Note [Compute across a switch])
+            if not all(w is not None for w in windows):
+                return None
+            self._base = windows
+            if self._reference is None:
+                self._reference = windows
+                return None
+        estimate = adaptive.combine(base, windows, self._reference)
         if not self._hysteresis.update(estimate):
             return None
         self._hysteresis.reset()
@@ -164,6 +170,7 @@ class Replanner:
             return None
         if first:
             self._profile = adaptive.rescale(self._profile, estimate)
+        self._reference = windows  # the rescaled profile's compute is what these windows measured
         old_s, new_s = data["old_s"], data["new_s"]
         if "plan" not in data:  # not worth a switch: these estimates are the new normal
             self._base = windows

@@ -190,8 +190,8 @@ def _record_estimates(seen: list) -> None:
     """Every estimate any check computes (what the gathered windows say), in order."""
     combine = adaptive.combine
 
-    def recorded(base, now):
-        est = combine(base, now)
+    def recorded(base, now, reference=None):
+        est = combine(base, now, reference)
         seen.append(None if est is None else [est.compute, est.link, est.beta, est.link_rank])
         return est
 

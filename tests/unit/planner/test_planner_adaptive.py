@@ -158,6 +158,64 @@ def test_the_replanner_reads_the_backwards_cpu_time_not_its_wall_time(monkeypatc
     assert Replanner(dcredit_opt.Config(), [])._cpu_clock is False
 
 
+def test_combine_compares_the_compute_with_its_reference_and_the_link_with_the_plans_baseline():
+    """Note [Compute across a switch]: the compute against the reference, the link against the plan's own
+    baseline, and a plan with no baseline yet reads an unchanged link."""
+    reference = [window(SIZES, 2e-4, 1e-9, 0.05, cpu_s=0.1)] * 2
+    base = [window(SIZES, 2e-4, 1e-9, 0.05, cpu_s=0.4)] * 2
+    now = [window(SIZES, 2e-4, 2e-9, 0.05, cpu_s=0.4)] * 2
+    est = adaptive.combine(base, now, reference)
+    assert est.compute == pytest.approx(4.0) and est.link > 1.5
+    est = adaptive.combine(None, base, reference)
+    assert est.compute == pytest.approx(4.0) and (est.link, est.beta, est.link_rank) == (1.0, 1.0, -1)
+    assert adaptive.rescale(model_like_profile(4, total_params=10_000), est).beta_s_per_byte == \
+        model_like_profile(4, total_params=10_000).beta_s_per_byte
+    assert adaptive.combine(base, now).compute == pytest.approx(1.0)
+    assert adaptive.combine(None, now) is None
+
+
+def test_a_compute_change_just_after_a_switch_is_seen_by_the_new_plan(monkeypatch):
+    """A re-plan (here on a link that moved), then the batch grows before the new plan's baseline window: the
+    new plan's checks compare the compute with the windows the profile was rescaled to, so the change is
+    re-planned for two checks later (it used to become the new baseline, unseen). One rank of two, the
+    others' windows the same, the collectives and the planner stood in for."""
+    from dcredit_opt.optimizer.layout import fixed_plan
+    from dcredit_opt.profiling import replanner
+
+    feed: dict = {}
+    monkeypatch.setattr(replanner, "control_on_gpu", lambda: False)
+    monkeypatch.setattr(replanner.control, "all_gather_text", lambda text, name, plane=None: [feed["w"]] * 2)
+    monkeypatch.setattr(replanner.control, "broadcast_text", lambda text, root, plane=None: text)
+    monkeypatch.setattr(replanner.runtime, "rank", lambda: 0)
+    plans = [fixed_plan([4096], [4], 1024 * k, 1, 1) for k in (1, 2, 3)]
+    fresh, made = iter(plans[1:]), []
+
+    def make_plan(profile, policy, **kwargs):  # each fresh plan another, and predicted twice as fast
+        made.append(next(fresh))
+        return made[-1]
+
+    monkeypatch.setattr(replanner, "make_plan", make_plan)
+    monkeypatch.setattr(replanner, "validate", lambda plan, **kwargs: None)
+    monkeypatch.setattr(replanner, "iteration_time", lambda plan, profile, **kwargs: 1.0 if plan is made[-1] else 2.0)
+    r = replanner.Replanner(dcredit_opt.Config(replan_every=2, replan_threshold=0.1), [])
+    profile = model_like_profile(4, total_params=10_000)
+
+    def check(plan, busy_s, cpu_s):
+        """One check window: two steps of ``plan``; what the second step returns."""
+        feed["w"] = json.dumps(dataclasses.asdict(Window(iterations=1, span_s=0.05, busy_s=busy_s, collectives=2,
+                                                         nbytes=1e6, alpha_s=None, beta_s_per_byte=None,
+                                                         cpu_s=cpu_s)))
+        assert r.check(0, plan, profile, lambda: [4096]) is None
+        return r.check(0, plan, profile, lambda: [4096])
+
+    a, b, c = plans
+    assert [check(a, 0.1, 0.1) for _ in range(3)] == [None] * 3  # the baseline, then nothing moves
+    assert check(a, 0.2, 0.1) is None and check(a, 0.2, 0.1) == b  # the link moved twice: a switch
+    assert check(b, 0.2, 0.4) is None  # b's baseline, at 4x the compute its profile was made for: one
+    assert check(b, 0.2, 0.4) == c  # two checks in a row: re-planned for it
+    assert [rp.reason.startswith("moved: compute x4.00") for rp in r.replans] == [False, True]
+
+
 def est(compute=1.0, link=1.0):
     return Estimate(compute=compute, link=link, beta=link, link_rank=0, span_s=(0.0, 0.0))
 
