@@ -18,27 +18,27 @@ def test_a_round_runs_both_whole_jobs_and_a_fresh_job_per_condition():
     names = [j[0] for j in changing_world.jobs("rate-down-up")]
     assert names == ["adaptive", "once", "fresh@1gbit/b8", "fresh@250mbit/b8"]
     (_, phases, iters, adaptive), (_, _, _, once) = changing_world.jobs("compute")[:2]
-    assert adaptive and not once and phases[-1][2] == 32 and iters == 60
+    assert adaptive and not once and phases[-1][2] == 32 and iters == 70
     fresh = changing_world.jobs("compute")[3]
     assert fresh[1] == [(0, "1gbit", 32)] and not fresh[3]
 
 
 def test_each_phase_is_measured_after_it_settled_against_the_fresh_job():
     # adaptive: slow for 22 iterations after the switch at 30, then as fast as the fresh job; once stays slow
-    adaptive = [1.0] * 30 + [2.0] * 22 + [1.0] * 8
-    runs = {"adaptive": [_run(adaptive, replans=[52])], "once": [_run([1.0] * 30 + [2.0] * 30)],
+    adaptive = [1.0] * 30 + [2.0] * 22 + [1.0] * 18
+    runs = {"adaptive": [_run(adaptive, replans=[52])], "once": [_run([1.0] * 30 + [2.0] * 40)],
             "fresh@1gbit/b16": [_run([1.0] * 15)], "fresh@1gbit/b32": [_run([1.0] * 15)]}
     first, second = changing_world.summarize("compute", runs)
     assert first["measured_from"] == 0 and first["adaptive_over_fresh"] == pytest.approx(1.0)
-    assert second["measured_from"] == 30 + changing_world.SETTLE and second["iterations"] == [30, 60]
-    assert second["adaptive_s"] == pytest.approx(1.0)  # iterations 50-59: 2 slow, 8 fast
+    assert second["measured_from"] == 30 + changing_world.SETTLE and second["iterations"] == [30, 70]
+    assert second["adaptive_s"] == pytest.approx(1.0)  # iterations 50-69: 2 slow, 18 fast
     assert second["once_over_adaptive"] == pytest.approx(2.0 / second["adaptive_s"])
     assert second["replans"] == [[52]] and first["replans"] == [[]]
     record = {"scenario": "compute", "model": "vgg", "phases": changing_world.SCENARIOS["compute"][1], "rounds": 1,
               "date": "2026-11-27", "hardware": {}, "runs": runs, "summary": [first, second],
               "conditions": {"load_start": [1, 1, 1], "load_end": [2, 2, 2], "wall_s": 10.0}}
     text = changing_world.markdown(record)
-    assert "| 1 (50-60) | 1gbit/b32 |" in text and "from iteration 52: moved: link x4" in text
+    assert "| 1 (50-70) | 1gbit/b32 |" in text and "from iteration 52: moved: link x4" in text
 
 
 def test_the_cost_report_counts_replans_and_the_timed_watching():
