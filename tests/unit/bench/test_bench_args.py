@@ -77,6 +77,8 @@ def test_scheme_list_is_frozen():
         "hvd-dcredit-ops-fused",  # Horovod ops with Horovod's tensor fusion left on
         "dc-dcredit-fp16",  # Compression.fp16
         "dc-dcredit-dense",  # Config(embedding_rows=False): embeddings all-reduced densely
+        "dc-dcredit-eager",  # Config(lazy_step="off"): every update in step()
+        "dc-dcredit-devwin",  # Config(device_windows=True): the credit window kept on the GPU
         "dc-deft",  # delayed updates, not synchronous training
     )
 
