@@ -11,6 +11,8 @@ import torch
 
 import dcredit_opt as dc
 
+from .workers import error_of
+
 
 def _join(horovod_first: bool, timeout_s: float = 30.0) -> None:
     if horovod_first:
@@ -18,14 +20,6 @@ def _join(horovod_first: bool, timeout_s: float = 30.0) -> None:
 
         hvd.init()
     dc.init(timeout_s=timeout_s)
-
-
-def _error(call) -> str:
-    try:
-        call()
-    except Exception as e:  # noqa: BLE001 - the test reads the type and message
-        return f"{type(e).__name__}: {e}"
-    return "no error"
 
 
 def results(horovod_first: bool = False, marker: str = "") -> dict:
@@ -131,14 +125,14 @@ def results(horovod_first: bool = False, marker: str = "") -> dict:
     out["grad_broadcast"] = c.grad
 
     # The ranks disagree: every rank raises the same clear error, and the next collective still works.
-    out["err_dtype"] = _error(lambda: dc.allreduce(torch.ones(2, dtype=torch.float32 if r == 0 else torch.float64),
+    out["err_dtype"] = error_of(lambda: dc.allreduce(torch.ones(2, dtype=torch.float32 if r == 0 else torch.float64),
                                                    name="mismatch.dtype"))
-    out["err_shape"] = _error(lambda: dc.allreduce(torch.ones(2 + r), name="mismatch.shape"))
-    out["err_gather_shape"] = _error(lambda: dc.allgather(torch.ones(1, 2 + r), name="mismatch.gather"))
-    out["err_root"] = _error(lambda: dc.broadcast(torch.ones(2), r, name="mismatch.root"))
+    out["err_shape"] = error_of(lambda: dc.allreduce(torch.ones(2 + r), name="mismatch.shape"))
+    out["err_gather_shape"] = error_of(lambda: dc.allgather(torch.ones(1, 2 + r), name="mismatch.gather"))
+    out["err_root"] = error_of(lambda: dc.broadcast(torch.ones(2), r, name="mismatch.root"))
     if dc.world.runtime.kind() != "horovod":  # Horovod matches by name: different names would wait for each other
-        out["err_name"] = _error(lambda: dc.allreduce(torch.ones(1), name=f"mismatch.name.{r}"))
-        out["err_op"] = _error(lambda: dc.allreduce(torch.ones(1), op=dc.Sum if r == 0 else dc.Max))
+        out["err_name"] = error_of(lambda: dc.allreduce(torch.ones(1), name=f"mismatch.name.{r}"))
+        out["err_op"] = error_of(lambda: dc.allreduce(torch.ones(1), op=dc.Sum if r == 0 else dc.Max))
     out["after_errors"] = dc.allreduce(torch.tensor([float(r)]), op=dc.Sum, name="after")
     dc.barrier()
     return out
@@ -153,7 +147,7 @@ def stalled_peer(stall_timeout_s: float, pause_s: float, horovod_first: bool = F
     dc.barrier()
     if r == 0:
         start = time.monotonic()
-        error = _error(lambda: dc.allreduce(torch.ones(1), name="never.answered"))
+        error = error_of(lambda: dc.allreduce(torch.ones(1), name="never.answered"))
         print(f"COLLECTIVE-TIMEOUT waited {time.monotonic() - start:.3f} s: {error}", flush=True)
     else:
         time.sleep(pause_s)  # alive, but not calling: rank 0 must time out, not see a closed connection
@@ -172,19 +166,19 @@ def unsendable_objects(horovod_first: bool = False, timeout_s: float = 60.0) -> 
     out = {"rank": r}
     # The root's object is a lambda; rank 1's is fine, but only the root's is sent.
     obj = (lambda: r) if r == 0 else {"from": 1}
-    out["bcast_bad_root"] = _error(lambda: dc.broadcast_object(obj, root_rank=0, name="bad.bcast"))
+    out["bcast_bad_root"] = error_of(lambda: dc.broadcast_object(obj, root_rank=0, name="bad.bcast"))
     # A non-root's object is never encoded: rank 0's lambda does not matter when rank 1 is the root.
     out["bcast_from_1"] = dc.broadcast_object(obj, root_rank=1, name="good.bcast")
     # Rank 1's object holds an instance of a class of ours; rank 0's is fine.
     item = [1, _Unsendable()] if r == 1 else [0, "fine"]
-    out["gather_bad_1"] = _error(lambda: dc.allgather_object(item, name="bad.gather"))
+    out["gather_bad_1"] = error_of(lambda: dc.allgather_object(item, name="bad.gather"))
     # Both ranks' objects fail: each raises its own error.
-    out["gather_bad_both"] = _error(lambda: dc.allgather_object({"f": print}))
+    out["gather_bad_both"] = error_of(lambda: dc.allgather_object({"f": print}))
     # The root's optimizer state holds an entry that cannot travel: every rank raises, none waits.
     w = torch.nn.Parameter(torch.zeros(3))
     opt = torch.optim.SGD([w], lr=0.1)
     opt.state[w]["note"] = object() if r == 0 else 1
-    out["state_bad_root"] = _error(lambda: dc.broadcast_optimizer_state(opt, root_rank=0))
+    out["state_bad_root"] = error_of(lambda: dc.broadcast_optimizer_state(opt, root_rank=0))
     out["gather_after"] = dc.allgather_object(("ok", r), name="after")
     out["bcast_after"] = dc.broadcast_object({"from": r}, root_rank=0)
     dc.barrier()

@@ -17,6 +17,7 @@ import torch
 import dcredit_opt as dc
 
 from . import workers as w
+from .workers import error_of
 
 CONFIG = {"policy": "fixed", "block_bytes": 256, "window": 2, "channels": 2}
 
@@ -150,8 +151,8 @@ def collectives_on(process_set, ranks: list, other_set=None) -> dict:
     w = torch.tensor([[1.0 + me]], requires_grad=True)
     (dc.allgather(w, name="ps.grad", process_set=ps).sum() * (me + 1)).backward()
     out["grad_allgather"] = w.grad
-    out["root_outside"] = _error(lambda: dc.broadcast(x, other[0], name="ps.bad", process_set=ps))
-    out["outside"] = _error(lambda: dc.allreduce(x, name="ps.bad", process_set=other if other_set is None
+    out["root_outside"] = error_of(lambda: dc.broadcast(x, other[0], name="ps.bad", process_set=ps))
+    out["outside"] = error_of(lambda: dc.allreduce(x, name="ps.bad", process_set=other if other_set is None
                                                  else other_set))
     return {k: (v.tolist() if isinstance(v, torch.Tensor) else [t.tolist() for t in v] if k == "grouped" else v)
             for k, v in out.items()}
@@ -168,14 +169,6 @@ def expected_collectives(me: int, ranks: list) -> dict:
         "broadcast": [float(ranks[1])], "broadcast_object": {"from": ranks[1]}, "allgather_object": ranks,
         "grad_allgather": [[sum(r + 1 for r in ranks) / len(ranks)]],
     }
-
-
-def _error(call) -> str:
-    try:
-        call()
-    except Exception as e:  # noqa: BLE001 - the test reads the type and message
-        return f"{type(e).__name__}: {e}"
-    return "no error"
 
 
 def _two_optimizers(mine: list, process_set=None) -> dict:

@@ -47,6 +47,15 @@ class Net(nn.Module):
         return y
 
 
+def error_of(call) -> str:
+    """What ``call()`` raised, as ``"Type: message"``, or ``"no error"``: for results a test reads back."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the test reads the type and message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def batch(step: int, rank: int, n: int = 8):
     g = torch.Generator().manual_seed(7919 * step + rank)
     return torch.randn(n, 16, generator=g), torch.randn(n, 7, generator=g)
