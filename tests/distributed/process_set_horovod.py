@@ -7,6 +7,7 @@ import torch
 import dcredit_opt as dc
 
 from . import process_set_workers as pw
+from .workers import error_of
 
 
 def four_ranks() -> dict:
@@ -35,6 +36,6 @@ def four_ranks() -> dict:
                                                                 backend="horovod"))
     # Horovod's collectives through ours, on Horovod's sets; ours there refused, naming Horovod's.
     pw._pattern(out, "collectives", lambda: pw.collectives_on(mine, mine.ranks, theirs))
-    out["collectives/ours"] = pw._error(lambda: dc.allreduce(torch.ones(1), process_set=dc.ProcessSet(mine.ranks)))
+    out["collectives/ours"] = error_of(lambda: dc.allreduce(torch.ones(1), process_set=dc.ProcessSet(mine.ranks)))
     hvd.barrier()
     return out
