@@ -43,10 +43,20 @@ void Rethrow(F&& f) {
   }
 }
 
+// The optimizer's op for its blocks' collectives (an average is a sum, then scaled).
+c10d::ReduceOp::RedOpType ReduceOpNamed(const std::string& name) {
+  if (name == "sum") return c10d::ReduceOp::SUM;
+  if (name == "min") return c10d::ReduceOp::MIN;
+  if (name == "max") return c10d::ReduceOp::MAX;
+  if (name == "product") return c10d::ReduceOp::PRODUCT;
+  throw std::invalid_argument("reduce must be \"sum\", \"min\", \"max\" or \"product\", got \"" + name + "\"");
+}
+
 class Engine {
  public:
-  static std::unique_ptr<Engine> Torch(std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups, double timeout_s) {
-    auto backend = std::make_unique<TorchBackend>(std::move(groups));
+  static std::unique_ptr<Engine> Torch(std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups, double timeout_s,
+                                       const std::string& reduce) {
+    auto backend = std::make_unique<TorchBackend>(std::move(groups), ReduceOpNamed(reduce));
     TorchBackend* torch = backend.get();
     auto engine = std::make_unique<Engine>(std::move(backend), timeout_s);
     engine->torch_ = torch;
@@ -264,8 +274,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "The blocks to wait on once every block of `tensors` is final; None if a block failed or the gate closed.");
 
   py::class_<Engine>(m, "Engine")
-      .def_static("torch", &Engine::Torch, py::arg("groups"), py::arg("timeout_s"),
-                  "An engine whose blocks are all-reduced on `groups` (one per channel).")
+      .def_static("torch", &Engine::Torch, py::arg("groups"), py::arg("timeout_s"), py::arg("reduce") = "sum",
+                  "An engine whose blocks are all-reduced on `groups` (one per channel), with `reduce`: "
+                  "\"sum\", \"min\", \"max\" or \"product\".")
       .def_static("manual", &Engine::Manual, py::arg("timeout_s"),
                   "An engine whose launches wait until `complete()` is called (tests).")
       .def_static("noop", &Engine::Noop, py::arg("timeout_s"),

@@ -73,8 +73,9 @@ class WorkWaiter {
   std::thread thread_;
 };
 
-TorchBackend::TorchBackend(std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups)
-    : groups_(std::move(groups)) {
+TorchBackend::TorchBackend(std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups,
+                           c10d::ReduceOp::RedOpType reduce)
+    : groups_(std::move(groups)), reduce_(reduce) {
   if (groups_.empty()) throw std::invalid_argument("TorchBackend needs at least one process group");
   for (size_t i = 0; i < groups_.size(); ++i) {
     if (!groups_[i]) throw std::invalid_argument("process group " + std::to_string(i) + " is None");
@@ -234,7 +235,8 @@ void TorchBackend::Launch(int32_t block, int32_t channel, Done done) {
     at::Tensor padded = padded_.at(block);
     // Where the block travels: its wire view (Note [Wire dtype]) or itself.
     at::Tensor travels = wire.defined() ? wire : view;
-    auto issue = [&group, &view, &wire, &travels, &shard, &padded, op]() -> c10::intrusive_ptr<c10d::Work> {
+    const c10d::ReduceOp::RedOpType reduce = reduce_;
+    auto issue = [&group, &view, &wire, &travels, &shard, &padded, op, reduce]() -> c10::intrusive_ptr<c10d::Work> {
       // Collectives go on c10d's own stream, which waits for the current one
       // (Note [CUDA streams], rule 2): asyncOp. Recent c10d runs a synchronous
       // op on the current stream itself, where every channel would queue
@@ -249,14 +251,14 @@ void TorchBackend::Launch(int32_t block, int32_t channel, Done done) {
       if (op == BlockOp::kReduceScatter) {
         if (padded.defined()) padded.narrow(0, 0, travels.numel()).copy_(travels);  // the tail stays zero
         c10d::ReduceScatterOptions opts;
-        opts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+        opts.reduceOp = c10d::ReduceOp(reduce);
         opts.asyncOp = true;
         at::Tensor in = padded.defined() ? padded : travels;
         return compat::ReduceScatterSingle(group, shard, in, opts);
       }
       std::vector<at::Tensor> tensors{travels};
       c10d::AllreduceOptions opts;
-      opts.reduceOp = c10d::ReduceOp(c10d::ReduceOp::SUM);
+      opts.reduceOp = c10d::ReduceOp(reduce);
       opts.asyncOp = true;
       return group.allreduce(tensors, opts);
     };

@@ -17,15 +17,15 @@ namespace dcredit {
 
 class WorkWaiter;  // Note [Works without a future], in torch_backend.cc
 
-// Launches a block as an all-reduce (sum) on the process group of its
-// channel; completion comes back through the collective's future, so no
+// Launches a block as an all-reduce on the process group of its channel
+// (a sum, or the minimum, maximum or product: the optimizer's `op`); completion comes back through the collective's future, so no
 // thread of ours waits on the network. Every rank must give the same groups
 // in the same order (Note [Same order on every rank]). Blocks on a CUDA
 // device are also ordered after their gradients' streams and reported done
 // only once the device has finished them (Note [CUDA streams]).
 class TorchBackend : public Backend {
  public:
-  explicit TorchBackend(std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups);
+  TorchBackend(std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups, c10d::ReduceOp::RedOpType reduce);
   ~TorchBackend() override;
 
   // One flat view per block, cut from `buffers` by the plan; `postscale`
@@ -69,6 +69,7 @@ class TorchBackend : public Backend {
 
  private:
   std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups_;
+  c10d::ReduceOp::RedOpType reduce_;  // what a block's collective does to the ranks' values
   std::vector<at::Tensor> views_;
   std::vector<at::Tensor> wires_;  // per block: undefined, or where it travels (Note [Wire dtype])
   // Note [Two-stage blocks]: per block its collective; for a reduce-scatter and the all-gather after it, this

@@ -42,23 +42,25 @@ from .mpi import MPIBackend
 from .torch_dist import TorchDistBackend
 
 
-def create(name: str, channels: int, timeout_s: float, members=None, *, device_windows: bool = False) -> Backend:
+def create(name: str, channels: int, timeout_s: float, members=None, *, device_windows: bool = False,
+           reduction: str = "sum") -> Backend:
     """The backend called ``name`` ("auto" picks the one the job was launched with), over ``members`` (the ranks
     of a process set, ``process_sets``: its channels and control plane, and Horovod's set for the Horovod
     backend; None: every rank). ``device_windows``: ``Config.device_windows``, for the torch backend's CUDA blocks
-    (the others have none)."""
+    (the others have none). ``reduction``: what every block's collective does, "sum", "min", "max" or "product"
+    (Note [Reduce ops] in reduce_ops.py)."""
     if name == "auto":
         name = detect(members)
     if name == "torch":
-        return TorchDistBackend(channels, timeout_s, members, device_windows=device_windows)
+        return TorchDistBackend(channels, timeout_s, members, device_windows=device_windows, reduction=reduction)
     if name == "horovod":
         if members is not None and not members.everyone and members.horovod_set is None and members.size > 1:
             raise DCreditError(f"process_set={members.ranks}: blocks on Horovod's operations (Config(backend="
                                "'horovod')) need Horovod's process set (hvd.add_process_set); Config(backend='torch') "
                                "reduces over the set on Gloo channels of its own")
-        return HorovodBackend(channels, timeout_s, members)
+        return HorovodBackend(channels, timeout_s, members, reduction=reduction)
     if name == "mpi":
-        return MPIBackend(channels, timeout_s, members)
+        return MPIBackend(channels, timeout_s, members, reduction=reduction)
     raise ValueError(f"unknown backend {name!r}; known backends: auto, {', '.join(BACKENDS)}")
 
 

@@ -48,23 +48,28 @@ class HorovodBackend(DrivenBackend):
     # Horovod's CPU collectives have no bfloat16: those gradients travel as float32 (Note [Wire dtype]).
     reducible_dtypes = (torch.float16, torch.float32, torch.float64)
 
-    def __init__(self, channels: int, timeout_s: float, members=None):
+    def __init__(self, channels: int, timeout_s: float, members=None, *, reduction: str = "sum"):
         hvd = runtime.horovod()
         warn_if_fusion_on(hvd)
         if members is None or members.everyone:
-            transport = _HorovodTransport(hvd, f"dc.{runtime.next_backend_id()}")
+            transport = _HorovodTransport(hvd, f"dc.{runtime.next_backend_id()}", reduction=reduction)
         elif members.horovod_set is None:  # a rank outside its Horovod set: nobody to reduce with
             transport = _Alone()
         else:
             hvd_set = members.horovod_set
             transport = _HorovodTransport(hvd, f"dc.set{hvd_set.process_set_id}.{members.count}", hvd_set,
-                                          members.rank, members.size)
+                                          members.rank, members.size, reduction=reduction)
         super().__init__(transport, timeout_s)
 
 
 class _HorovodTransport:
-    def __init__(self, hvd, prefix: str, process_set=None, rank: int | None = None, size: int | None = None):
+    def __init__(self, hvd, prefix: str, process_set=None, rank: int | None = None, size: int | None = None, *,
+                 reduction: str = "sum"):
         self._hvd = hvd
+        # The blocks' op (Note [Reduce ops] in reduce_ops.py); the sweep, tallies and rows always sum. Horovod's
+        # reduce-scatter sums only: with another op a decoupled block is all-reduced whole in its first stage.
+        self._reduce = {"sum": hvd.Sum, "min": hvd.Min, "max": hvd.Max, "product": hvd.Product}[reduction]
+        self._whole = reduction != "sum"
         self._prefix = prefix
         # Every operation's process set (Horovod's global one by default), and this rank's place in it.
         self._on = {} if process_set is None else {"process_set": process_set}
@@ -92,22 +97,26 @@ class _HorovodTransport:
 
     def start(self, block: int, channel: int):
         hvd, (op, after) = self._hvd, self._stages[block]
-        if op == ALL_REDUCE:
-            return hvd.allreduce_async_(self._views[block], name=self._names[block], op=hvd.Sum,
+        if op == ALL_REDUCE or (op == REDUCE_SCATTER and self._whole):
+            return hvd.allreduce_async_(self._views[block], name=self._names[block], op=self._reduce,
                                         postscale_factor=self._postscale, **self._on)
         if op == REDUCE_SCATTER:
             return hvd.reducescatter_async(self._views[block], name=self._names[block], op=hvd.Sum, **self._on)
+        if self._whole:  # its first stage reduced the whole block: nothing left to move
+            return None
         return hvd.allgather_async(self._results.pop(after), name=self._names[block], **self._on)
 
     def wait(self, block: int, handle) -> None:
+        if handle is None:  # a whole block's second stage
+            return
         out = self._hvd.synchronize(handle)
-        if self._stages[block][0] != ALL_REDUCE:
+        if self._stages[block][0] != ALL_REDUCE and not self._whole:
             self._results[block] = out
 
     def finish(self, block: int) -> None:
         """An all-gather's result into the block, post-scaled; an all-reduce has nothing left (Horovod applied
         the postscale), a reduce-scatter's shard waits for its all-gather."""
-        if self._stages[block][0] != ALL_GATHER:
+        if self._stages[block][0] != ALL_GATHER or self._whole:
             return
         view = self._views[block]
         view.copy_(self._results.pop(block))

@@ -37,7 +37,7 @@ class MPIBackend(DrivenBackend):
     name = "mpi"
     reducible_dtypes = _SUPPORTED  # float16/bfloat16 gradients travel as float32 (Note [Wire dtype])
 
-    def __init__(self, channels: int, timeout_s: float, members=None):
+    def __init__(self, channels: int, timeout_s: float, members=None, *, reduction: str = "sum"):
         MPI = import_mpi()
         world = MPI.COMM_WORLD
         if (world.Get_rank(), world.Get_size()) != (runtime.rank(), runtime.size()):
@@ -55,7 +55,7 @@ class MPIBackend(DrivenBackend):
         comms = [base.Dup() for _ in range(channels + 1)]  # the last one carries the tallies
         if base != world and base != MPI.COMM_SELF:
             base.Free()  # its duplicates stay
-        super().__init__(_MPITransport(MPI, comms[:-1], comms[-1]), timeout_s)
+        super().__init__(_MPITransport(MPI, comms[:-1], comms[-1], reduction), timeout_s)
 
 
 # Requests (each holding the buffer MPI writes into) and their communicators that were still in flight
@@ -80,8 +80,10 @@ def _wait(request, timeout_s: float, what: str) -> None:
 
 
 class _MPITransport:
-    def __init__(self, MPI, comms, tally_comm):
+    def __init__(self, MPI, comms, tally_comm, reduction: str = "sum"):
         self._MPI = MPI
+        # The blocks' op (Note [Reduce ops] in reduce_ops.py); the sweep, tallies and rows always sum.
+        self._reduce = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "product": MPI.PROD}[reduction]
         self._comms = comms
         self._tally_comm = tally_comm
         self._tally = None  # the request of the tally in flight
@@ -119,12 +121,12 @@ class _MPITransport:
     def start(self, block: int, channel: int):
         comm, a, op = self._comms[channel], self._arrays[block], self._ops[block]
         if op == ALL_REDUCE:
-            return comm.Iallreduce(self._MPI.IN_PLACE, a, op=self._MPI.SUM)
+            return comm.Iallreduce(self._MPI.IN_PLACE, a, op=self._reduce)
         padded = self._padded[block]
         if op == REDUCE_SCATTER:
             if padded is not None:
                 padded[:a.size] = a  # the tail stays zero
-            return comm.Ireduce_scatter_block(a if padded is None else padded, self._shards[block], op=self._MPI.SUM)
+            return comm.Ireduce_scatter_block(a if padded is None else padded, self._shards[block], op=self._reduce)
         return comm.Iallgather(self._shards[block], a if padded is None else padded)
 
     def wait(self, block: int, request) -> None:

@@ -97,7 +97,8 @@ log = logging.getLogger("dcredit_opt")
 class TorchDistBackend:
     name = "torch"
 
-    def __init__(self, channels: int, timeout_s: float, members=None, *, device_windows: bool = False):
+    def __init__(self, channels: int, timeout_s: float, members=None, *, device_windows: bool = False,
+                 reduction: str = "sum"):
         # The ranks reduced over: a process set's (Note [Process sets] in process_sets.py), or every rank.
         self._members = members if members is not None else _Everyone()
         self._groups = self._members.channel_groups(channels)  # this backend's own (see the module docstring)
@@ -105,7 +106,7 @@ class TorchDistBackend:
         self._tally = _SideSum("a tally")
         self._delayed = _SideSum("a delayed sum")  # the background sum of delayed gradients (planner/deft.py)
         self._timeout_s = float(timeout_s)
-        self.engine = _ext.load().Engine.torch(self._groups, float(timeout_s))
+        self.engine = _ext.load().Engine.torch(self._groups, float(timeout_s), reduction)  # Note [Reduce ops]
         # Note [Device windows] in csrc/core/scheduler.cc: only CUDA blocks can be ordered on the device.
         self.engine.set_device_windows(device_windows)
         if runtime.kind() == "horovod":  # registered after hvd.init(), so it runs before Horovod's own exit

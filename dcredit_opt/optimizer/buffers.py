@@ -39,7 +39,7 @@ class GradientBuffers:
     """
 
     def __init__(self, names, params, engine, backend, config, keeper, *, prescale: float, postscale: float,
-                 wire, groups, sparse_as_dense: bool):
+                 wire, groups, sparse_as_dense: bool, dense_only: str | None = None):
         T = len(params)
         self.versions = per_tensor(T, "q")  # each slot's version when its gradient was handed over
         self.sparse = [False] * T  # gradients that came sparse and are reduced dense
@@ -60,6 +60,7 @@ class GradientBuffers:
         self._keeper = keeper  # how a watched gradient reaches its optimizer
         self._groups = groups  # Horovod's groups, merged in every plan (grouping.py)
         self._sparse_as_dense = sparse_as_dense
+        self._dense_only = dense_only  # why sparse gradients cannot be reduced as rows here (an op), or None
         self._path = None  # the C++ gradient path over these slots (use_path), for the checks in one pass
         # Note [Sparse gradients] in sparse.py: where a sparse gradient goes instead (``put(i, grad)``, False if
         # it cannot), and the row indices of each reduced gradient handed to the wrapped step sparse.
@@ -153,8 +154,9 @@ class GradientBuffers:
                 return
             if g.is_sparse:
                 if not self._sparse_as_dense:
+                    why = f" ({self._dense_only} reduces dense tensors only)" if self._dense_only else ""
                     raise DCreditError(
-                        f"parameter '{self._names[i]}' has a sparse gradient; pass sparse_as_dense=True "
+                        f"parameter '{self._names[i]}' has a sparse gradient{why}; pass sparse_as_dense=True "
                         "to DistributedOptimizer to reduce it as a dense tensor")
                 g = g.to_dense()
                 self.sparse[i] = True  # the wrapped step gets it back sparse (Horovod's sparse_as_dense)

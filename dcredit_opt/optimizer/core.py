@@ -37,7 +37,7 @@ from ..planner.plan import Plan
 from ..planner.profile import RING_STAGE_RATIOS
 from ..profiling import profiler, replanner
 from ..profiling.planning import DECOUPLING_POLICIES
-from ..reduce_ops import Average
+from ..reduce_ops import Average, block_reduction
 from ..world import job, process_sets
 from . import checks, devices
 from .buffers import GradientBuffers
@@ -68,6 +68,8 @@ class Core:
         self.kind = base.__name__  # the wrapped optimizer's class, for messages
         self.closed = False
         world = members.size
+        # Note [Reduce ops]: Min, Max and Product reduce every block with that op; rows and sparse rows sum.
+        reduction = block_reduction(op)
         prescale = 1.0 / predivide if op == Average else 1.0
         postscale = predivide / world if op == Average else 1.0
         checks.check_same_model_on_all_ranks(names, params, members)
@@ -83,15 +85,17 @@ class Core:
         # Note [Lazy step]: the updates that wait for their first read, and where each is applied.
         self.lazy = LazyUpdates(optimizer, names, params, self.told)
         self.backend = backends.create(config.backend, config.channels, config.timeout_s, members,
-                                       device_windows=config.device_windows)
+                                       device_windows=config.device_windows, reduction=reduction)
         self.engine = self.backend.engine
         # Note [Global usage] and Note [Embedding rows]: which gradients exist where, and the rows agreed on.
-        self.tally = UsageTally(names, params, world, self.backend, config, self.told, WeakMethod(me, "rows_arrived"))
+        self.tally = UsageTally(names, params, world, self.backend, config, self.told, WeakMethod(me, "rows_arrived"),
+                                rows=reduction == "sum")
         # The memory behind every gradient, laid out by the plan; the engine reduces in it.
         self.buffers = GradientBuffers(names, params, self.engine, self.backend, config, self.lazy.keeper,
                                        prescale=prescale, postscale=postscale, wire=wire, groups=group_of,
-                                       sparse_as_dense=sparse_as_dense)
-        if not sparse_as_dense:  # Note [Sparse gradients] in sparse.py: sparse gradients reduced as rows
+                                       sparse_as_dense=sparse_as_dense,
+                                       dense_only=None if reduction == "sum" else f"op={op.value.capitalize()}")
+        if not sparse_as_dense and reduction == "sum":  # Note [Sparse gradients] in sparse.py: reduced as rows
             self.tally.take_sparse_gradients()
             self.buffers.take_sparse(self.tally.put_sparse, self.tally.as_sparse)
         self.backward = Backward(names, params, passes, self.engine, self.buffers, self.tally, self.lazy, config,

@@ -49,9 +49,10 @@ class UsageTally:
     to the caller and is passed in.
     """
 
-    def __init__(self, names, params, world: int, backend, config, notices, on_rows_grad):
+    def __init__(self, names, params, world: int, backend, config, notices, on_rows_grad, *, rows: bool = True):
         T = len(params)
         self._world_size = world  # ranks in the job
+        self._rows_allowed = rows  # False where blocks are not summed (Note [Reduce ops] in reduce_ops.py)
         self.used = per_tensor(T, "B")
         self.rows: dict[int, rows.EmbeddingRows] = {}  # once agreed, in tensor order on every rank
         self._names = names
@@ -289,7 +290,9 @@ class UsageTally:
     def propose_rows(self, tracer, grouped) -> None:
         """What this rank proposes for Note [Embedding rows], from what the first-read tracer saw (tensors
         of Horovod's ``grouped`` excepted); every rank's proposal travels in the tally, and only what all
-        propose is taken."""
+        propose is taken. Nothing where blocks are not summed: rows are."""
+        if not self._rows_allowed:
+            return
         for i, refs in tracer.embedded_by.items():
             modules = [m for m in (ref() for ref in refs) if m is not None]
             # A sparse embedding's rows come in p.grad (Note [Sparse gradients]): no stand-in for its weight.

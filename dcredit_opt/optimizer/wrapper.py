@@ -32,7 +32,7 @@ from .. import timeline
 from ..config import Config
 from ..errors import DCreditError
 from ..planner.plan import Plan
-from ..reduce_ops import HOROVOD_OP_CODES, Average, ReduceOp
+from ..reduce_ops import HOROVOD_OP_CODES, Average, ReduceOp, Sum
 from ..world import process_sets
 from . import checks, devices, grouping
 from .compression import wire_dtype_of
@@ -42,13 +42,13 @@ from .lazy import core_of
 log = logging.getLogger("dcredit_opt")
 
 
-# A script passes Horovod's ints as op=hvd.Average. A gradient average or sum is what an optimizer takes.
-_HOROVOD_OPS = {code: ReduceOp(name) for code, name in HOROVOD_OP_CODES.items() if name in ("average", "sum")}
+# A script passes Horovod's ints as op=hvd.Average (dcredit_opt.Min, Max and Product are those ints too).
+_HOROVOD_OPS = {code: ReduceOp(name) for code, name in HOROVOD_OP_CODES.items() if name != "adasum"}
 _HOROVOD_UNSUPPORTED = {code: name.capitalize() for code, name in HOROVOD_OP_CODES.items() if code not in _HOROVOD_OPS}
 
 
 def reduce_op(op) -> ReduceOp:
-    """``op`` as ours: dcredit_opt.Average/Sum or Horovod's hvd.Average/hvd.Sum."""
+    """``op`` as ours: dcredit_opt.Average/Sum/Min/Max/Product or Horovod's hvd.Average, ..., hvd.Product."""
     if isinstance(op, ReduceOp):
         return op
     if isinstance(op, int) and not isinstance(op, bool):
@@ -57,9 +57,9 @@ def reduce_op(op) -> ReduceOp:
         if op in _HOROVOD_UNSUPPORTED:
             raise NotImplementedError(
                 f"op=hvd.{_HOROVOD_UNSUPPORTED[op]} is not supported: dcredit_opt reduces gradients with "
-                "Average or Sum (hvd.Average, hvd.Sum, dcredit_opt.Average, dcredit_opt.Sum); for Adasum use "
+                "Average, Sum, Min, Max or Product (hvd.Average, ..., or dcredit_opt's); for Adasum use "
                 "horovod.torch.DistributedOptimizer")
-    raise ValueError(f"op must be dcredit_opt.Average or dcredit_opt.Sum (or Horovod's hvd.Average, hvd.Sum), "
+    raise ValueError(f"op must be Average, Sum, Min, Max or Product (dcredit_opt's or Horovod's, e.g. hvd.Average), "
                      f"got {op!r}")
 
 
@@ -71,8 +71,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     The signature of ``horovod.torch.DistributedOptimizer``, same positions,
     names and meaning, plus ``config`` (keyword only). ``compression`` is
     ``Compression.none`` or ``Compression.fp16`` (ours or Horovod's; Note [Wire
-    dtype] in ``compression.py``); ``op`` is ``Average`` or ``Sum`` (ours or
-    Horovod's); ``groups`` (a list of lists of parameters, or a number of
+    dtype] in ``compression.py``); ``op`` is ``Average``, ``Sum``, ``Min``, ``Max`` or ``Product`` (ours or
+    Horovod's; ``Min``, ``Max`` and ``Product`` reduce each gradient element with that instead of a sum);
+    ``groups`` (a list of lists of parameters, or a number of
     groups; ``num_groups`` is its old name) reduces each group's gradients
     together, in one block, once all of them are ready; ``process_set`` (ours,
     a list of ranks, a torch process group, or Horovod's) reduces over those
@@ -101,6 +102,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     elif not isinstance(config, Config):
         raise TypeError(f"config must be a dcredit_opt.Config, got {type(config).__name__}")
     config.validate()
+    if op not in (Average, Sum) and config.policy == "deft":
+        raise ValueError(f"Config(policy='deft') adds each delayed gradient to the next iteration's, which "
+                         f"op={op.value.capitalize()} has no meaning for: use op=Average or op=Sum with it, or "
+                         "another policy")
     names, params, frozen = checks.named_tracked_params(optimizer, named_parameters)
     owners = _earlier_owners(names, params)
     group_of = grouping.tensor_groups(groups if groups is not None else (num_groups or None), names, params)

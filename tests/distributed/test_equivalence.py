@@ -43,7 +43,7 @@ def test_4_ranks_small_blocks_and_release_all():
 
 
 SCENARIOS = ["backward_passes", "clipping", "unused_on_one_rank", "frozen", "eval_after_step", "checkpoint",
-             "lr_scheduler"]
+             "lr_scheduler", "reduce_ops"]
 
 
 @pytest.mark.timeout(180)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import dcredit_opt as dc
+from dcredit_opt.world import runtime
 
 OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-4),
@@ -79,6 +80,24 @@ def reference_grads(ref, step: int, world: int, passes: int = 1, uses_branch=lam
             p.grad /= world
 
 
+REDUCE_OPS = {"min": lambda a, b: torch.minimum(a, b), "max": lambda a, b: torch.maximum(a, b),
+              "product": lambda a, b: a * b}
+
+
+def reference_grads_with(ref, step: int, world: int, op: str) -> None:
+    """Horovod's op=Min/Max/Product by hand: each rank's local gradient, combined elementwise over ranks."""
+    local = []
+    for r in range(world):
+        ref.zero_grad(set_to_none=True)
+        loss_of(ref, batch(step, r)).backward()
+        local.append([p.grad.clone() for p in ref.parameters()])
+    for k, p in enumerate(ref.parameters()):
+        g = local[0][k]
+        for r in range(1, world):
+            g = REDUCE_OPS[op](g, local[r][k])
+        p.grad = g
+
+
 def step_both(model, ref, opt, ropt, step: int, rank: int, world: int) -> None:
     """One training step through dcredit_opt, and the same step of the synchronous reference."""
     opt.zero_grad()
@@ -140,6 +159,7 @@ def scenario(name: str, steps: int = 12, horovod_first: bool = False) -> dict:
     world, rank = dc.size(), dc.rank()
     config = dc.Config(block_bytes=128, window=2, channels=2, policy="fixed")
     result = {}
+    earlier = 0.0  # the checksums of models trained before the last one (the ranks must agree on them too)
     if name == "backward_passes":
         model, ref, opt, ropt = _make("sgd", config)
         opt = dc.DistributedOptimizer(OPTIMIZERS["sgd"](model.parameters()), named_parameters=model.named_parameters(),
@@ -223,6 +243,35 @@ def scenario(name: str, steps: int = 12, horovod_first: bool = False) -> dict:
             reference_grads(ref, step, world)
             ropt.step()
             rsched.step()
+    elif name == "reduce_ops":
+        # Note [Reduce ops]: Min, Max and Product on every block, and Min over a DeAR plan's decoupled blocks
+        # (reduce-scatter, then all-gather; under Horovod the whole block in the first stage).
+        cases = [("min", "fixed", "auto"), ("max", "fixed", "auto"), ("product", "fixed", "auto")]
+        if runtime.kind() == "horovod":  # and on Horovod's own operations, whose reduce-scatter sums only
+            cases.append(("max", "dear", "horovod"))
+        cases.append(("min", "dear", "auto"))
+        for op, policy, backend in cases:
+            cfg = config if policy == "fixed" else dc.Config(block_bytes=128, window=2, channels=2, policy=policy,
+                                                              profile_iters=3, backend=backend)
+            torch.manual_seed(0)
+            model = Net()
+            ref = copy.deepcopy(model)
+            opt = dc.DistributedOptimizer(OPTIMIZERS["sgd"](model.parameters()), named_parameters=model.named_parameters(),
+                                          op=getattr(dc, op.capitalize()), config=cfg)
+            ropt = OPTIMIZERS["sgd"](ref.parameters())
+            for step in range(steps):
+                opt.zero_grad()
+                loss_of(model, batch(step, rank)).backward()
+                opt.step()
+                reference_grads_with(ref, step, world, op)
+                ropt.step()
+            opt.synchronize()
+            result[f"{op}_{policy}_{backend}_diff"] = max_diff(model, ref)
+            if policy == "dear":
+                result[f"{backend}_dear_plan_decoupled"] = bool(opt._dc.buffers.plan.decoupled)
+            if (op, policy, backend) != cases[-1]:  # the last one is the scenario's model, below
+                earlier += checksum(model)
+                opt._dc.close()
     elif name.startswith("profiled_"):
         # The job measures itself for 3 iterations, rank 0 plans, all switch.
         policy = name.removeprefix("profiled_")
@@ -242,7 +291,7 @@ def scenario(name: str, steps: int = 12, horovod_first: bool = False) -> dict:
         raise ValueError(name)
     opt.synchronize()
     result["diff"] = max_diff(model, ref)
-    result["checksum"] = checksum(model)
+    result["checksum"] = checksum(model) + earlier
     result["backend"] = opt._dc.backend.name
     return result
 

@@ -56,10 +56,45 @@ def test_horovod_signature_matches_when_horovod_is_installed():
         assert wrapped._dc.buffers.wire is torch.float16
         assert wrapped._dc.buffers.postscale == (1.0 if ours is dc.Sum else 1.0 / dc.size())
         wrapped._dc.close()
-    for op, name in ((hvd.Adasum, "Adasum"), (hvd.Min, "Min"), (hvd.Max, "Max"), (hvd.Product, "Product")):
+    # Min, Max and Product reduce the blocks with that op, unscaled (Note [Reduce ops]).
+    for op in (hvd.Min, hvd.Max, hvd.Product):
         model, opt = model_and_opt()
-        with pytest.raises(NotImplementedError, match=f"op=hvd.{name} is not supported"):
-            dc.DistributedOptimizer(opt, model.named_parameters(), op=op, config=CONFIG)
+        wrapped = dc.DistributedOptimizer(opt, model.named_parameters(), op=op, config=CONFIG)
+        assert wrapped._dc.buffers.postscale == 1.0 and wrapped._dc.buffers.prescale == 1.0
+        wrapped._dc.close()
+    model, opt = model_and_opt()
+    with pytest.raises(NotImplementedError, match="op=hvd.Adasum is not supported"):
+        dc.DistributedOptimizer(opt, model.named_parameters(), op=hvd.Adasum, config=CONFIG)
+
+
+def test_min_max_product_refuse_what_only_a_sum_means():
+    """Note [Reduce ops]: DeFT's delayed sums are refused up front; a sparse gradient names the op and the fix."""
+    model, opt = model_and_opt()
+    with pytest.raises(ValueError, match="policy='deft'.*op=Min"):
+        dc.DistributedOptimizer(opt, model.named_parameters(), op=dc.Min,
+                                config=dc.Config(policy="deft", accept_delayed_updates=True))
+    dc.DistributedOptimizer(opt, model.named_parameters(), op=dc.Min, config=CONFIG)._dc.close()  # nothing taken
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4, sparse=True)
+    wrapped = dc.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), emb.named_parameters(), op=dc.Max,
+                                      config=CONFIG)
+    before = emb.weight.detach().clone()
+    with pytest.raises(dc.DCreditError, match=r"'weight' has a sparse gradient \(op=Max reduces dense tensors only\)"
+                                              r"; pass sparse_as_dense=True"):
+        emb(torch.tensor([1, 2])).sum().backward()
+    assert torch.equal(emb.weight, before)
+    wrapped._dc.close()
+    # With sparse_as_dense=True it trains as a dense gradient would.
+    emb.weight.grad = None
+    wrapped = dc.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), emb.named_parameters(), op=dc.Max,
+                                      sparse_as_dense=True, config=CONFIG)
+    emb(torch.tensor([1, 2])).sum().backward()
+    wrapped.step()
+    wrapped.synchronize()
+    expected = before.clone()
+    expected[[1, 2]] -= 0.1
+    assert torch.allclose(emb.weight.detach(), expected)
+    wrapped._dc.close()
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
@@ -80,7 +115,7 @@ def test_bad_horovod_arguments_are_refused_before_anything_changes(kwargs, error
     model, opt = model_and_opt()
     with pytest.raises(error, match=message):
         dc.DistributedOptimizer(opt, model.named_parameters(), config=CONFIG, **kwargs)
-    assert not hasattr(opt, "_dc")
+    dc.DistributedOptimizer(opt, model.named_parameters(), op=dc.Min, config=CONFIG)._dc.close()  # nothing taken
     wrapped = dc.DistributedOptimizer(opt, model.named_parameters(), config=CONFIG)  # nothing was left behind
     wrapped._dc.close()
 
