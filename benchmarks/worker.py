@@ -265,17 +265,24 @@ def _join_horovod(rank, world, fusion_off: bool = False, quiet_cycle: bool = Fal
     return hvd, close
 
 
+DC_VARIANTS = {"": {}, "-fp16": {}, "-dense": {"embedding_rows": False}, "-eager": {"lazy_step": "off"},
+               "-devwin": {"device_windows": True}}
+"""A dc scheme is ``dc-<policy><variant>``: the Config fields each variant sets (``-fp16`` sets the compression)."""
+
+
+def dc_variant(scheme: str) -> tuple[str, str]:
+    """``(policy, variant)`` of a ``dc-`` scheme."""
+    name = scheme.removeprefix("dc-")
+    variant = next((v for v in DC_VARIANTS if v and name.endswith(v)), "")
+    return name.removesuffix(variant) if variant else name, variant
+
+
 def run_dc(args, model, batch, rank, world):
     import dcredit_opt as dc
 
-    policy = args.scheme.removeprefix("dc-").removesuffix("-fp16").removesuffix("-dense").removesuffix("-eager")
-    policy = policy.removesuffix("-devwin")
-    compression = dc.Compression.fp16 if args.scheme.endswith("-fp16") else dc.Compression.none
-    overrides = {"embedding_rows": False} if args.scheme.endswith("-dense") else {}
-    if args.scheme.endswith("-eager"):
-        overrides["lazy_step"] = "off"
-    if args.scheme.endswith("-devwin"):
-        overrides["device_windows"] = True
+    policy, variant = dc_variant(args.scheme)
+    compression = dc.Compression.fp16 if variant == "-fp16" else dc.Compression.none
+    overrides = dict(DC_VARIANTS[variant])
     if policy == "deft":  # the benchmark accepts what DeFT changes (docs/usage.md): its row is marked as such
         overrides["accept_delayed_updates"] = True
     # DCREDIT_* variables (a timeline path, a timeout) pass through; the

@@ -83,6 +83,17 @@ def test_scheme_list_is_frozen():
     )
 
 
+def test_every_dc_scheme_names_a_policy_and_a_known_variant():
+    import dcredit_opt as dc
+    from dcredit_opt.planner.plan import POLICY_NAMES
+
+    for scheme in (s for s in worker.SCHEMES if s.startswith("dc-")):
+        policy, variant = worker.dc_variant(scheme)
+        assert policy in POLICY_NAMES and scheme == f"dc-{policy}{variant}", scheme
+        accept = {"accept_delayed_updates": True} if policy == "deft" else {}  # as run_dc sets it
+        dc.Config(policy=policy, **accept, **worker.DC_VARIANTS[variant]).validate()  # the overrides are fields
+
+
 def test_worker_args():
     a = worker.parse_args(["--scheme", "dc-dear", "--model", "tiny", "--iters", "3"])
     assert (a.scheme, a.model, a.iters, a.warmup, a.threads, a.batch_size) == (
