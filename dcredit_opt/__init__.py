@@ -20,7 +20,7 @@ from .config import Config
 from .errors import CollectiveError, CollectiveTimeout, DCreditError, LaunchError, MismatchError
 from .optimizer import DistributedOptimizer
 from .optimizer.compression import Compression
-from .reduce_ops import Average, ReduceOp, Sum
+from .reduce_ops import Adasum, Average, ReduceOp, Sum
 from .world.job import init, shutdown
 from .world.process_sets import ProcessSet
 from .world.runtime import is_initialized, local_rank, rank, size
@@ -28,6 +28,7 @@ from .world.runtime import is_initialized, local_rank, rank, size
 __version__ = "0.1.0"
 
 __all__ = [
+    "Adasum",
     "Average",
     "CollectiveError",
     "CollectiveTimeout",

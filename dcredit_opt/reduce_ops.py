@@ -1,5 +1,6 @@
 """How gradients are combined across ranks: ``dcredit_opt.Average`` or ``dcredit_opt.Sum``, or
-elementwise minimum, maximum or product (``dcredit_opt.Min``, ``Max``, ``Product``: Horovod's ints).
+elementwise minimum, maximum or product (``dcredit_opt.Min``, ``Max``, ``Product``: Horovod's ints), or
+``dcredit_opt.Adasum``, which the optimizer applies to steps, not gradients (Note [Adasum optimizer]).
 
 Below both the optimizer, which reduces gradients with them, and the
 collectives, which take them as Horovod's ``op`` argument.
@@ -35,15 +36,18 @@ class ReduceOp(enum.Enum):
     MIN = "min"
     MAX = "max"
     PRODUCT = "product"
+    ADASUM = "adasum"  # Note [Adasum] in adasum.py
 
 
 Average = ReduceOp.AVERAGE
 Sum = ReduceOp.SUM
+Adasum = ReduceOp.ADASUM
 
 
 HOROVOD_OP_CODES = {0: "average", 1: "sum", 2: "adasum", 3: "min", 4: "max", 5: "product"}
 """Horovod's reduce ops are ints (``horovod.torch.mpi_ops``: ``hvd.Average`` is 0, ...): their names, the one
-table both the optimizer and the collectives read (both take all but adasum)."""
+table both the optimizer and the collectives read (both take them all; the optimizer's Adasum is a path of
+its own, optimizer/adasum.py)."""
 
 
 def block_reduction(op: ReduceOp) -> str:

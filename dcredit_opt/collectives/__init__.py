@@ -8,7 +8,7 @@ script asks about its job (``jobinfo.py``), and the names we lack (``missing.py`
 
 Names, arguments and meanings are Horovod's (``horovod.torch``, 0.28):
 ``allreduce`` averages by default (``op=Sum``, ``Min``, ``Max``, ``Product``;
-the legacy ``average=``), with ``prescale_factor``/``postscale_factor`` and
+``Adasum``, an all-gather then Note [Adasum]: ``adasum.py``; the legacy ``average=``), with ``prescale_factor``/``postscale_factor`` and
 ``compression``; the ``_`` forms work in place; the ``_async`` forms return a
 handle for ``poll`` and ``synchronize``; ``allgather`` concatenates along
 dimension 0, whose length may differ between ranks; ``allreduce``,

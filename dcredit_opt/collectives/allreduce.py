@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from ..world import runtime
 from ..world.runtime import require_world
-from . import core
+from . import adasum, core
 from .core import DIST_OPS, Handle, agree, describe, label
 
 # ---- allreduce ------------------------------------------------------------------------------
@@ -46,6 +46,8 @@ class _Reduce:
 
 def _allreduce_launch(tensors: list, r: _Reduce) -> Handle:
     kind = require_world(r.fn)
+    if r.op == "adasum":
+        return adasum.launch(tensors, r, _deliver)
     plane = core.set_of(r.process_set, r.fn)
     what = label(r.fn, r.name, plane)
     if kind == "horovod":
@@ -152,6 +154,8 @@ def allreduce(tensor, average=None, name=None, compression=None, op=None, presca
     tensors, r = _reduce_args("allreduce", tensor, average, name, op, prescale_factor, postscale_factor,
                               process_set, False)
     sent, ctx = _compress(compression, tensors[0], "allreduce")
+    if r.op == "adasum":
+        adasum.check_not_differentiated([sent], "allreduce")
     if sent.requires_grad and torch.is_grad_enabled():
         out = _AllreduceFn.apply(sent, r)
     else:
@@ -189,6 +193,8 @@ def grouped_allreduce(tensors, average=None, name=None, compression=None, op=Non
                               process_set, False)
     packed = [_compress(compression, t, "grouped_allreduce") for t in tensors]
     sent = [s for s, _ in packed]
+    if r.op == "adasum":
+        adasum.check_not_differentiated(sent, "grouped_allreduce")
     if torch.is_grad_enabled() and any(s.requires_grad for s in sent):
         outs = list(_GroupedAllreduceFn.apply(r, *sent))
     else:

@@ -16,9 +16,9 @@ from ..reduce_ops import HOROVOD_OP_CODES, ReduceOp
 from ..world import process_sets, runtime
 from ..world.runtime import require_world
 
-# Horovod's reduce ops are ints (reduce_ops.HOROVOD_OP_CODES); Average and Sum are also dcredit_opt's
-# ReduceOp. Adasum is refused (missing.py).
-_HOROVOD_OPS = {code: name for code, name in HOROVOD_OP_CODES.items() if name != "adasum"}
+# Horovod's reduce ops are ints (reduce_ops.HOROVOD_OP_CODES); Average, Sum and Adasum are also dcredit_opt's
+# ReduceOp. Adasum is an all-gather, then a combination on every rank (collectives/adasum.py).
+_HOROVOD_OPS = dict(HOROVOD_OP_CODES)
 _OP_CODES = {name: code for code, name in _HOROVOD_OPS.items()}
 Min, Max, Product = _OP_CODES["min"], _OP_CODES["max"], _OP_CODES["product"]
 DIST_OPS = {"average": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
@@ -115,7 +115,7 @@ def _handle(handle, fn: str) -> Handle:
 
 
 def reduction(op, average, fn: str = "allreduce") -> str:
-    """Horovod's ``op``/``average`` pair as one of "average", "sum", "min", "max", "product"."""
+    """Horovod's ``op``/``average`` pair as one of "average", "sum", "adasum", "min", "max", "product"."""
     if op is not None and average is not None:
         raise ValueError(f"{fn}: the op parameter supersedes average; provide only one of them")
     if average is not None:
@@ -126,13 +126,10 @@ def reduction(op, average, fn: str = "allreduce") -> str:
         return "average"
     if isinstance(op, ReduceOp):
         return op.value
-    if isinstance(op, int) and not isinstance(op, bool):
-        if op == 2:
-            raise NotImplementedError(f"{fn}: op=Adasum is not supported: dcredit_opt reduces with Average, Sum, "
-                                      "Min, Max or Product; for Adasum use horovod.torch")
-        if op in _HOROVOD_OPS:
-            return _HOROVOD_OPS[op]
-    raise ValueError(f"{fn}: op must be Average, Sum, Min, Max or Product (dcredit_opt's or Horovod's), got {op!r}")
+    if isinstance(op, int) and not isinstance(op, bool) and op in _HOROVOD_OPS:
+        return _HOROVOD_OPS[op]
+    raise ValueError(f"{fn}: op must be Average, Sum, Adasum, Min, Max or Product (dcredit_opt's or Horovod's), "
+                     f"got {op!r}")
 
 
 def check_tensor(tensor, fn: str, what: str = "tensor") -> torch.Tensor:

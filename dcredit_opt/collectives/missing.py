@@ -17,8 +17,6 @@ _REDUCESCATTER = ("use allreduce and keep this rank's part (out.chunk(size())[ra
                   "torch.distributed.reduce_scatter_tensor (under torchrun)")
 
 MISSING = {
-    "Adasum": "Adasum reduction is not supported: use Average or Sum (hvd.Average, hvd.Sum), or "
-              "horovod.torch.DistributedOptimizer for Adasum",
     "alltoall": _ALLTOALL,
     "alltoall_async": _ALLTOALL,
     "reducescatter": _REDUCESCATTER,

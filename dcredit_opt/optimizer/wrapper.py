@@ -32,9 +32,9 @@ from .. import timeline
 from ..config import Config
 from ..errors import DCreditError
 from ..planner.plan import Plan
-from ..reduce_ops import HOROVOD_OP_CODES, Average, ReduceOp, Sum
+from ..reduce_ops import HOROVOD_OP_CODES, Adasum, Average, ReduceOp, Sum
 from ..world import process_sets
-from . import checks, devices, grouping
+from . import adasum, checks, devices, grouping
 from .compression import wire_dtype_of
 from .core import Core
 from .lazy import core_of
@@ -42,25 +42,19 @@ from .lazy import core_of
 log = logging.getLogger("dcredit_opt")
 
 
-# A script passes Horovod's ints as op=hvd.Average (dcredit_opt.Min, Max and Product are those ints too).
-_HOROVOD_OPS = {code: ReduceOp(name) for code, name in HOROVOD_OP_CODES.items() if name != "adasum"}
-_HOROVOD_UNSUPPORTED = {code: name.capitalize() for code, name in HOROVOD_OP_CODES.items() if code not in _HOROVOD_OPS}
+# A script passes Horovod's ints as op=hvd.Average (dcredit_opt.Min, Max and Product are those ints too);
+# hvd.Adasum combines steps instead of gradients (Note [Adasum optimizer] in adasum.py).
+_HOROVOD_OPS = {code: ReduceOp(name) for code, name in HOROVOD_OP_CODES.items()}
 
 
 def reduce_op(op) -> ReduceOp:
-    """``op`` as ours: dcredit_opt.Average/Sum/Min/Max/Product or Horovod's hvd.Average, ..., hvd.Product."""
+    """``op`` as ours: dcredit_opt.Average/Sum/Adasum/Min/Max/Product or Horovod's hvd.Average, ..., hvd.Product."""
     if isinstance(op, ReduceOp):
         return op
-    if isinstance(op, int) and not isinstance(op, bool):
-        if op in _HOROVOD_OPS:
-            return _HOROVOD_OPS[op]
-        if op in _HOROVOD_UNSUPPORTED:
-            raise NotImplementedError(
-                f"op=hvd.{_HOROVOD_UNSUPPORTED[op]} is not supported: dcredit_opt reduces gradients with "
-                "Average, Sum, Min, Max or Product (hvd.Average, ..., or dcredit_opt's); for Adasum use "
-                "horovod.torch.DistributedOptimizer")
-    raise ValueError(f"op must be Average, Sum, Min, Max or Product (dcredit_opt's or Horovod's, e.g. hvd.Average), "
-                     f"got {op!r}")
+    if isinstance(op, int) and not isinstance(op, bool) and op in _HOROVOD_OPS:
+        return _HOROVOD_OPS[op]
+    raise ValueError(f"op must be Average, Sum, Adasum, Min, Max or Product (dcredit_opt's or Horovod's, e.g. "
+                     f"hvd.Average), got {op!r}")
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None, backward_passes_per_step: int = 1,
@@ -72,8 +66,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     names and meaning, plus ``config`` (keyword only). ``compression`` is
     ``Compression.none`` or ``Compression.fp16`` (ours or Horovod's; Note [Wire
     dtype] in ``compression.py``); ``op`` is ``Average``, ``Sum``, ``Min``, ``Max`` or ``Product`` (ours or
-    Horovod's; ``Min``, ``Max`` and ``Product`` reduce each gradient element with that instead of a sum);
-    ``groups`` (a list of lists of parameters, or a number of
+    Horovod's; ``Min``, ``Max`` and ``Product`` reduce each gradient element with that instead of a sum), or
+    ``Adasum``, which combines each rank's step instead of reducing gradients (Note [Adasum optimizer] in
+    ``adasum.py``); ``groups`` (a list of lists of parameters, or a number of
     groups; ``num_groups`` is its old name) reduces each group's gradients
     together, in one block, once all of them are ready; ``process_set`` (ours,
     a list of ranks, a torch process group, or Horovod's) reduces over those
@@ -111,6 +106,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     group_of = grouping.tensor_groups(groups if groups is not None else (num_groups or None), names, params)
     _check_devices(names, params)
     _take_over(owners)
+    if op == Adasum:  # Note [Adasum optimizer] in adasum.py: each rank steps, the steps are combined
+        return _marked(adasum.wrap(optimizer, names, params, frozen, wire, backward_passes_per_step, process_set,
+                                   config, sparse_as_dense, group_of), params)
 
     base = optimizer.__class__
     cls = type(base.__name__, (base,), {k: v for k, v in _Wrapper.__dict__.items()
@@ -119,6 +117,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped._dc = Core(wrapped, base, names, params, frozen, backward_passes_per_step, op,
                        float(gradient_predivide_factor), config, sparse_as_dense, wire, group_of, process_set)
+    return _marked(wrapped, params)
+
+
+def _marked(wrapped, params):
+    """``wrapped``, recorded as the optimizer that reduces ``params`` (a later one takes over from it)."""
     core = weakref.ref(wrapped._dc)
     for p in params:
         _mark_reduced_by(p, core)

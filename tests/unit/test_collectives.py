@@ -69,7 +69,7 @@ def test_every_horovod_name_is_provided_or_refused_with_a_message():
 
 
 def test_the_refusals_say_what_to_use_instead():
-    for name, words in [("alltoall", "all_to_all_single"), ("reducescatter", "allreduce"), ("Adasum", "Average"),
+    for name, words in [("alltoall", "all_to_all_single"), ("reducescatter", "allreduce"),
                         ("join", "same number of steps"), ("add_process_set", "need no registration"),
                         ("SyncBatchNorm", "torch.nn.SyncBatchNorm"), ("sparse_allreduce_async", "reduces sparse gradients itself")]:
         with pytest.raises(NotImplementedError, match=words):
@@ -164,8 +164,11 @@ T = torch.tensor([1.0, 2.0])
     (lambda: dc.allreduce(torch.ones(2).to_sparse()), TypeError, "sparse_coo tensor"),
     (lambda: dc.allreduce(torch.ones(2, dtype=torch.bool)), TypeError, "torch.bool, which cannot be reduced"),
     (lambda: dc.allreduce(torch.ones(2, dtype=torch.complex64)), TypeError, "complex64, which cannot be reduced"),
-    (lambda: dc.allreduce(T, op=2), NotImplementedError, "Adasum is not supported"),
-    (lambda: dc.allreduce(T, op="max"), ValueError, "op must be Average, Sum, Min, Max or Product"),
+    (lambda: dc.allreduce(torch.ones(2, dtype=torch.int32), op=2), TypeError, "op=Adasum combines floating-point"),
+    (lambda: dc.allreduce(torch.ones(2, requires_grad=True), op=dc.Adasum), ValueError, "not differentiable"),
+    (lambda: dc.grouped_allreduce([torch.ones(2, requires_grad=True)], op=dc.Adasum), ValueError,
+     "not differentiable"),
+    (lambda: dc.allreduce(T, op="max"), ValueError, "op must be Average, Sum, Adasum, Min, Max or Product"),
     (lambda: dc.allreduce(T, op=True), ValueError, "op must be"),
     (lambda: dc.allreduce(T, op=7), ValueError, "got 7"),
     (lambda: dc.allreduce(T, op=dc.Sum, average=True), ValueError, "op parameter supersedes average"),

@@ -62,9 +62,12 @@ def test_horovod_signature_matches_when_horovod_is_installed():
         wrapped = dc.DistributedOptimizer(opt, model.named_parameters(), op=op, config=CONFIG)
         assert wrapped._dc.buffers.postscale == 1.0 and wrapped._dc.buffers.prescale == 1.0
         wrapped._dc.close()
+    # Adasum combines each rank's step (Note [Adasum optimizer]); fp16 compression sends the deltas as float16.
     model, opt = model_and_opt()
-    with pytest.raises(NotImplementedError, match="op=hvd.Adasum is not supported"):
-        dc.DistributedOptimizer(opt, model.named_parameters(), op=hvd.Adasum, config=CONFIG)
+    wrapped = dc.DistributedOptimizer(opt, model.named_parameters(), hvd.Compression.fp16, op=hvd.Adasum,
+                                      process_set=hvd.global_process_set, config=CONFIG)
+    assert wrapped._dc.wire is torch.float16 and type(wrapped._dc).__name__ == "AdasumCore"
+    wrapped._dc.close()
 
 
 def test_min_max_product_refuse_what_only_a_sum_means():

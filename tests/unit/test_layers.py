@@ -68,8 +68,8 @@ def test_the_module_map_was_read():
 
 LAYERS = (
     ("the pure planner", ("dcredit_opt.planner", "dcredit_opt.blockops", "dcredit_opt.files")),
-    ("the ground", ("dcredit_opt._build_info", "dcredit_opt._ext", "dcredit_opt.config", "dcredit_opt.errors",
-                    "dcredit_opt.reduce_ops", "dcredit_opt.timeline")),
+    ("the ground", ("dcredit_opt._build_info", "dcredit_opt._ext", "dcredit_opt.adasum", "dcredit_opt.config",
+                    "dcredit_opt.errors", "dcredit_opt.reduce_ops", "dcredit_opt.timeline")),
     ("the world", ("dcredit_opt.world",)),
     ("the backends", ("dcredit_opt.backends",)),
     ("profiling", ("dcredit_opt.profiling",)),
@@ -288,15 +288,19 @@ def test_only_an_owner_assigns_its_public_fields():
     assert written == []
 
 
+WRAPPERS = ("dcredit_opt.optimizer.wrapper", "dcredit_opt.optimizer.adasum")
+
+
 def test_the_wrapper_is_a_thin_composition():
     """The generated optimizer subclass (``optimizer/wrapper.py``) holds one field of its own, ``_dc``: the core
-    (``core.py``) that composes the owners above. The wrapper's module sets and reads it; everyone else
+    (``core.py``) that composes the owners above (with op=Adasum, ``optimizer/adasum.py``'s subclass and its own
+    core, Note [Adasum optimizer]). The wrappers' modules set and read it; everyone else
     reaches the core through ``lazy.core_of`` (the model's hooks through their keeper). No other ``_dc_*``
     name is left on an optimizer; a watched gradient's own two fields are set where it is made (``watched.py``)."""
     reached = []
     for module, (path, tree) in TREES.items():
         for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and node.attr == "_dc" and module != "dcredit_opt.optimizer.wrapper":
+            if isinstance(node, ast.Attribute) and node.attr == "_dc" and module not in WRAPPERS:
                 reached.append(f"{path.name}:{node.lineno} ._dc")
             if isinstance(node, ast.Constant) and node.value == "_dc" and module != "dcredit_opt.optimizer.lazy":
                 reached.append(f"{path.name}:{node.lineno} '_dc'")
