@@ -7,7 +7,7 @@ collectives, which take them as Horovod's ``op`` argument.
 
 Note [Reduce ops]
 -----------------
-``DistributedOptimizer(op=...)`` takes what Horovod's does (Adasum aside):
+``DistributedOptimizer(op=...)`` takes what Horovod's does (Adasum: Note [Adasum optimizer]):
 ``Average`` and ``Sum`` all-reduce each block as a sum (an average scales it
 before and after, ``gradient_predivide_factor``); ``Min``, ``Max`` and
 ``Product`` all-reduce each block with that op instead, elementwise, on
