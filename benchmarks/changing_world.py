@@ -16,7 +16,10 @@ phases, each from a timed iteration on, with a rate and a batch per rank:
 Schemes, interleaved per round (each launch a fresh job): ``adaptive`` (re-planning on, its defaults),
 ``once`` (``replan_every=0``: the plan made after profiling stays), both through the whole scenario; and
 ``fresh@<condition>`` for every condition of the scenario: a job started in that condition and planned there,
-re-planning off (what re-planning should reach). Rate changes are made by this process (root) with
+re-planning off (what re-planning should reach). With ``--history``, a control for what a job's past costs
+apart from its plan: ``history`` (``Config(policy="fixed")``, one plan that nothing changes, through the
+whole scenario) against ``history-fresh@<condition>`` (the same fixed plan, started in the condition); their
+ratio is what running through the earlier phases (and measuring later iterations) costs by itself. Rate changes are made by this process (root) with
 ``tc qdisc change`` when rank 0 starts the switch iteration (it writes each iteration's index to a file);
 batch changes by the ranks themselves.
 
@@ -86,7 +89,7 @@ def rank_main(args: argparse.Namespace) -> None:
     phases = [(int(k), int(b)) for k, b in (x.split(":") for x in args.batches.split(","))]
     data = {b: spec.make_batch(b, torch.Generator().manual_seed(1 + rank)) for _, b in phases}
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
-    config = dc.Config.from_env(policy="dcredit", **({} if args.adaptive else {"replan_every": 0}))
+    config = dc.Config.from_env(policy=args.policy, **({} if args.adaptive else {"replan_every": 0}))
     dc.init(timeout_s=config.timeout_s)
     opt = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM),
                                   named_parameters=model.named_parameters(), config=config)
@@ -133,7 +136,7 @@ def _listen() -> list[str]:
 
 
 def _launch(net, model: str, phases: list, iters: int, adaptive: bool, workdir: Path, tag: str,
-            timeout_s: float) -> dict:
+            timeout_s: float, policy: str = "dcredit") -> dict:
     """One job through ``phases`` (rates switched here, batches by the ranks); rank 0's record."""
     net.set_rate(phases[0][1])
     port, out, progress = net.next_port(), workdir / f"{tag}.json", workdir / f"{tag}.progress"
@@ -143,7 +146,8 @@ def _launch(net, model: str, phases: list, iters: int, adaptive: bool, workdir: 
         env = dict(os.environ, **rank_env(ep, net.ranks, net.master_addr, port), OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join(x for x in (str(report.REPO_ROOT), os.environ.get("PYTHONPATH")) if x))
         argv = [sys.executable, "-m", "benchmarks.changing_world", "--rank-of", model, "--batches", batches,
-                "--iters", str(iters), "--out", str(out), "--progress", str(progress)] + (["--adaptive"] * adaptive)
+                "--iters", str(iters), "--out", str(out), "--progress", str(progress), "--policy", policy] + (
+                    ["--adaptive"] * adaptive)
         with open(workdir / f"{tag}-r{ep.rank}.log", "w") as log:
             procs.append(subprocess.Popen(ep.wrap(argv), env=env, cwd=report.REPO_ROOT, stdout=log,
                                           stderr=subprocess.STDOUT))
@@ -173,15 +177,17 @@ def _launch(net, model: str, phases: list, iters: int, adaptive: bool, workdir: 
     return {**json.loads(out.read_text()), "rate_switches": done}
 
 
-def jobs(scenario: str) -> list[tuple[str, list, int, bool]]:
-    """``(scheme, phases, iterations, adaptive)`` of one round."""
+def jobs(scenario: str, history: bool = False) -> list[tuple[str, list, int, bool, str]]:
+    """``(scheme, phases, iterations, adaptive, policy)`` of one round (``history``: and the fixed-plan control)."""
     _, phases, iters = SCENARIOS[scenario]
-    out = [("adaptive", phases, iters, True), ("once", phases, iters, False)]
-    seen = []
-    for _, rate, batch in phases:
-        if (rate, batch) not in seen:
-            seen.append((rate, batch))
-            out.append((f"fresh@{_condition(rate, batch)}", [(0, rate, batch)], FRESH_ITERS, False))
+    out = [("adaptive", phases, iters, True, "dcredit"), ("once", phases, iters, False, "dcredit")]
+    conditions = list(dict.fromkeys((rate, batch) for _, rate, batch in phases))
+    for rate, batch in conditions:
+        out.append((f"fresh@{_condition(rate, batch)}", [(0, rate, batch)], FRESH_ITERS, False, "dcredit"))
+    if history:
+        out.append(("history", phases, iters, False, "fixed"))
+        for rate, batch in conditions:
+            out.append((f"history-fresh@{_condition(rate, batch)}", [(0, rate, batch)], FRESH_ITERS, False, "fixed"))
     return out
 
 
@@ -220,6 +226,12 @@ def summarize(scenario: str, runs: dict[str, list[dict]]) -> list[dict]:
         row["once_over_adaptive_ci"] = speedup_interval(part["once"], part["adaptive"])
         row["replans"] = [[rp["from_timed_iteration"] for rp in r["replans"] if start <= rp["from_timed_iteration"] < end]
                           for r in runs["adaptive"]]
+        control = runs.get(f"history-fresh@{_condition(rate, batch)}")
+        if "history" in runs and control:
+            past = [r["iter_times_s"][lo:end] for r in runs["history"]]
+            started_here = [r["iter_times_s"] for r in control]
+            row["history_over_fresh"] = median(_flat(past)) / median(_flat(started_here))
+            row["history_over_fresh_ci"] = _inverse(speedup_interval(started_here, past))
         rows.append(row)
     return rows
 
@@ -257,6 +269,11 @@ def markdown(record: dict) -> str:
                      f"{r['adaptive_over_fresh']:.3f} {_ci(r['adaptive_over_fresh_ci'])} | {r['once_s']:.3f} s | "
                      f"{r['once_over_fresh']:.3f} {_ci(r['once_over_fresh_ci'])} | {r['once_over_adaptive']:.3f} "
                      f"{_ci(r['once_over_adaptive_ci'])} | {r['replans']} |")
+    if any("history_over_fresh" in r for r in record["summary"]):
+        lines += ["", ("The past alone (`--history`): one fixed plan through the scenario (`history`, measured as "
+                       "above) against the same plan started in the phase's condition (`history-fresh`):"), ""]
+        lines += [f"- phase {r['phase']} ({r['condition']}): history / history-fresh {r['history_over_fresh']:.3f} "
+                  f"{_ci(r['history_over_fresh_ci'])}" for r in record["summary"] if "history_over_fresh" in r]
     lines += ["", "Re-plans (adaptive, each round):", ""]
     for k, run in enumerate(record["runs"]["adaptive"]):
         for rp in run["replans"]:
@@ -272,7 +289,7 @@ def markdown(record: dict) -> str:
     starts = {k for k, _, _ in record["phases"][1:]}
     for scheme, runs in record["runs"].items():
         for k, run in enumerate(runs):
-            cells = [("| " if i in starts and not scheme.startswith("fresh") else "") + f"{t * 1e3:.0f}"
+            cells = [("| " if i in starts and "fresh" not in scheme else "") + f"{t * 1e3:.0f}"
                      for i, t in enumerate(run["iter_times_s"])]
             lines.append(f"{scheme} r{k}: " + " ".join(cells))
     lines += ["```", ""]
@@ -315,6 +332,9 @@ def main(argv: list[str] | None = None) -> dict | None:
         p.add_argument(name, default=None, help=argparse.SUPPRESS)
     p.add_argument("--iters", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--adaptive", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--policy", default="dcredit", help=argparse.SUPPRESS)
+    p.add_argument("--history", action="store_true",
+                   help="also run the fixed-plan control: what the earlier phases cost a job apart from its plan")
     args = p.parse_args(argv)
     if args.rank_of:
         args.model = args.rank_of
@@ -334,10 +354,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="dcworld-") as tmp, open_network(2, phases[0][1], "netns") as net:
         for rnd in range(args.rounds):
-            for scheme, ph, iters, adaptive in jobs(args.scenario):
+            for scheme, ph, iters, adaptive, policy in jobs(args.scenario, args.history):
                 t0 = time.monotonic()
                 run = _launch(net, model, ph, iters, adaptive, Path(tmp), f"{rnd}-{scheme.replace('@', '-')}"
-                              .replace("/", "-"), args.launch_timeout_s)
+                              .replace("/", "-"), args.launch_timeout_s, policy)
                 runs.setdefault(scheme, []).append(run)
                 print(f"round {rnd} {scheme}: median {median(run['iter_times_s']):.3f} s, re-plans at "
                       f"{[r['from_timed_iteration'] for r in run['replans']]}, {time.monotonic() - t0:.0f} s",

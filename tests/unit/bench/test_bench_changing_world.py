@@ -17,10 +17,15 @@ def _run(times, replans=()):
 def test_a_round_runs_both_whole_jobs_and_a_fresh_job_per_condition():
     names = [j[0] for j in changing_world.jobs("rate-down-up")]
     assert names == ["adaptive", "once", "fresh@1gbit/b8", "fresh@250mbit/b8"]
-    (_, phases, iters, adaptive), (_, _, _, once) = changing_world.jobs("compute")[:2]
-    assert adaptive and not once and phases[-1][2] == 32 and iters == 70
+    (_, phases, iters, adaptive, policy), (_, _, _, once, _) = changing_world.jobs("compute")[:2]
+    assert adaptive and not once and phases[-1][2] == 32 and iters == 70 and policy == "dcredit"
     fresh = changing_world.jobs("compute")[3]
     assert fresh[1] == [(0, "1gbit", 32)] and not fresh[3]
+    # --history adds the fixed-plan control: the whole scenario, and a job started in each condition
+    extra = changing_world.jobs("compute", history=True)[4:]
+    assert [(j[0], j[1], j[3], j[4]) for j in extra] == [
+        ("history", phases, False, "fixed"), ("history-fresh@1gbit/b16", [(0, "1gbit", 16)], False, "fixed"),
+        ("history-fresh@1gbit/b32", [(0, "1gbit", 32)], False, "fixed")]
 
 
 def test_each_phase_is_measured_after_it_settled_against_the_fresh_job():
@@ -39,6 +44,21 @@ def test_each_phase_is_measured_after_it_settled_against_the_fresh_job():
               "conditions": {"load_start": [1, 1, 1], "load_end": [2, 2, 2], "wall_s": 10.0}}
     text = changing_world.markdown(record)
     assert "| 1 (50-70) | 1gbit/b32 |" in text and "from iteration 52: moved: link x4" in text
+    assert "history / history-fresh" not in text  # no control was run
+
+
+def test_the_history_control_compares_a_fixed_plan_with_its_past_against_one_started_there():
+    # the same fixed plan: 1.1 s per iteration at batch 32 after running batch 16, 1.0 s when started at 32
+    runs = {"adaptive": [_run([1.0] * 70)], "once": [_run([1.0] * 70)],
+            "fresh@1gbit/b16": [_run([1.0] * 15)], "fresh@1gbit/b32": [_run([1.0] * 15)],
+            "history": [_run([0.5] * 30 + [1.1] * 40)], "history-fresh@1gbit/b16": [_run([0.5] * 15)],
+            "history-fresh@1gbit/b32": [_run([1.0] * 15)]}
+    first, second = changing_world.summarize("compute", runs)
+    assert first["history_over_fresh"] == pytest.approx(1.0) and second["history_over_fresh"] == pytest.approx(1.1)
+    record = {"scenario": "compute", "model": "vgg", "phases": changing_world.SCENARIOS["compute"][1], "rounds": 1,
+              "date": "2026-11-27", "hardware": {}, "runs": runs, "summary": [first, second],
+              "conditions": {"load_start": [1, 1, 1], "load_end": [2, 2, 2], "wall_s": 10.0}}
+    assert "- phase 1 (1gbit/b32): history / history-fresh 1.100" in changing_world.markdown(record)
 
 
 def test_the_cost_report_counts_replans_and_the_timed_watching():
