@@ -74,10 +74,10 @@ def rank_main(args: argparse.Namespace) -> None:
         setattr(watched, name, timed)
     gather = replanner.control.all_gather_text
 
-    def timed_gather(text, name):
+    def timed_gather(text, name, **kwargs):  # the control plane's arguments (a process set's plane), as given
         t0 = time.perf_counter()
         try:
-            return gather(text, name)
+            return gather(text, name, **kwargs)
         finally:
             if name == "replan.window":
                 spent["gather"].append(time.perf_counter() - t0)
@@ -87,8 +87,8 @@ def rank_main(args: argparse.Namespace) -> None:
     estimates = []
     combine = adaptive.combine
 
-    def recorded(base, now):
-        est = combine(base, now)
+    def recorded(*a, **k):  # adaptive.combine's arguments, as the replanner passes them
+        est = combine(*a, **k)
         if est is not None:
             estimates.append([est.compute, est.link, list(adaptive.moved(est, args.threshold))])
         return est
