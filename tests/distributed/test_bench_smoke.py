@@ -104,3 +104,20 @@ def test_harness_dcredit(tmp_path, report):
         pytest.skip(f"dcredit_opt does not provide {missing} yet")
     schemes = ["compute", "ddp", "dc-dcredit"]
     check_record(run_harness(tmp_path, schemes), report, schemes)
+
+
+@pytest.mark.timeout(600)
+def test_replan_cost_runs_its_checks_end_to_end(tmp_path):
+    """benchmarks/replan_cost.py wraps the replanner's own calls to time them: a change of their arguments must
+    show here, not in the next measurement (it once broke at the first check with a TypeError)."""
+    argv = [sys.executable, "-m", "benchmarks.replan_cost", "--iters", "30", "--model", "tiny", "--batch", "8",
+            "--results-dir", str(tmp_path), "--timeout-s", f"{timing.scaled(LAUNCH_LIMIT_S):g}"]
+    env = dict(os.environ, DCREDIT_TIMEOUT_S=f"{timing.scaled(DC_TIMEOUT_S):g}")
+    proc = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=timing.scaled(LAUNCH_LIMIT_S + HARNESS_OVERHEAD_S), check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = tmp_path.glob("*-p2-replan-cost.json")
+    result = json.loads(path.read_text())["result"]
+    assert len(result["on_s"]) == 30 and len(result["off_s"]) == 30
+    assert len(result["gather_s"]) >= 2, "the checks' all-gathers were not timed"  # a check every 10 steps
+    assert "**re-plans**" in path.with_suffix(".md").read_text()
