@@ -457,6 +457,8 @@ class Core:
         except (RuntimeError, TimeoutError) as e:  # DCreditError included: said once, the job goes on closing
             log.warning("dcredit_opt: the updates pending at shutdown could not be applied: %s", e)
         self.closed = True
+        if self.replanner is not None:
+            self.replanner.close()
         self.lazy.let_go()
         self._dropped.detach()
         self.drain()

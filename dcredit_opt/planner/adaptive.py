@@ -36,7 +36,7 @@ compute is compared with the windows the profile's compute was last set to,
 across plan switches, so that a change between a re-plan and the new plan's
 baseline is not taken into it (Note [Compute across a switch]).
 
-Every rank sends its window (:class:`Window`, JSON) to every rank; every rank
+Every rank sends its window (:class:`Window`, a vector of numbers) to every rank; every rank
 computes the same :class:`Estimate` from the gathered lists
 (:func:`combine`): the job's compute is its slowest rank's (synchronous
 training waits for it), and its link the rank that measured the *least*
@@ -161,15 +161,33 @@ class Window:
     """Median CPU time of the thread that ran the backward, from the iteration's first gradient to its
     ``step()``, seconds; None where it was not read (Note [Compute in CPU time])."""
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+    @staticmethod
+    def to_vector(window: Window | None) -> list[float]:
+        """``window`` as :data:`VECTOR_SIZE` floats, its fields in order, NaN for None; None (nothing observed) as
+        zero iterations. What a check gathers: a fixed size, so one collective carries it, started without
+        waiting (Note [The check in flight] in profiling/replanner.py). Exact: every field is a float64."""
+        if window is None:
+            return [0.0] + [math.nan] * (VECTOR_SIZE - 1)
+        return [math.nan if v is None else float(v) for v in dataclasses.astuple(window)]
 
     @classmethod
-    def from_dict(cls, data: dict) -> Window:
-        names = {f.name for f in dataclasses.fields(cls)}
-        if not isinstance(data, dict) or set(data) != names:
-            raise ValueError(f"a re-planning window must be an object with fields {sorted(names)}, got {data!r}")
-        return cls(**data)
+    def from_vector(cls, values) -> Window | None:
+        """The window :meth:`to_vector` gave (None for zero iterations); a ValueError for a vector of another
+        size or a negative or fractional iteration count."""
+        values = [float(v) for v in values]
+        if len(values) != VECTOR_SIZE:
+            raise ValueError(f"a re-planning window's vector has {VECTOR_SIZE} numbers, got {len(values)}")
+        n = values[0]
+        if not (n >= 0 and n == int(n)):
+            raise ValueError(f"a re-planning window's iteration count must be a whole number >= 0, got {n!r}")
+        if n == 0:
+            return None
+        fields = [None if math.isnan(v) else v for v in values[1:]]
+        return cls(int(n), *fields)
+
+
+VECTOR_SIZE = len(dataclasses.fields(Window))
+"""Numbers in a window's vector (:meth:`Window.to_vector`)."""
 
 
 class WindowRecorder:

@@ -11,22 +11,47 @@ its private fields). The optimizer calls it at two points:
   here, Note [Compute in CPU time] in planner/adaptive.py).
 - :meth:`Replanner.check` in each ``step()`` once the first plan is in force,
   before the step decides whether it may be lazy. Every ``Config.replan_every``
-  steps of a plan, every rank sends its window to every rank (one small
-  all-gather of JSON text) and computes the same decision from what it
-  received. When the hysteresis triggers, rank 0 plans on the rescaled
-  profile and broadcasts the plan (or "keep") as JSON, as the first plan is
-  agreed on (``profiler.agree_on_plan``). A plan returned here is staged by
-  the optimizer exactly as the first plan is: the staging ``step()`` is
-  eager, and every rank switches at the start of the next iteration.
+  steps of a plan, every rank starts sending its window to every rank (one
+  all-gather of a few numbers), reads what it received at the next ``step()``
+  and computes the same decision from it. When the hysteresis triggers, rank 0
+  plans on the rescaled profile on a thread of its own and, one ``step()``
+  later, broadcasts the plan (or "keep") as JSON, as the first plan is agreed
+  on (``profiler.agree_on_plan``). A plan returned here is staged by the
+  optimizer exactly as the first plan is: the staging ``step()`` is eager, and
+  every rank switches at the start of the next iteration.
+
+Note [The check in flight]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+A check costs the training thread nothing it has to wait for. Gathered where
+it is taken, a window waits for the slowest rank's ``step()`` (the iteration
+skew, which the next blocks would absorb anyway), and rank 0's planning (the
+simulator over candidate plans, tens of milliseconds) held every rank in the
+broadcast: measured, 1.6 % of a 189 ms iteration on a quiet job that never
+re-planned (benchmarks/results/2026-11-27-p2-replan-cost-2.md), against a
+0.5 % goal. So the window travels as a fixed-size vector of float64
+(``adaptive.Window.to_vector``: one collective, no length exchange) started
+without waiting at the check's step and read at the next ``step()``, by when
+the next iteration's blocks have brought every rank past it; the decision is
+taken there, on every rank from the same numbers; rank 0 plans on a thread and
+the verdict is broadcast :data:`PLAN_STEPS` steps later (rank 0 joins the
+thread first, so a slow planner delays the verdict, never a rank's agreement).
+Every step of this happens at the same ``step()`` count of the plan on every
+rank, so the ranks still switch together; a decision acts two steps later than
+a check taken in place. Where the control plane is on the GPU, a collective
+there must not overlap our channels' (``control_on_gpu``): each is started
+only with this step's blocks done, and the gather is waited for at once.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
 import threading
 import time
+
+import torch
 
 from ..config import Config
 from ..planner import adaptive
@@ -40,6 +65,10 @@ log = logging.getLogger("dcredit_opt")
 PATIENCE = 2
 """Checks in a row at which an estimate must have moved beyond ``Config.replan_threshold`` before rank 0
 re-plans (with the default ``replan_every``, a change is acted on about 20 iterations after it happens)."""
+
+PLAN_STEPS = 1
+"""Steps from a decision to re-plan to the step where every rank hears rank 0's verdict (Note [The check in
+flight]): rank 0 plans on a thread of its own meanwhile."""
 
 SAMPLES = 4
 """Iterations observed per check window (its last ones): the watching's cost is this share of the
@@ -92,6 +121,9 @@ class Replanner:
         self._off = False  # rank 0 failed to plan once: said, and re-planning stops on every rank
         self._replans: list[adaptive.Replan] = []
         self._quiet_first = control_on_gpu()
+        self._gathering = None  # (the check's all-gather in flight, the step it started at)
+        self._planning: _Planning | None = None  # a decision to re-plan whose verdict is not shared yet
+        self._name: str | None = None  # the gather's name (_gather_name)
 
     @property
     def replans(self) -> list[adaptive.Replan]:
@@ -117,16 +149,17 @@ class Replanner:
         """Once per ``step()`` with a planned plan in force: the plan to stage now, or None.
 
         ``plan`` is the plan in force, ``profile`` what profiling measured (rank 0; None elsewhere),
-        ``numels()`` the elements each tensor has in blocks now (called only when re-planning), ``iteration``
-        the optimizer's iteration (for the record), ``timeline`` the optimizer's ``RankTimeline`` or None,
-        ``wait_blocks()`` waits until this step's blocks are done (called before a check's collectives when the
-        control plane is on the GPU). Collective every ``replan_every`` steps of a plan: every rank calls it at
-        the same steps.
+        ``numels()`` the elements each tensor has in blocks now (called on rank 0 when it re-plans),
+        ``iteration`` the optimizer's iteration (for the record), ``timeline`` the optimizer's ``RankTimeline``
+        or None, ``wait_blocks()`` waits until this step's blocks are done (called before a collective is
+        started when the control plane is on the GPU). Collective at fixed steps of a plan: every rank calls it
+        at every ``step()`` (Note [The check in flight]).
         """
         if self._off:
             return None
         self._cpu_s = self._backward_cpu_s() if self._cpu_clock else None
         if plan is not self._plan:  # a new plan: a new baseline
+            self._settle()
             self._plan, self._steps, self._base = plan, 0, None
             self._window.take()
             self._hysteresis.reset()
@@ -135,34 +168,74 @@ class Replanner:
         self._steps += 1
         position = self._steps % self._every
         self._observe_next = self._steps > 1 and position >= self._every - self._samples
-        if position:
-            return None
-        if self._quiet_first and wait_blocks is not None:
-            wait_blocks()
-        return self._decide(iteration, plan, numels, timeline)
+        quiet = wait_blocks if self._quiet_first and wait_blocks is not None else (lambda: None)
+        if self._planning is not None and self._steps >= self._planning.due:
+            fresh = self._conclude(iteration, plan, timeline, quiet)
+            if fresh is not None or self._off:
+                self._settle()  # a gather in flight belongs to the plan that goes
+                return fresh
+        if self._gathering is not None and self._gathering[1] < self._steps:
+            windows = [adaptive.Window.from_vector(row.tolist()) for row in self._gathering[0].wait()]
+            self._gathering = None
+            if self._planning is None:
+                self._decide(plan, windows, numels)
+        if not position:
+            quiet()
+            mine = adaptive.Window.to_vector(self._window.take())
+            tensor = torch.tensor(mine, dtype=torch.float64, device=self._device())
+            gathering = self._all_gather_async(tensor, self._gather_name())
+            if self._quiet_first:
+                gathering.wait()  # Note [The check in flight]: on the GPU nothing of ours stays in flight
+            self._gathering = (gathering, self._steps)
+        return None
+
+    def close(self) -> None:
+        """Wait for a check's gather still in flight (every rank started it; it must end before the plane does)
+        and let rank 0's planning go: from ``close()`` of the optimizer."""
+        self._off = True
+        try:
+            self._settle()
+        except (RuntimeError, TimeoutError) as e:  # the job is ending: said, not raised
+            log.warning("dcredit_opt: re-planning's last check did not finish: %s", e)
+        self._planning = None
 
     # ---- the check ------------------------------------------------------------------------------------------
 
-    def _decide(self, iteration: int, plan: Plan, numels, timeline) -> Plan | None:
-        mine = self._window.take()
-        gathered = control.all_gather_text(json.dumps(None if mine is None else mine.to_dict()), "replan.window",
-                                           plane=self._plane)
-        windows = [None if w is None else adaptive.Window.from_dict(w) for w in map(json.loads, gathered)]
+    def _settle(self) -> None:
+        """Wait for the gather in flight, if any, and drop it."""
+        gathering, self._gathering = self._gathering, None
+        if gathering is not None:
+            gathering[0].wait()
+
+    def _decide(self, plan: Plan, windows: list, numels) -> None:
+        """The windows of every rank, gathered: the same decision on every rank. When the hysteresis triggers,
+        rank 0 starts planning (off this thread), and the verdict is shared at the next ``step()``."""
         base = self._base
         if base is None:  # this plan's baseline; its compute is already compared (Note [Compute across a switch])
             if not all(w is not None for w in windows):
-                return None
+                return
             self._base = windows
             if self._reference is None:
                 self._reference = windows
-                return None
+                return
         estimate = adaptive.combine(base, windows, self._reference)
         if not self._hysteresis.update(estimate):
-            return None
+            return
         self._hysteresis.reset()
+        work = None
+        if self._rank() == 0:
+            numels_now = numels()
+            work = functools.partial(self._plan_on_rank0, plan, estimate, numels_now)
+        self._planning = _Planning(self._steps + PLAN_STEPS, estimate, windows, work)
+
+    def _conclude(self, iteration: int, plan: Plan, timeline, quiet) -> Plan | None:
+        """At the step the verdict is due: rank 0's plan (or "keep", or its error) on every rank."""
+        planning, self._planning = self._planning, None
         first = self._rank() == 0
-        text = self._plan_on_rank0(plan, estimate, numels) if first else None
-        data = json.loads(control.broadcast_text(text, 0, plane=self._plane))
+        text = planning.verdict(self._config.timeout_s) if first else None
+        quiet()
+        data = json.loads(self._broadcast_text(text, 0))
+        estimate, windows = planning.estimate, planning.windows
         if "error" in data:
             self._off = True
             log.warning("dcredit_opt: re-planning stops for this optimizer: rank 0 could not re-plan with policy "
@@ -193,18 +266,39 @@ class Replanner:
             timeline.mark("re-plan", record.to_dict())
         return fresh
 
+    def _device(self):
+        return control.control_device() if self._plane is None else self._plane.control_device()
+
+    def _gather_name(self) -> str:
+        """Horovod matches operations by name, and two optimizers' gathers may be in flight together: each its
+        own, numbered as the backends are at its first check (the same on every rank: every rank checks its
+        optimizers in the same order); a process set's plane has a group of its own."""
+        if self._name is None:
+            everyone = self._plane is None or self._plane.everyone
+            self._name = f"replan.window.{runtime.next_backend_id()}" if everyone else "replan.window"
+        return self._name
+
+    def _all_gather_async(self, tensor, name: str):
+        if self._plane is None:
+            return control.all_gather_async(tensor, name)
+        return self._plane.all_gather_async(tensor, name)
+
+    def _broadcast_text(self, text: str | None, root: int) -> str:
+        return control.broadcast_text(text, root, plane=self._plane)
+
     def _rank(self) -> int:
         return runtime.rank() if self._plane is None else self._plane.rank
 
-    def _plan_on_rank0(self, plan: Plan, estimate: adaptive.Estimate, numels) -> str:
-        """Rank 0: the fresh plan for the rescaled profile, if worth a switch, as JSON for every rank."""
+    def _plan_on_rank0(self, plan: Plan, estimate: adaptive.Estimate, numels: list) -> str:
+        """Rank 0, on the planning thread: the fresh plan for the rescaled profile, if worth a switch, as JSON for
+        every rank. Reads only what the training thread no longer changes until the verdict is shared."""
         config = self._config
         try:
             if self._profile is None:
                 raise ValueError("no profile to rescale (profiling measured nothing)")
             profile = adaptive.rescale(self._profile, estimate)
             fresh = make_plan(profile, config.policy, channels=config.channels, overlap_forward=config.overlap_forward)
-            validate(fresh, numels=numels(), max_channels=config.channels, dtypes=self._dtypes)
+            validate(fresh, numels=numels, max_channels=config.channels, dtypes=self._dtypes)
             new_s = iteration_time(fresh, profile, channel_fifo=CHANNEL_FIFO)
             try:
                 old_s = iteration_time(plan, profile, channel_fifo=CHANNEL_FIFO)
@@ -216,3 +310,26 @@ class Replanner:
             return json.dumps(data)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others would wait
             return json.dumps({"error": f"{type(e).__name__}: {e}"})
+
+
+class _Planning:
+    """A decision to re-plan, waiting for rank 0's verdict: shared at the step ``due`` (Note [The check in
+    flight]). On rank 0, ``work()`` runs on a thread of its own from the decision on."""
+
+    def __init__(self, due: int, estimate: adaptive.Estimate, windows: list, work=None):
+        self.due, self.estimate, self.windows = due, estimate, windows
+        self._text: str | None = None
+        self._thread = None
+        if work is not None:
+            self._thread = threading.Thread(target=self._run, args=(work,), name="dcredit-replan", daemon=True)
+            self._thread.start()
+
+    def _run(self, work) -> None:
+        self._text = work()
+
+    def verdict(self, timeout_s: float) -> str:
+        """Rank 0: the planning's JSON, waited for at most ``timeout_s``."""
+        self._thread.join(timeout_s)
+        if self._thread.is_alive() or self._text is None:
+            return json.dumps({"error": f"planning did not finish within {timeout_s:g} s (Config.timeout_s)"})
+        return self._text

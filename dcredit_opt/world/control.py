@@ -83,23 +83,68 @@ def horovod_wait(hvd, handle, what: str, timeout_s: float):
     return _horovod_wait(hvd, handle, what, timeout_s, runtime.rank(), runtime.size())
 
 
-def all_gather(tensor: torch.Tensor, name: str) -> list:
-    """Every rank's ``tensor`` (same shape and dtype on every rank), in rank order; waits at most
-    ``timeout_s`` (``CollectiveTimeout``, a TimeoutError, past it)."""
+class Gathering:
+    """A control-plane all-gather started and not waited for yet (:func:`all_gather_async`). ``wait()`` gives
+    every rank's tensor, in rank order, within the plane's ``timeout_s`` (``CollectiveTimeout``, a TimeoutError,
+    past it), and the same list again if called again. Every rank that started it waits for it before the
+    plane closes: one left in flight at ``shutdown()`` would meet a group being taken down."""
+
+    def __init__(self, wait):
+        self._wait = wait
+        self._result = None
+
+    @classmethod
+    def done(cls, result: list) -> Gathering:
+        return cls(lambda: result)
+
+    def wait(self) -> list:
+        if self._wait is not None:
+            self._result, self._wait = self._wait(), None
+        return self._result
+
+
+def all_gather_async(tensor: torch.Tensor, name: str) -> Gathering:
+    """Start gathering every rank's ``tensor`` (same shape and dtype on every rank) without waiting; the training
+    thread goes on, and ``wait()`` on the result later. The operations started this way and the synchronous ones
+    must come in the same order on every rank, as every collective's."""
     world = runtime.current()
     if world.size == 1:
-        return [tensor.clone()]
+        return Gathering.done([tensor.clone()])
     if world.kind == "horovod":
         op = f"dc.ctl.{name}"
         handle = world.hvd.allgather_async(tensor.reshape(1, -1).contiguous(), name=op)
-        rows = _horovod_wait(world.hvd, handle, f"all_gather {op!r}", world.timeout_s, world.rank, world.size)
-        return [row.reshape(tensor.shape) for row in rows.unbind(0)]
-    gathered = [torch.empty_like(tensor) for _ in range(world.size)]
+
+        def rows() -> list:
+            rows_ = _horovod_wait(world.hvd, handle, f"all_gather {op!r}", world.timeout_s, world.rank, world.size)
+            return [row.reshape(tensor.shape) for row in rows_.unbind(0)]
+
+        return Gathering(rows)
+    return torch_all_gather_async(tensor, world.group, world.size, f"control-plane all_gather {name!r}")
+
+
+def torch_all_gather_async(tensor: torch.Tensor, group, size: int, what: str) -> Gathering:
+    """:func:`all_gather_async` on a torch.distributed ``group`` of ``size`` ranks (None: the default group), whose
+    own timeout bounds the wait; a failure names ``what``."""
+    gathered = [torch.empty_like(tensor) for _ in range(size)]
     try:
-        dist.all_gather(gathered, tensor, group=world.group)
+        work = dist.all_gather(gathered, tensor, group=group, async_op=True)
     except RuntimeError as e:  # torch's DistBackendError: a peer is gone, or the timeout passed
-        raise at_rank(e, f"control-plane all_gather {name!r}") from e
-    return gathered
+        raise at_rank(e, what) from e
+
+    def done() -> list:
+        try:
+            work.wait()
+        except RuntimeError as e:
+            raise at_rank(e, what) from e
+        return gathered
+
+    return Gathering(done)
+
+
+def all_gather(tensor: torch.Tensor, name: str) -> list:
+    """Every rank's ``tensor`` (same shape and dtype on every rank), in rank order; waits at most
+    ``timeout_s`` (``CollectiveTimeout``, a TimeoutError, past it)."""
+    return all_gather_async(tensor, name).wait()
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str) -> None:

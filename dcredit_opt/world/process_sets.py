@@ -231,6 +231,10 @@ class _Plane:
     def all_gather_text(self, text: str, name: str) -> list[str]:
         return control.all_gather_text(text, name, plane=self)
 
+    def all_gather(self, tensor, name) -> list:
+        """Every member's ``tensor``, in the plane's rank order (its ``all_gather_async``, waited for)."""
+        return self.all_gather_async(tensor, name).wait()
+
 
 class _Everyone(_Plane):
     """Every rank of the job: the runtime's own control plane and channels, as before process sets."""
@@ -250,8 +254,8 @@ class _Everyone(_Plane):
     def ranks(self) -> list:
         return list(range(runtime.size()))
 
-    def all_gather(self, tensor, name):
-        return control.all_gather(tensor, name)
+    def all_gather_async(self, tensor, name):
+        return control.all_gather_async(tensor, name)
 
     def broadcast_(self, tensor, root, name):
         control.broadcast_(tensor, root, name)
@@ -316,15 +320,11 @@ class _Subset(_Plane):
         except RuntimeError as e:
             raise at_rank(e, f"connecting process set {self.ranks}'s group {name!r}") from e
 
-    def all_gather(self, tensor, name):
+    def all_gather_async(self, tensor, name):
         if self.size == 1:
-            return [tensor.clone()]
-        gathered = [torch.empty_like(tensor) for _ in range(self.size)]
-        try:
-            dist.all_gather(gathered, tensor, group=self._control_group())
-        except RuntimeError as e:
-            raise at_rank(e, f"process set {self.ranks}, control-plane all_gather {name!r}") from e
-        return gathered
+            return control.Gathering.done([tensor.clone()])
+        return control.torch_all_gather_async(tensor, self._control_group(), self.size,
+                                              f"process set {self.ranks}, control-plane all_gather {name!r}")
 
     def broadcast_(self, tensor, root, name):
         if self.size == 1:

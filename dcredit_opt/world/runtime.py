@@ -23,7 +23,8 @@ class World:
     """``horovod.torch`` in a Horovod world."""
     owns_horovod: bool = False
     backends_created: int = 0
-    """Backends made so far; the same count on every rank (Note [Same order on every rank])."""
+    """Backends (and re-planners) over every rank made so far; the same count on every rank (Note [Same order on
+    every rank]): each names its Horovod operations with its number."""
     on_cpu: bool | None = None
     """In a Horovod job: whether it runs on CPUs, decided by every rank together (``horovod_on_cpu()``)."""
     store: object = None
@@ -104,7 +105,8 @@ def horovod():
 
 
 def next_backend_id() -> int:
-    """A number for a new backend, equal on every rank that builds its optimizers in the same order."""
+    """A number for a new backend (or re-planner) over every rank, equal on every rank that builds its optimizers
+    in the same order."""
     world = current()
     world.backends_created += 1
     return world.backends_created - 1

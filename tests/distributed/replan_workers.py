@@ -86,17 +86,24 @@ def _slow_down(model: Net, seconds) -> None:
 
 
 def _watch_checks(opts: list, seen: list) -> None:
-    """The control plane taken for the GPU's (replanner.control_on_gpu): at each check's gather, whether every
-    optimizer's scheduler had nothing in flight."""
+    """The control plane taken for the GPU's (replanner.control_on_gpu): at each check's gather and each verdict's
+    broadcast, whether every optimizer's scheduler had nothing in flight."""
     replanner.control_on_gpu = lambda: True
-    gather = replanner.control.all_gather_text
+    gather, broadcast = replanner.Replanner._all_gather_async, replanner.Replanner._broadcast_text
 
-    def watched(text, name, **kwargs):
-        if name == "replan.window":
-            seen.append(all(opt._dc.engine.idle() for opt in opts))
-        return gather(text, name, **kwargs)
+    def idle() -> bool:
+        return all(opt._dc.engine.idle() for opt in opts)
 
-    replanner.control.all_gather_text = watched
+    def watched_gather(self, tensor, name):
+        seen.append(idle())
+        return gather(self, tensor, name)
+
+    def watched_broadcast(self, text, root):
+        seen.append(idle())
+        return broadcast(self, text, root)
+
+    replanner.Replanner._all_gather_async = watched_gather
+    replanner.Replanner._broadcast_text = watched_broadcast
 
 
 def _step(model: Net, opts: list, passes: int, step: int, rank: int) -> list:

@@ -5,12 +5,12 @@ the hysteresis (no flapping), the rescaled profile."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import random
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -73,11 +73,29 @@ def test_a_window_fits_alpha_and_beta_where_sizes_spread():
     assert WindowRecorder().take() is None
 
 
-def test_a_window_travels_as_json_exactly():
+def travel(w: Window | None) -> Window | None:
+    """``w`` as a check gathers it: a float64 vector, and back."""
+    return Window.from_vector(torch.tensor(Window.to_vector(w), dtype=torch.float64).tolist())
+
+
+def test_a_window_travels_as_a_vector_exactly():
     w = window(SIZES, 3.3e-4, 1.7e-9, 0.0123)
-    assert Window.from_dict(json.loads(json.dumps(w.to_dict()))) == w
-    with pytest.raises(ValueError, match="fields"):
-        Window.from_dict({"iterations": 1})
+    assert travel(w) == w and travel(None) is None
+    one = window([1 << 20] * 5, 2e-4, 1e-9, 0.05)  # no fit: None fields
+    assert one.alpha_s is None and travel(one) == one
+    with pytest.raises(ValueError, match="8 numbers"):
+        Window.from_vector([1.0, 2.0])
+    with pytest.raises(ValueError, match="whole number"):
+        Window.from_vector([1.5] + [0.0] * 7)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 10**6), st.lists(st.one_of(st.none(), st.floats(0, 1e12, allow_nan=False)), min_size=7,
+                                       max_size=7))
+def test_any_window_travels_exactly(iterations, fields):
+    fields[1:4] = [0.0 if f is None else f for f in fields[1:4]]  # busy_s, collectives, nbytes: always numbers
+    w = Window(iterations, *fields)
+    assert travel(w) == w
 
 
 @pytest.mark.parametrize("spread", [True, False])
@@ -127,7 +145,7 @@ def test_combine_reads_the_compute_in_cpu_time_where_every_window_carries_it():
     est = adaptive.combine(base, wall)
     assert not est.cpu and est.compute == pytest.approx(0.06 / 0.12)
     assert window(SIZES, 2e-4, 1e-9, 0.05).cpu_s is None
-    assert Window.from_dict(json.loads(json.dumps(now[0].to_dict()))) == now[0]
+    assert travel(now[0]) == now[0]
 
 
 def test_the_replanner_reads_the_backwards_cpu_time_not_its_wall_time(monkeypatch):
@@ -174,46 +192,133 @@ def test_combine_compares_the_compute_with_its_reference_and_the_link_with_the_p
     assert adaptive.combine(None, now) is None
 
 
+class OneRank:
+    """Rank 0 of two with the collectives stood in for: every rank's window is the one ``feed`` holds when the
+    gather starts, and the broadcast returns rank 0's text; the planner returns ``plans`` in turn, each predicted
+    twice as fast as the plan in force. ``check(plan, busy_s, cpu_s)``: one check window (two steps of ``plan``,
+    the second one's window gathered, decided on at the next step: Note [The check in flight]); what the second
+    step returns."""
+
+    def __init__(self, monkeypatch, plans, config=None, make_plan=None):
+        from dcredit_opt.profiling import replanner
+
+        self.feed: dict = {}
+        self.waited: list = []
+        self.made: list = []
+        fresh = iter(plans)
+
+        def gathered(tensor, name):
+            rows = [torch.tensor(Window.to_vector(self.feed["w"]), dtype=torch.float64)] * 2
+            return replanner.control.Gathering(lambda: self.waited.append(name) or rows)
+
+        def planned(profile, policy, **kwargs):
+            self.made.append(next(fresh))
+            return self.made[-1]
+
+        monkeypatch.setattr(replanner, "control_on_gpu", lambda: False)
+        monkeypatch.setattr(replanner.control, "control_device", lambda: torch.device("cpu"))
+        monkeypatch.setattr(replanner.control, "all_gather_async", gathered)
+        monkeypatch.setattr(replanner.runtime, "next_backend_id", lambda: 0)
+        monkeypatch.setattr(replanner.control, "broadcast_text", lambda text, root, plane=None: text)
+        monkeypatch.setattr(replanner.runtime, "rank", lambda: 0)
+        monkeypatch.setattr(replanner, "make_plan", make_plan or planned)
+        monkeypatch.setattr(replanner, "validate", lambda plan, **kwargs: None)
+        monkeypatch.setattr(replanner, "iteration_time",
+                            lambda plan, profile, **kwargs: 1.0 if self.made and plan is self.made[-1] else 2.0)
+        self.r = replanner.Replanner(config or dcredit_opt.Config(replan_every=2, replan_threshold=0.1), [])
+        self.profile = model_like_profile(4, total_params=10_000)
+
+    def check(self, plan, busy_s, cpu_s):
+        self.feed["w"] = Window(iterations=1, span_s=0.05, busy_s=busy_s, collectives=2, nbytes=1e6, alpha_s=None,
+                                beta_s_per_byte=None, cpu_s=cpu_s)
+        assert self.r.check(0, plan, self.profile, lambda: [4096]) is None
+        return self.r.check(0, plan, self.profile, lambda: [4096])
+
+
 def test_a_compute_change_just_after_a_switch_is_seen_by_the_new_plan(monkeypatch):
     """A re-plan (here on a link that moved), then the batch grows before the new plan's baseline window: the
     new plan's checks compare the compute with the windows the profile was rescaled to, so the change is
-    re-planned for two checks later (it used to become the new baseline, unseen). One rank of two, the
-    others' windows the same, the collectives and the planner stood in for."""
+    re-planned for two checks later (it used to become the new baseline, unseen)."""
     from dcredit_opt.optimizer.layout import fixed_plan
-    from dcredit_opt.profiling import replanner
 
-    feed: dict = {}
-    monkeypatch.setattr(replanner, "control_on_gpu", lambda: False)
-    monkeypatch.setattr(replanner.control, "all_gather_text", lambda text, name, plane=None: [feed["w"]] * 2)
-    monkeypatch.setattr(replanner.control, "broadcast_text", lambda text, root, plane=None: text)
-    monkeypatch.setattr(replanner.runtime, "rank", lambda: 0)
-    plans = [fixed_plan([4096], [4], 1024 * k, 1, 1) for k in (1, 2, 3)]
-    fresh, made = iter(plans[1:]), []
+    a, b, c = plans = [fixed_plan([4096], [4], 1024 * k, 1, 1) for k in (1, 2, 3)]
+    job = OneRank(monkeypatch, plans[1:])
+    assert [job.check(a, 0.1, 0.1) for _ in range(3)] == [None] * 3  # the baseline, then nothing moves
+    # the link moved in two windows in a row: the second one's decision, then rank 0's verdict a step later
+    assert [job.check(a, 0.2, 0.1) for _ in range(3)] == [None, None, b]
+    # b's baseline, at 4x the compute its profile was made for: one move; two in a row: re-planned for it
+    assert [job.check(b, 0.2, 0.4) for _ in range(3)] == [None, None, c]
+    assert [rp.reason.startswith("moved: compute x4.00") for rp in job.r.replans] == [False, True]
+    assert job.waited == ["replan.window.0"] * len(job.waited) and len(job.waited) == 7  # every gather waited for
 
-    def make_plan(profile, policy, **kwargs):  # each fresh plan another, and predicted twice as fast
-        made.append(next(fresh))
-        return made[-1]
 
-    monkeypatch.setattr(replanner, "make_plan", make_plan)
-    monkeypatch.setattr(replanner, "validate", lambda plan, **kwargs: None)
-    monkeypatch.setattr(replanner, "iteration_time", lambda plan, profile, **kwargs: 1.0 if plan is made[-1] else 2.0)
-    r = replanner.Replanner(dcredit_opt.Config(replan_every=2, replan_threshold=0.1), [])
-    profile = model_like_profile(4, total_params=10_000)
+def test_rank_0_plans_off_the_training_thread_and_the_verdict_waits_for_it(monkeypatch):
+    """Note [The check in flight]: the planner runs on a thread of its own from the decision's step; at the
+    verdict's step the training thread waits for it, however slow, within the timeout."""
+    import threading
+    import time
 
-    def check(plan, busy_s, cpu_s):
-        """One check window: two steps of ``plan``; what the second step returns."""
-        feed["w"] = json.dumps(dataclasses.asdict(Window(iterations=1, span_s=0.05, busy_s=busy_s, collectives=2,
-                                                         nbytes=1e6, alpha_s=None, beta_s_per_byte=None,
-                                                         cpu_s=cpu_s)))
-        assert r.check(0, plan, profile, lambda: [4096]) is None
-        return r.check(0, plan, profile, lambda: [4096])
+    from dcredit_opt.optimizer.layout import fixed_plan
 
-    a, b, c = plans
-    assert [check(a, 0.1, 0.1) for _ in range(3)] == [None] * 3  # the baseline, then nothing moves
-    assert check(a, 0.2, 0.1) is None and check(a, 0.2, 0.1) == b  # the link moved twice: a switch
-    assert check(b, 0.2, 0.4) is None  # b's baseline, at 4x the compute its profile was made for: one
-    assert check(b, 0.2, 0.4) == c  # two checks in a row: re-planned for it
-    assert [rp.reason.startswith("moved: compute x4.00") for rp in r.replans] == [False, True]
+    a, b = fixed_plan([4096], [4], 1024, 1, 1), fixed_plan([4096], [4], 2048, 1, 1)
+    ran: list = []
+
+    def slow_plan(profile, policy, **kwargs):
+        ran.append(threading.current_thread().name)
+        time.sleep(0.3)
+        job.made.append(b)
+        return b
+
+    job = OneRank(monkeypatch, [], make_plan=slow_plan)
+    assert [job.check(a, 0.1, 0.1) for _ in range(2)] + [job.check(a, 0.2, 0.1) for _ in range(2)] == [None] * 4
+    assert not ran
+    assert job.r.check(0, a, job.profile, lambda: [4096]) is None  # the second move's decision: planning starts
+    deadline = time.monotonic() + 10
+    while not ran and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ran == ["dcredit-replan"]  # not this thread's name
+    t0 = time.monotonic()
+    assert job.r.check(0, a, job.profile, lambda: [4096]) == b  # the verdict, after the planner is done
+    assert time.monotonic() - t0 > 0.1 and len(job.r.replans) == 1
+
+
+def test_a_planner_past_the_timeout_stops_replanning_on_every_rank(monkeypatch, caplog):
+    """Rank 0's planner still running at the verdict's step after ``Config.timeout_s``: an error every rank hears
+    (the broadcast), re-planning stops, the plan in force stays; close() afterwards is quiet."""
+    import logging
+    import time
+
+    from dcredit_opt.optimizer.layout import fixed_plan
+
+    a = fixed_plan([4096], [4], 1024, 1, 1)
+
+    def stuck(profile, policy, **kwargs):
+        time.sleep(1.0)
+        return a
+
+    job = OneRank(monkeypatch, [], config=dcredit_opt.Config(replan_every=2, replan_threshold=0.1, timeout_s=0.05),
+                  make_plan=stuck)
+    job.check(a, 0.1, 0.1)
+    job.check(a, 0.1, 0.1)
+    with caplog.at_level(logging.WARNING, logger="dcredit_opt"):
+        assert [job.check(a, 0.2, 0.1) for _ in range(3)] == [None] * 3
+    assert "re-planning stops" in caplog.text and "did not finish within 0.05 s" in caplog.text
+    assert [job.check(a, 0.4, 0.1) for _ in range(3)] == [None] * 3 and job.r.replans == []
+    job.r.close()
+
+
+def test_close_waits_for_a_gather_in_flight(monkeypatch):
+    """A check's gather started at the last step() before close(): every rank started it, so every rank waits
+    for it before the plane goes (``Replanner.close``)."""
+    from dcredit_opt.optimizer.layout import fixed_plan
+
+    a = fixed_plan([4096], [4], 1024, 1, 1)
+    job = OneRank(monkeypatch, [])
+    job.check(a, 0.1, 0.1)
+    assert job.waited == []  # started, not waited for
+    job.r.close()
+    assert job.waited == ["replan.window.0"]
+    assert job.r.check(0, a, job.profile, lambda: [4096]) is None and job.waited == ["replan.window.0"]
 
 
 def est(compute=1.0, link=1.0):
@@ -262,15 +367,15 @@ def test_ranks_with_different_timings_agree_on_every_decision(world, seed):
     hyst = [Hysteresis(0.2, 2) for _ in range(world)]
     base = None
     for k in range(checks):
-        gathered = [json.dumps(measure(r, k).to_dict()) for r in range(world)]
+        gathered = torch.tensor([Window.to_vector(measure(r, k)) for r in range(world)], dtype=torch.float64)
         for r in range(world):  # each rank decodes and decides on its own
-            windows = [Window.from_dict(json.loads(g)) for g in gathered]
+            windows = [Window.from_vector(row.tolist()) for row in gathered.clone()]
             if base is None:
                 decisions[r].append(("baseline",))
                 continue
             e = adaptive.combine(base, windows)
             decisions[r].append((hyst[r].update(e), e))
-        base = base or [Window.from_dict(json.loads(g)) for g in gathered]
+        base = base or [Window.from_vector(row.tolist()) for row in gathered]
     assert all(d == decisions[0] for d in decisions)
 
 
