@@ -55,6 +55,7 @@ import torch
 
 from ..config import Config
 from ..planner import adaptive
+from ..planner.floors import synchronous_floor
 from ..planner.plan import Plan, validate
 from ..planner.simulate import iteration_time
 from ..world import control, runtime
@@ -247,7 +248,11 @@ class Replanner:
         old_s, new_s = data["old_s"], data["new_s"]
         if "plan" not in data:  # not worth a switch: these estimates are the new normal
             self._base = windows
-            if first:
+            if first and data.get("floor"):
+                log.info("dcredit_opt: iteration %d: estimates moved (%s), but the plan in force, predicted at %.1f "
+                         "ms, is within the threshold of the synchronous floor (%.1f ms), which no plan beats: kept",
+                         iteration, data["reason"], old_s * 1e3, new_s * 1e3)
+            elif first:
                 log.info("dcredit_opt: iteration %d: estimates moved (%s), but a fresh plan is predicted at %.1f ms "
                          "against %.1f ms for the plan in force: kept", iteration, data["reason"], new_s * 1e3,
                          old_s * 1e3)
@@ -297,14 +302,19 @@ class Replanner:
             if self._profile is None:
                 raise ValueError("no profile to rescale (profiling measured nothing)")
             profile = adaptive.rescale(self._profile, estimate)
-            fresh = make_plan(profile, config.policy, channels=config.channels, overlap_forward=config.overlap_forward)
-            validate(fresh, numels=numels, max_channels=config.channels, dtypes=self._dtypes)
-            new_s = iteration_time(fresh, profile, channel_fifo=CHANNEL_FIFO)
             try:
                 old_s = iteration_time(plan, profile, channel_fifo=CHANNEL_FIFO)
             except ValueError:  # the plan in force no longer fits the profile (rows taken out since): unknown
                 old_s = math.inf
-            data = {"reason": adaptive.describe(estimate, self._threshold), "old_s": old_s, "new_s": new_s}
+            data = {"reason": adaptive.describe(estimate, self._threshold), "old_s": old_s}
+            floor_s = synchronous_floor(profile)
+            if not adaptive.worth_switching(old_s, floor_s, self._threshold):
+                # no plan beats the floor (floors.py), so none could be worth a switch: the search is spared
+                data.update(new_s=floor_s, floor=True)
+                return json.dumps(data)
+            fresh = make_plan(profile, config.policy, channels=config.channels, overlap_forward=config.overlap_forward)
+            validate(fresh, numels=numels, max_channels=config.channels, dtypes=self._dtypes)
+            new_s = data["new_s"] = iteration_time(fresh, profile, channel_fifo=CHANNEL_FIFO)
             if fresh != plan and adaptive.worth_switching(old_s, new_s, self._threshold):
                 data["plan"] = fresh.to_dict()
             return json.dumps(data)

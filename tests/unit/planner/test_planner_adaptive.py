@@ -194,10 +194,9 @@ def test_combine_compares_the_compute_with_its_reference_and_the_link_with_the_p
 
 class OneRank:
     """Rank 0 of two with the collectives stood in for: every rank's window is the one ``feed`` holds when the
-    gather starts, and the broadcast returns rank 0's text; the planner returns ``plans`` in turn, each predicted
-    twice as fast as the plan in force. ``check(plan, busy_s, cpu_s)``: one check window (two steps of ``plan``,
+    gather starts, and the broadcast returns rank 0's text; the planner returns ``plans`` in turn. ``check(plan, busy_s, cpu_s)``: one check window (two steps of ``plan``,
     the second one's window gathered, decided on at the next step: Note [The check in flight]); what the second
-    step returns."""
+    step returns. The simulator prices the plan in force at 2 s, any other at 1 s."""
 
     def __init__(self, monkeypatch, plans, config=None, make_plan=None):
         from dcredit_opt.profiling import replanner
@@ -224,11 +223,13 @@ class OneRank:
         monkeypatch.setattr(replanner, "make_plan", make_plan or planned)
         monkeypatch.setattr(replanner, "validate", lambda plan, **kwargs: None)
         monkeypatch.setattr(replanner, "iteration_time",
-                            lambda plan, profile, **kwargs: 1.0 if self.made and plan is self.made[-1] else 2.0)
+                            lambda plan, profile, **kwargs: 2.0 if plan is self.in_force else 1.0)
+        self.in_force = None
         self.r = replanner.Replanner(config or dcredit_opt.Config(replan_every=2, replan_threshold=0.1), [])
         self.profile = model_like_profile(4, total_params=10_000)
 
     def check(self, plan, busy_s, cpu_s):
+        self.in_force = plan
         self.feed["w"] = Window(iterations=1, span_s=0.05, busy_s=busy_s, collectives=2, nbytes=1e6, alpha_s=None,
                                 beta_s_per_byte=None, cpu_s=cpu_s)
         assert self.r.check(0, plan, self.profile, lambda: [4096]) is None
@@ -305,6 +306,29 @@ def test_a_planner_past_the_timeout_stops_replanning_on_every_rank(monkeypatch, 
     assert "re-planning stops" in caplog.text and "did not finish within 0.05 s" in caplog.text
     assert [job.check(a, 0.4, 0.1) for _ in range(3)] == [None] * 3 and job.r.replans == []
     job.r.close()
+
+
+def test_a_plan_within_the_threshold_of_the_floor_is_kept_without_a_search(monkeypatch, caplog):
+    """The plan in force predicted within ``replan_threshold`` of the synchronous floor under the new estimates:
+    no plan can beat it by more (floors.py), so rank 0 says "keep" without running the planner; 20 % above the
+    floor, the planner runs."""
+    import logging
+
+    from dcredit_opt.optimizer.layout import fixed_plan
+    from dcredit_opt.planner.floors import synchronous_floor
+    from dcredit_opt.profiling import replanner
+
+    a, b = fixed_plan([4096], [4], 1024, 1, 1), fixed_plan([4096], [4], 2048, 1, 1)
+    job = OneRank(monkeypatch, [b])
+    above = {"x": 1.05}
+    monkeypatch.setattr(replanner, "iteration_time", lambda plan, profile, **kwargs:
+                        synchronous_floor(profile) * (1.0 if plan is b else above["x"]))
+    assert [job.check(a, 0.1, 0.1) for _ in range(2)] == [None] * 2
+    with caplog.at_level(logging.INFO, logger="dcredit_opt"):
+        assert [job.check(a, 0.2, 0.1) for _ in range(3)] == [None] * 3
+    assert "within the threshold of the synchronous floor" in caplog.text and job.made == []
+    above["x"] = 1.2
+    assert [job.check(a, 0.4, 0.1) for _ in range(3)] == [None, None, b] and job.made == [b]
 
 
 def test_close_waits_for_a_gather_in_flight(monkeypatch):
