@@ -581,6 +581,8 @@ def test_codec_refuses_what_would_need_pickle_and_bytes_it_did_not_make():
 
 
 def test_start_and_stop_timeline_switch_a_live_optimizer(tmp_path):
+    from dcredit_opt.world import job
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     opt = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -593,8 +595,11 @@ def test_start_and_stop_timeline_switch_a_live_optimizer(tmp_path):
             model(torch.randn(3, 4)).sum().backward()
             opt.step()
 
-    path = tmp_path / "trace.json"
-    dc.start_timeline(str(path), mark_cycles=True)
+    # every live optimizer is switched, ".opt<k>" added for all but the first: an earlier test's optimizer still
+    # alive in this process (held by a traceback, say) takes the plain path
+    k = job.users().index(opt._dc)
+    path = tmp_path / ("trace.json" if k == 0 else f"trace.json.opt{k}")
+    dc.start_timeline(str(tmp_path / "trace.json"), mark_cycles=True)
     steps(3)
     events = json.loads(path.read_text())["traceEvents"]
     assert any(e["name"].startswith("block ") for e in events)
