@@ -50,6 +50,28 @@ table both the optimizer and the collectives read (both take them all; the optim
 its own, optimizer/adasum.py)."""
 
 
+_IN_LIBRARIES = {"sum": ("SUM", "SUM", "Sum"), "min": ("MIN", "MIN", "Min"), "max": ("MAX", "MAX", "Max"),
+                 "product": ("PRODUCT", "PROD", "Product")}
+"""Each elementwise reduction by name, as torch.distributed's ``ReduceOp``, mpi4py's ``MPI`` and Horovod name it:
+the one table the backends' transports and the collectives read (an average is a sum, scaled)."""
+
+
+def library_op(name: str, library: str, module=None):
+    """The reduction ``name`` ("sum", "min", "max", "product") in ``library``: "torch" (a
+    ``torch.distributed.ReduceOp``), "mpi" (``module`` is mpi4py's ``MPI``) or "horovod" (``module`` is
+    ``horovod.torch``). A ValueError for another name or library."""
+    if name not in _IN_LIBRARIES:
+        raise ValueError(f"no elementwise reduction named {name!r}; expected one of {sorted(_IN_LIBRARIES)}")
+    libraries = ("torch", "mpi", "horovod")
+    if library not in libraries:
+        raise ValueError(f"library must be one of {libraries}, got {library!r}")
+    if library == "torch":
+        import torch.distributed as dist
+
+        module = dist.ReduceOp
+    return getattr(module, _IN_LIBRARIES[name][libraries.index(library)])
+
+
 def block_reduction(op: ReduceOp) -> str:
     """What the optimizer's block collectives do for ``op``: an average is a sum, scaled before and after."""
     return "sum" if op in (ReduceOp.AVERAGE, ReduceOp.SUM) else op.value

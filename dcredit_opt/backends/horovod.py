@@ -37,6 +37,7 @@ import atexit
 import torch
 
 from ..blockops import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
+from ..reduce_ops import library_op
 from ..world import control, runtime
 from ..world.launchers import warn_if_fusion_on
 from . import packed_rows
@@ -68,7 +69,7 @@ class _HorovodTransport:
         self._hvd = hvd
         # The blocks' op (Note [Reduce ops] in reduce_ops.py); the sweep, tallies and rows always sum. Horovod's
         # reduce-scatter sums only: with another op a decoupled block is all-reduced whole in its first stage.
-        self._reduce = {"sum": hvd.Sum, "min": hvd.Min, "max": hvd.Max, "product": hvd.Product}[reduction]
+        self._reduce = library_op(reduction, "horovod", hvd)
         self._whole = reduction != "sum"
         self._prefix = prefix
         # Every operation's process set (Horovod's global one by default), and this rank's place in it.

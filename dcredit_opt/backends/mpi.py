@@ -24,6 +24,7 @@ import torch
 
 from ..blockops import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from ..errors import LaunchError
+from ..reduce_ops import library_op
 from ..world import control, runtime
 from ..world.launchers import import_mpi
 from . import packed_rows
@@ -83,7 +84,7 @@ class _MPITransport:
     def __init__(self, MPI, comms, tally_comm, reduction: str = "sum"):
         self._MPI = MPI
         # The blocks' op (Note [Reduce ops] in reduce_ops.py); the sweep, tallies and rows always sum.
-        self._reduce = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "product": MPI.PROD}[reduction]
+        self._reduce = library_op(reduction, "mpi", MPI)
         self._comms = comms
         self._tally_comm = tally_comm
         self._tally = None  # the request of the tally in flight

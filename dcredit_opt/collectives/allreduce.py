@@ -10,10 +10,11 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from ..reduce_ops import library_op
 from ..world import runtime
 from ..world.runtime import require_world
 from . import adasum, core
-from .core import DIST_OPS, Handle, agree, describe, label
+from .core import Handle, agree, describe, label
 
 # ---- allreduce ------------------------------------------------------------------------------
 
@@ -67,7 +68,8 @@ def _allreduce_launch(tensors: list, r: _Reduce) -> Handle:
         flat = torch.cat([tensors[i].detach().reshape(-1).to(device=device, dtype=wire) for i in members])
         flat = _scaled(flat, r.prescale)
         if size > 1:
-            works.append(dist.all_reduce(flat, op=DIST_OPS[r.op], group=plane.collective_group(), async_op=True))
+            op = library_op("sum" if r.op == "average" else r.op, "torch")  # an average: divided after
+            works.append(dist.all_reduce(flat, op=op, group=plane.collective_group(), async_op=True))
         buffers.append((members, flat))
 
     def finish(_):
@@ -86,7 +88,7 @@ def _allreduce_launch(tensors: list, r: _Reduce) -> Handle:
 
 def _allreduce_horovod(tensors: list, r: _Reduce, what: str, plane) -> Handle:
     hvd = runtime.horovod()
-    op = {"average": hvd.Average, "sum": hvd.Sum, "min": hvd.Min, "max": hvd.Max, "product": hvd.Product}[r.op]
+    op = hvd.Average if r.op == "average" else library_op(r.op, "horovod", hvd)
     # Horovod's allreduce takes contiguous int32, int64, float16, float32 and float64 tensors only.
     sent = [t.detach().to(_HOROVOD_WIRE.get(t.dtype, t.dtype)).contiguous() for t in tensors]
     kw = {"name": r.name, "op": op, "prescale_factor": r.prescale, "postscale_factor": r.postscale,

@@ -21,8 +21,6 @@ from ..world.runtime import require_world
 _HOROVOD_OPS = dict(HOROVOD_OP_CODES)
 _OP_CODES = {name: code for code, name in _HOROVOD_OPS.items()}
 Min, Max, Product = _OP_CODES["min"], _OP_CODES["max"], _OP_CODES["product"]
-DIST_OPS = {"average": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
-             "max": dist.ReduceOp.MAX, "product": dist.ReduceOp.PRODUCT}
 
 # Descriptor codes: fixed, so that they mean the same on every rank.
 _OPERATIONS = ("barrier", "allreduce", "grouped_allreduce", "allgather", "broadcast", "broadcast_object",

@@ -22,6 +22,29 @@ def test_each_op_reaches_the_blocks_as_their_collective(op, ours, blocks):
     assert block_reduction(ours) == blocks
 
 
+def test_each_reduction_in_each_library_from_the_one_table():
+    """The transports (MPI's, Horovod's) and the collectives read the same table: each name to each library's op.
+    mpi4py and Horovod stood in for by their attribute names (the real ones run in tests/distributed)."""
+    import types
+
+    import torch.distributed as dist
+
+    from dcredit_opt.reduce_ops import library_op
+
+    mpi = types.SimpleNamespace(SUM="mpi-sum", MIN="mpi-min", MAX="mpi-max", PROD="mpi-prod")
+    hvd = types.SimpleNamespace(Sum=1, Min=3, Max=4, Product=5)
+    for name, torch_op, mpi_op, hvd_op in [("sum", dist.ReduceOp.SUM, "mpi-sum", 1), ("min", dist.ReduceOp.MIN,
+                                           "mpi-min", 3), ("max", dist.ReduceOp.MAX, "mpi-max", 4),
+                                           ("product", dist.ReduceOp.PRODUCT, "mpi-prod", 5)]:
+        assert library_op(name, "torch") == torch_op
+        assert library_op(name, "mpi", mpi) == mpi_op and library_op(name, "horovod", hvd) == hvd_op
+        assert dc.collectives.core._OP_CODES[name] == hvd_op  # our Horovod ints are Horovod's
+    with pytest.raises(ValueError, match="no elementwise reduction named 'average'"):
+        library_op("average", "torch")
+    with pytest.raises(ValueError, match="library must be one of"):
+        library_op("sum", "nccl")
+
+
 def test_the_engine_refuses_an_op_it_does_not_know_before_making_anything():
     dc.init()
     with pytest.raises(ValueError, match=r'reduce must be "sum", "min", "max" or "product", got "mean"'):
