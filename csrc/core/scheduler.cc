@@ -226,8 +226,11 @@ struct Scheduler::Core {
       if (--tensor_pending[t] == 0) tensor_finished = true;
     }
     dispatch_cv.notify_one();
-    if (tensor_finished || done_count == NumBlocks()) done_cv.notify_all();
+    if (tensor_finished || done_count == NumBlocks() || ReleasedDone()) done_cv.notify_all();
   }
+
+  // Every released block launched and done (WaitReleased).
+  bool ReleasedDone() const { return launch_queue.empty() && in_flight_count == 0; }
 
   // The oldest block still in flight, or -1.
   int32_t OldestInFlight() {
@@ -514,6 +517,24 @@ void Scheduler::WaitAll(std::chrono::milliseconds timeout) {
       << " of " << c.NumBlocks() << " blocks pending, " << c.launch_queue.size() << " queued, "
       << c.in_flight_count << " in flight, " << (c.flushed ? "after the flush" : "before the flush") << ")"
       << c.Stuck();
+    throw SchedulerError(Status::Timeout(m.str()));
+  }
+}
+
+void Scheduler::WaitReleased(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(core_->mu);
+  Core& c = *core_;
+  const bool finished = c.done_cv.wait_for(lock, timeout, [&] {
+    return c.stop || !c.error.ok() || !c.open || c.ReleasedDone();
+  });
+  if (!c.open || c.ReleasedDone()) return;  // nothing of ours in flight, even after a failure or a shutdown
+  if (!c.error.ok()) throw SchedulerError(c.error);
+  if (c.stop) throw SchedulerError(Status::Shutdown("scheduler shut down while waiting"));
+  if (!finished) {
+    std::ostringstream m;
+    m << "the released blocks not reduced within " << timeout.count() / 1000.0 << " s ("
+      << c.launch_queue.size() << " queued, " << c.in_flight_count << " in flight, "
+      << (c.flushed ? "after the flush" : "before the flush") << ")" << c.Stuck();
     throw SchedulerError(Status::Timeout(m.str()));
   }
 }

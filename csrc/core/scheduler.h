@@ -150,6 +150,13 @@ class Scheduler {
   // Throw SchedulerError on failure, on timeout, or after Shutdown.
   void WaitTensor(int32_t tensor, std::chrono::milliseconds timeout);
   void WaitAll(std::chrono::milliseconds timeout);
+  // Block until every block released so far is done (launched, and its
+  // collective finished), whatever is still unreleased: what a backward
+  // interrupted before its flush leaves in flight, which every rank must
+  // finish before it stops launching (Note [Interrupted backward] in
+  // dcredit_opt/optimizer/core.py). Returns at once when none is in flight,
+  // even after a failure or Shutdown; otherwise throws as WaitAll.
+  void WaitReleased(std::chrono::milliseconds timeout);
   bool TensorDone(int32_t tensor);
   bool Idle();  // no iteration open, or every block of it done
   // Stop flag, wake everyone, join the thread; pending waits fail.

@@ -332,6 +332,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "wait_all", [](Engine& e, double timeout_s) { Rethrow([&] { e.scheduler().WaitAll(ToMs(timeout_s)); }); },
           py::arg("timeout_s"), release())
       .def(
+          "wait_released",
+          [](Engine& e, double timeout_s) { Rethrow([&] { e.scheduler().WaitReleased(ToMs(timeout_s)); }); },
+          py::arg("timeout_s"), release(),
+          "Wait until every block released so far is done, the unreleased ones aside: see "
+          "Note [Interrupted backward] in dcredit_opt/optimizer/core.py.")
+      .def(
           "tensor_done", [](Engine& e, int32_t t) { return e.scheduler().TensorDone(t); }, py::arg("tensor"),
           release())
       .def("finals", &Engine::Finals, "Per tensor, whether tensor_final(t) holds now (bytes, 0 or 1).")

@@ -434,17 +434,51 @@ class Core:
 
     # ---- the end ---------------------------------------------------------------------------
 
+    # Note [Interrupted backward]
+    # An error raised in a gradient hook (a sparse gradient first seen after
+    # the first iteration, a stale read, a backward pass too many) ends the
+    # backward there, but not the blocks that the gradients before it
+    # released: the dispatch thread (under MPI and Horovod, the driver) goes
+    # on launching them. Nothing stops launches but closing the optimizer
+    # (close(), dc.shutdown(), a new optimizer taking over, dropping it, the
+    # exit), and that used to stop them at once: one rank's launcher could
+    # have started a released block that the other's never started, and that
+    # collective waited for its peer forever (under MPI the completer stayed
+    # in MPI_Wait and the job ended in MPI_Abort at exit; under Gloo it timed
+    # out). So before launches stop, drain() finishes exactly the released
+    # blocks (Engine.wait_released); the unreleased ones no rank launched.
+    #
+    # Why every rank finishes the same blocks: the scheduler releases at
+    # events taken in plan order (Note [Same order on every rank]), so ranks
+    # whose backward stopped at the same gradient (a refusal every rank
+    # raises) released the same blocks, in the same launch order. A rank that
+    # stopped where a peer went on released a prefix of the peer's sequence,
+    # which the peer launches too; if a peer stopped earlier, this rank waits
+    # for at most the timeout, and says so.
+    #
+    # What it leaves: the released blocks hold their averages in p.grad, the
+    # rest this rank's gradient; no update is applied (every rank raised).
+    # Only closing stops launches: an optimizer used on after the error keeps
+    # launching, in the same order on every rank; its next step() refuses
+    # what it refused before, or flushes the rest and steps on the gradients
+    # it is then given, as synchronous training would.
+
     def drain(self) -> None:
         """Let this iteration's blocks finish before this process stops talking.
 
         After a lazy ``step()`` the last blocks are still travelling; a rank
         that exits then would leave its peers waiting on collectives it never
-        joins (they would fail with "connection closed by peer"). Bounded by
-        the timeout; a failure here is only logged, the job is ending anyway.
+        joins (they would fail with "connection closed by peer"). A backward
+        interrupted before its flush leaves only the blocks it released (Note
+        [Interrupted backward]). Bounded by the timeout; a failure here is
+        only logged, the job is ending anyway.
         """
+        timeout_s = float(self.config.timeout_s)
         try:
-            if self.backward.flushed or self.lazy.npending:
-                self.engine.wait_all(float(self.config.timeout_s))
+            if self.backward.open and not self.backward.flushed:
+                self.engine.wait_released(timeout_s)  # Note [Interrupted backward]
+            elif self.backward.flushed or self.lazy.npending:
+                self.engine.wait_all(timeout_s)
         except (RuntimeError, TimeoutError) as e:
             log.warning("dcredit_opt: gradients still in flight at exit did not finish: %s", e)
 
@@ -473,10 +507,13 @@ class Core:
 
 
 def _close_dropped(engine, backend, life, timeout_s: float) -> None:
-    """Finalizer of an optimizer dropped without ``close()``: drain what was released, then close."""
+    """Finalizer of an optimizer dropped without ``close()``: drain what was released (all of it after the
+    flush; before it, Note [Interrupted backward]), then close."""
     try:
         if life.released:
             engine.wait_all(timeout_s)
+        else:
+            engine.wait_released(timeout_s)
     except (RuntimeError, TimeoutError) as e:
         log.warning("dcredit_opt: a dropped optimizer's gradients in flight did not finish: %s", e)
     try:

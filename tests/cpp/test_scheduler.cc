@@ -367,6 +367,35 @@ TEST(ShutdownFailsPendingWaitsWithoutHanging) {
   CHECK(m.Complete(0));
 }
 
+// Note [Interrupted backward] (dcredit_opt/optimizer/core.py): a backward stopped before its flush leaves the
+// blocks it released in flight; WaitReleased waits for those (one at a time here), never for the unreleased.
+TEST(WaitReleasedFinishesWhatAnInterruptedBackwardReleased) {
+  ManualBackend m;
+  Scheduler s(&m, ms(30000));
+  s.SetPlan(SimplePlan({4, 4, 4}, {0, 1, 2}, {1, 1, 1}));
+  s.WaitReleased(ms(1000));  // no iteration: nothing in flight
+  s.StartIteration();
+  s.MarkReady(1);  // before its turn: buffered, nothing released
+  s.WaitReleased(ms(1000));
+  s.MarkReady(0);  // blocks 0 and 1 released, 1 queued behind 0; tensor 2 never comes
+  CHECK_THROWS(s.WaitReleased(ms(100)), SchedulerError, "1 queued, 1 in flight");
+  std::atomic<bool> done{false};
+  std::thread waiter([&] {
+    s.WaitReleased(ms(30000));
+    done = true;
+  });
+  while (!m.Complete(0)) std::this_thread::sleep_for(std::chrono::microseconds(20));
+  std::this_thread::sleep_for(ms(20));
+  CHECK_MSG(!done.load(), "WaitReleased returned with block 1 still to launch");
+  while (!m.Complete(1)) std::this_thread::sleep_for(std::chrono::microseconds(20));
+  waiter.join();
+  CHECK(!s.TensorDone(2));
+  CHECK_EQ(Str(Blocks(m.History())), std::string("[0,1]"));
+  CHECK_THROWS(s.WaitAll(ms(100)), SchedulerError, "iteration not reduced");
+  s.Shutdown();
+  s.WaitReleased(ms(1000));  // nothing in flight: returns even after the shutdown
+}
+
 TEST(MisuseIsRejected) {
   ManualBackend m;
   Scheduler s(&m, ms(5000));

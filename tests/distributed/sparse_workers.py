@@ -80,6 +80,10 @@ class Job:
     def make(self, model_fn, opt_fn, config=None, **kw):
         model = model_fn()
         ref = copy.deepcopy(model)
+        return model, ref, self.wrap(model, opt_fn, config, **kw), opt_fn(ref.parameters())
+
+    def wrap(self, model, opt_fn, config=None, **kw):
+        """A ``DistributedOptimizer`` over ``model``'s parameters (it takes over from an earlier one)."""
         config = dc.Config(**{"policy": "fixed", "block_bytes": 128, "window": 2, "channels": 2,
                               "backend": self.backend, **(config or {})})
         if callable(kw.get("groups")):
@@ -87,7 +91,7 @@ class Job:
         opt = dc.DistributedOptimizer(opt_fn(model.parameters()), named_parameters=model.named_parameters(),
                                       config=config, **kw)
         self.opts.append(opt)
-        return model, ref, opt, opt_fn(ref.parameters())
+        return opt
 
     def train(self, model, ref, opt, ropt, loss, steps=STEPS, passes=1, scale=None):
         """``loss(m, step, rank, k)`` for pass ``k``; the reference takes every rank's, times ``scale``."""
@@ -222,20 +226,30 @@ def in_a_group(job: Job) -> dict:
 
 
 def sparse_first_seen_later(job: Job) -> dict:
-    """The sparse embedding is not called in the first iteration on any rank: refused at its first use. That
-    later iteration computes the embedding's gradient alone, so the refusal comes before any block of it is
-    released: with the head's gradient first, a rank's launcher thread could start a head block that the other
-    rank's, closed by the error, never started, and under MPI that collective kept the job from ending cleanly
-    (MPI_Abort at exit, after every rank's result; see the closing notes of 2026-11-27)."""
-    model, _, opt, _ = job.make(lambda: EmbedHead(head=True), sgd)
-    for step in range(3):
-        opt.zero_grad()
-        if step == 0:
-            model.head(torch.ones(2, 6)).pow(2).mean().backward()
-        else:
-            model.emb(ids_of(step, job.rank)).pow(2).mean().backward()
-        opt.step()
-    return {"max_diff": 0.0}
+    """The sparse embedding is not called in the first iteration on any rank: refused at its first use, in a
+    backward whose head gradients came first and released their blocks, one in flight at a time (Note
+    [Interrupted backward]). As the refusal advises, a new optimizer with ``sparse_as_dense=True`` takes over
+    at once (closing the refused one) and trains on: every rank must have finished exactly the released
+    blocks when the refused optimizer closed, and the weights must then follow synchronous training, in which
+    the refused iteration applies nothing."""
+    small = {"block_bytes": 16, "window": -1, "credit_bytes": 16}  # 6 head blocks, one in flight at a time
+    model, ref, opt, ropt = job.make(lambda: EmbedHead(head=True), sgd, config=small)
+    for m in (model, ref):  # the first iteration: the head alone, the same on every rank
+        m.head(torch.ones(2, 6)).pow(2).mean().backward()
+    opt.step()
+    ropt.step()
+    opt.zero_grad()
+    engine = opt._dc.engine
+    try:
+        mse(model, 1, job.rank).backward()
+        refused = "no error"
+    except dc.DCreditError as e:
+        refused = f"{type(e).__name__}: {e}"
+    fresh = job.wrap(model, sgd, config=small, sparse_as_dense=True)  # closes the refused optimizer
+    trace = engine.trace()  # (block, channel, window, group, seq, release_ns, launch_ns, end_ns)
+    job.train(model, ref, fresh, ropt, lambda m, s, r, k: mse(m, s + 1, r), steps=4)
+    return {**job.result(model, ref, fresh), "refused": refused,
+            "released": sorted(t[0] for t in trace if t[5]), "finished": sorted(t[0] for t in trace if t[7])}
 
 
 def _join(horovod_first: bool) -> None:

@@ -551,6 +551,33 @@ def test_shutdown_with_pending_blocks_fails_the_waits():
 
 
 @pytest.mark.timeout(60)
+def test_wait_released_finishes_what_an_interrupted_backward_released():
+    """Note [Interrupted backward]: a backward stopped before its flush leaves the blocks it released in flight;
+    ``wait_released`` waits for them (launched one at a time here) and not for the block never released."""
+    spec = one_block_each([4, 4, 4], [0, 1, 2], [1, 1, 1])
+    with manual_engine(spec) as engine:
+        engine.wait_released(1.0)  # no iteration yet: nothing in flight
+        engine.start_iteration()
+        engine.mark_ready(1)  # before its turn: buffered, nothing released
+        engine.wait_released(1.0)
+        engine.mark_ready(0)  # blocks 0 and 1 released, block 1 queued behind block 0; tensor 2 never comes
+        with pytest.raises(TimeoutError, match=r"released blocks .*1 queued, 1 in flight.*block 0 \(tensors 0\b"):
+            engine.wait_released(0.2)
+        done = threading.Event()
+        waiter = threading.Thread(target=lambda: (engine.wait_released(LONG_S), done.set()), daemon=True)
+        waiter.start()
+        complete_in_order(engine, [0])
+        assert not done.wait(0.1), "returned with block 1 still to launch"
+        complete_in_order(engine, [1])
+        assert done.wait(10), "block 1 is done, but wait_released still waits"
+        assert not engine.tensor_done(2) and engine.pending() == [] and [b for b, _ in engine.history()] == [0, 1]
+        with pytest.raises(TimeoutError, match="iteration not reduced"):
+            engine.wait_all(0.2)  # the unreleased block is what a wait for everything would wait on
+        engine.shutdown()
+        engine.wait_released(1.0)  # nothing in flight: returns even after the shutdown
+
+
+@pytest.mark.timeout(60)
 def test_misuse_raises():
     with manual_engine(TWO_TENSORS) as engine:
         with pytest.raises(RuntimeError, match="before StartIteration"):
