@@ -35,9 +35,10 @@ the next iteration's blocks have brought every rank past it; the decision is
 taken there, on every rank from the same numbers; rank 0 plans on a thread and
 the verdict is broadcast :data:`PLAN_STEPS` steps later (rank 0 joins the
 thread first, so a slow planner delays the verdict, never a rank's agreement).
-Every step of this happens at the same ``step()`` count of the plan on every
-rank, so the ranks still switch together; a decision acts two steps later than
-a check taken in place. Where the control plane is on the GPU, a collective
+The gather goes one step before each ``replan_every``-th step, so the decision
+falls where the check in place was taken, and a switch comes one step later
+than it did. Every step of this happens at the same ``step()`` count of the
+plan on every rank, so the ranks still switch together. Where the control plane is on the GPU, a collective
 there must not overlap our channels' (``control_on_gpu``): each is started
 only with this step's blocks done, and the gather is waited for at once.
 """
@@ -167,7 +168,9 @@ class Replanner:
         if self._profile is None:
             self._profile = profile
         self._steps += 1
-        position = self._steps % self._every
+        # a check's gather goes a step before every replan_every-th step, its decision there (Note [The check in
+        # flight]): a plan's check windows end where they ended when the check was taken in place
+        position = (self._steps + 1) % self._every
         self._observe_next = self._steps > 1 and position >= self._every - self._samples
         quiet = wait_blocks if self._quiet_first and wait_blocks is not None else (lambda: None)
         if self._planning is not None and self._steps >= self._planning.due:

@@ -61,7 +61,7 @@ def test_a_replan_during_backward_passes_per_step_2():
 def test_replans_into_between_and_out_of_decoupled_plans():
     """Every check after a plan's baseline re-plans; the forced plans decouple every tensor, every other one,
     none, in turn: each switch stages a layout with other two-stage blocks (all-gathers held for the flush)."""
-    results = spawn.run(replan_workers.train, 2, timeout_s=100, decoupled=True)
+    results = spawn.run(replan_workers.train, 2, timeout_s=100, decoupled=True, steps=32)
     its = _check(results, reasons=None)
     assert len(its) >= 3, f"want switches into, between and out of decoupled plans; re-planned at {its}"
     # the layouts the steps ran, by their reduce-scatters and blocks: the profiled plan's, then the forced ones

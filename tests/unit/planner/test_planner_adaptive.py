@@ -194,9 +194,10 @@ def test_combine_compares_the_compute_with_its_reference_and_the_link_with_the_p
 
 class OneRank:
     """Rank 0 of two with the collectives stood in for: every rank's window is the one ``feed`` holds when the
-    gather starts, and the broadcast returns rank 0's text; the planner returns ``plans`` in turn. ``check(plan, busy_s, cpu_s)``: one check window (two steps of ``plan``,
-    the second one's window gathered, decided on at the next step: Note [The check in flight]); what the second
-    step returns. The simulator prices the plan in force at 2 s, any other at 1 s."""
+    gather starts, and the broadcast returns rank 0's text; the planner returns ``plans`` in turn, and the
+    simulator prices the plan in force at 2 s, any other at 1 s. ``steps(plan, busy_s, cpu_s, n)``: ``n`` steps
+    of ``plan``, what each returns. With ``replan_every=2`` (Note [The check in flight]) a plan's odd steps start
+    a gather, its even steps decide, and a verdict comes at the odd step after a decision to re-plan."""
 
     def __init__(self, monkeypatch, plans, config=None, make_plan=None):
         from dcredit_opt.profiling import replanner
@@ -228,12 +229,11 @@ class OneRank:
         self.r = replanner.Replanner(config or dcredit_opt.Config(replan_every=2, replan_threshold=0.1), [])
         self.profile = model_like_profile(4, total_params=10_000)
 
-    def check(self, plan, busy_s, cpu_s):
+    def steps(self, plan, busy_s, cpu_s, n):
         self.in_force = plan
         self.feed["w"] = Window(iterations=1, span_s=0.05, busy_s=busy_s, collectives=2, nbytes=1e6, alpha_s=None,
                                 beta_s_per_byte=None, cpu_s=cpu_s)
-        assert self.r.check(0, plan, self.profile, lambda: [4096]) is None
-        return self.r.check(0, plan, self.profile, lambda: [4096])
+        return [self.r.check(0, plan, self.profile, lambda: [4096]) for _ in range(n)]
 
 
 def test_a_compute_change_just_after_a_switch_is_seen_by_the_new_plan(monkeypatch):
@@ -244,11 +244,11 @@ def test_a_compute_change_just_after_a_switch_is_seen_by_the_new_plan(monkeypatc
 
     a, b, c = plans = [fixed_plan([4096], [4], 1024 * k, 1, 1) for k in (1, 2, 3)]
     job = OneRank(monkeypatch, plans[1:])
-    assert [job.check(a, 0.1, 0.1) for _ in range(3)] == [None] * 3  # the baseline, then nothing moves
+    assert job.steps(a, 0.1, 0.1, 6) == [None] * 6  # the baseline, then nothing moves
     # the link moved in two windows in a row: the second one's decision, then rank 0's verdict a step later
-    assert [job.check(a, 0.2, 0.1) for _ in range(3)] == [None, None, b]
+    assert job.steps(a, 0.2, 0.1, 5) == [None] * 4 + [b]
     # b's baseline, at 4x the compute its profile was made for: one move; two in a row: re-planned for it
-    assert [job.check(b, 0.2, 0.4) for _ in range(3)] == [None, None, c]
+    assert job.steps(b, 0.2, 0.4, 5) == [None] * 4 + [c]
     assert [rp.reason.startswith("moved: compute x4.00") for rp in job.r.replans] == [False, True]
     assert job.waited == ["replan.window.0"] * len(job.waited) and len(job.waited) == 7  # every gather waited for
 
@@ -271,15 +271,15 @@ def test_rank_0_plans_off_the_training_thread_and_the_verdict_waits_for_it(monke
         return b
 
     job = OneRank(monkeypatch, [], make_plan=slow_plan)
-    assert [job.check(a, 0.1, 0.1) for _ in range(2)] + [job.check(a, 0.2, 0.1) for _ in range(2)] == [None] * 4
+    assert job.steps(a, 0.1, 0.1, 4) + job.steps(a, 0.2, 0.1, 3) == [None] * 7
     assert not ran
-    assert job.r.check(0, a, job.profile, lambda: [4096]) is None  # the second move's decision: planning starts
+    assert job.steps(a, 0.2, 0.1, 1) == [None]  # the second move's decision: planning starts
     deadline = time.monotonic() + 10
     while not ran and time.monotonic() < deadline:
         time.sleep(0.01)
     assert ran == ["dcredit-replan"]  # not this thread's name
     t0 = time.monotonic()
-    assert job.r.check(0, a, job.profile, lambda: [4096]) == b  # the verdict, after the planner is done
+    assert job.steps(a, 0.2, 0.1, 1) == [b]  # the verdict, after the planner is done
     assert time.monotonic() - t0 > 0.1 and len(job.r.replans) == 1
 
 
@@ -299,12 +299,11 @@ def test_a_planner_past_the_timeout_stops_replanning_on_every_rank(monkeypatch, 
 
     job = OneRank(monkeypatch, [], config=dcredit_opt.Config(replan_every=2, replan_threshold=0.1, timeout_s=0.05),
                   make_plan=stuck)
-    job.check(a, 0.1, 0.1)
-    job.check(a, 0.1, 0.1)
+    assert job.steps(a, 0.1, 0.1, 4) == [None] * 4
     with caplog.at_level(logging.WARNING, logger="dcredit_opt"):
-        assert [job.check(a, 0.2, 0.1) for _ in range(3)] == [None] * 3
+        assert job.steps(a, 0.2, 0.1, 5) == [None] * 5
     assert "re-planning stops" in caplog.text and "did not finish within 0.05 s" in caplog.text
-    assert [job.check(a, 0.4, 0.1) for _ in range(3)] == [None] * 3 and job.r.replans == []
+    assert job.steps(a, 0.4, 0.1, 6) == [None] * 6 and job.r.replans == []
     job.r.close()
 
 
@@ -323,12 +322,12 @@ def test_a_plan_within_the_threshold_of_the_floor_is_kept_without_a_search(monke
     above = {"x": 1.05}
     monkeypatch.setattr(replanner, "iteration_time", lambda plan, profile, **kwargs:
                         synchronous_floor(profile) * (1.0 if plan is b else above["x"]))
-    assert [job.check(a, 0.1, 0.1) for _ in range(2)] == [None] * 2
+    assert job.steps(a, 0.1, 0.1, 4) == [None] * 4
     with caplog.at_level(logging.INFO, logger="dcredit_opt"):
-        assert [job.check(a, 0.2, 0.1) for _ in range(3)] == [None] * 3
+        assert job.steps(a, 0.2, 0.1, 5) == [None] * 5
     assert "within the threshold of the synchronous floor" in caplog.text and job.made == []
-    above["x"] = 1.2
-    assert [job.check(a, 0.4, 0.1) for _ in range(3)] == [None, None, b] and job.made == [b]
+    above["x"] = 1.2  # the kept estimates are the new baseline: the link moves again, twice
+    assert job.steps(a, 0.4, 0.1, 6) == [None] * 5 + [b] and job.made == [b]
 
 
 def test_close_waits_for_a_gather_in_flight(monkeypatch):
@@ -338,11 +337,10 @@ def test_close_waits_for_a_gather_in_flight(monkeypatch):
 
     a = fixed_plan([4096], [4], 1024, 1, 1)
     job = OneRank(monkeypatch, [])
-    job.check(a, 0.1, 0.1)
-    assert job.waited == []  # started, not waited for
+    assert job.steps(a, 0.1, 0.1, 1) == [None] and job.waited == []  # started, not waited for
     job.r.close()
     assert job.waited == ["replan.window.0"]
-    assert job.r.check(0, a, job.profile, lambda: [4096]) is None and job.waited == ["replan.window.0"]
+    assert job.steps(a, 0.1, 0.1, 2) == [None, None] and job.waited == ["replan.window.0"]
 
 
 def est(compute=1.0, link=1.0):
