@@ -14,9 +14,9 @@ its private fields). The optimizer calls it at two points:
   steps of a plan, every rank starts sending its window to every rank (one
   all-gather of a few numbers), reads what it received at the next ``step()``
   and computes the same decision from it. When the hysteresis triggers, rank 0
-  plans on the rescaled profile on a thread of its own and, one ``step()``
-  later, broadcasts the plan (or "keep") as JSON, as the first plan is agreed
-  on (``profiler.agree_on_plan``). A plan returned here is staged by the
+  plans on the rescaled profile on a thread of its own and, from the next
+  ``step()`` on, broadcasts the plan (or "keep") as JSON once it has one, as
+  the first plan is agreed on (``profiler.agree_on_plan``). A plan returned here is staged by the
   optimizer exactly as the first plan is: the staging ``step()`` is eager, and
   every rank switches at the start of the next iteration.
 
@@ -33,8 +33,11 @@ re-planned (benchmarks/results/2026-11-27-p2-replan-cost-2.md), against a
 without waiting at the check's step and read at the next ``step()``, by when
 the next iteration's blocks have brought every rank past it; the decision is
 taken there, on every rank from the same numbers; rank 0 plans on a thread and
-the verdict is broadcast :data:`PLAN_STEPS` steps later (rank 0 joins the
-thread first, so a slow planner delays the verdict, never a rank's agreement).
+broadcasts its verdict :data:`PLAN_STEPS` steps later, or "still planning",
+and then every rank asks again at the next step: rank 0 never waits for its
+planner (tens to hundreds of milliseconds of CPU, which on a busy machine
+outlasted an iteration), and a slow planner delays the verdict, never a rank's
+agreement (past ``Config.timeout_s`` it is an error every rank hears).
 The gather goes one step before each ``replan_every``-th step, so the decision
 falls where the check in place was taken, and a switch comes one step later
 than it did. Every step of this happens at the same ``step()`` count of the
@@ -69,8 +72,8 @@ PATIENCE = 2
 re-plans (with the default ``replan_every``, a change is acted on about 20 iterations after it happens)."""
 
 PLAN_STEPS = 1
-"""Steps from a decision to re-plan to the step where every rank hears rank 0's verdict (Note [The check in
-flight]): rank 0 plans on a thread of its own meanwhile."""
+"""Steps from a decision to re-plan to the first step where every rank asks for rank 0's verdict (Note [The
+check in flight]): rank 0 plans on a thread of its own meanwhile."""
 
 SAMPLES = 4
 """Iterations observed per check window (its last ones): the watching's cost is this share of the
@@ -239,6 +242,10 @@ class Replanner:
         text = planning.verdict(self._config.timeout_s) if first else None
         quiet()
         data = json.loads(self._broadcast_text(text, 0))
+        if data.get("planning"):  # rank 0's planner is not done: every rank asks again at the next step
+            planning.due = self._steps + 1
+            self._planning = planning
+            return None
         estimate, windows = planning.estimate, planning.windows
         if "error" in data:
             self._off = True
@@ -326,13 +333,14 @@ class Replanner:
 
 
 class _Planning:
-    """A decision to re-plan, waiting for rank 0's verdict: shared at the step ``due`` (Note [The check in
+    """A decision to re-plan, waiting for rank 0's verdict: asked for at the step ``due`` (Note [The check in
     flight]). On rank 0, ``work()`` runs on a thread of its own from the decision on."""
 
     def __init__(self, due: int, estimate: adaptive.Estimate, windows: list, work=None):
         self.due, self.estimate, self.windows = due, estimate, windows
         self._text: str | None = None
         self._thread = None
+        self._started = time.monotonic()
         if work is not None:
             self._thread = threading.Thread(target=self._run, args=(work,), name="dcredit-replan", daemon=True)
             self._thread.start()
@@ -341,8 +349,12 @@ class _Planning:
         self._text = work()
 
     def verdict(self, timeout_s: float) -> str:
-        """Rank 0: the planning's JSON, waited for at most ``timeout_s``."""
-        self._thread.join(timeout_s)
-        if self._thread.is_alive() or self._text is None:
+        """Rank 0, without waiting: the planning's JSON; ``{"planning": true}`` while the planner runs, an error
+        once it has run longer than ``timeout_s``."""
+        if self._thread.is_alive():
+            if time.monotonic() - self._started <= timeout_s:
+                return json.dumps({"planning": True})
             return json.dumps({"error": f"planning did not finish within {timeout_s:g} s (Config.timeout_s)"})
+        if self._text is None:
+            return json.dumps({"error": "the planner ended without a verdict"})
         return self._text
