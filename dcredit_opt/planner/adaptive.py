@@ -381,6 +381,39 @@ def rescale(profile: Profile, estimate: Estimate) -> Profile:
                                beta_s_per_byte=profile.beta_s_per_byte * beta_scale(profile, estimate))
 
 
+# Note [Judged conditions]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# On a noisy machine the estimates of a world that does not change wander
+# beyond the threshold and back: measured on 2 shared cores, 23 to 36 of 99
+# checks of a quiet 1,000-iteration job triggered rank 0's planner (60-125
+# ms of CPU each, which a planning thread takes from the training thread
+# too: Python runs one thread at a time), and every verdict was "keep"
+# (benchmarks/results/2026-11-27-p2-replan-cost-*.md). A condition is where
+# the rescaled profile stands against what profiling measured: its compute
+# and link scales (:func:`condition`). Each condition the plan in force was
+# kept for is remembered (on rank 0), and a decision whose condition is
+# within half the threshold of one of them, in both scales, is kept without
+# planning (:func:`near`). That takes the verdict to be the same within half
+# the threshold of a condition where no plan was faster by more than the
+# threshold: a switch this skips would have gained little. A real change (a
+# batch x4, a link x0.25) lands far from every judged condition and is
+# planned for; a plan switch forgets them.
+
+
+def condition(first: Profile, now: Profile) -> tuple[float, float]:
+    """Where ``now`` (a rescaled profile) stands against ``first`` (what profiling measured): the logarithms of
+    its compute scale and of its link's per-byte scale (Note [Judged conditions])."""
+    compute = sum(t.bwd_s for t in now.tensors) / max(sum(t.bwd_s for t in first.tensors), 1e-30)
+    beta = now.beta_s_per_byte / first.beta_s_per_byte if first.beta_s_per_byte > 0 else 1.0
+    return math.log(max(compute, 1e-30)), math.log(max(beta, 1e-30))
+
+
+def near(where: tuple[float, float], judged: Sequence[tuple[float, float]], share: float) -> bool:
+    """Whether ``where`` is within ``share`` (0.05 = 5 %) of some condition in ``judged``, in both scales."""
+    limit = math.log1p(share)
+    return any(abs(where[0] - c) <= limit and abs(where[1] - b) <= limit for c, b in judged)
+
+
 def worth_switching(current_s: float, fresh_s: float, threshold: float) -> bool:
     """Whether a fresh plan predicted at ``fresh_s`` beats the current plan's ``current_s`` (both under the new
     estimates) by more than ``threshold`` (a share of the fresh plan's time)."""

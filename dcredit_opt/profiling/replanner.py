@@ -123,6 +123,8 @@ class Replanner:
         # the windows the profile's compute stands for, across plans (Note [Compute across a switch])
         self._reference = None
         self._profile = None  # rank 0: the profile the plan in force was made for, rescaled at each decision
+        self._first_profile = None  # rank 0: what profiling measured
+        self._kept: list = []  # rank 0: the conditions the plan in force was kept for (Note [Judged conditions])
         self._off = False  # rank 0 failed to plan once: said, and re-planning stops on every rank
         self._replans: list[adaptive.Replan] = []
         self._quiet_first = control_on_gpu()
@@ -163,13 +165,15 @@ class Replanner:
         if self._off:
             return None
         self._cpu_s = self._backward_cpu_s() if self._cpu_clock else None
+        if self._profile is None:
+            self._profile = self._first_profile = profile
         if plan is not self._plan:  # a new plan: a new baseline
             self._settle()
             self._plan, self._steps, self._base = plan, 0, None
+            # the condition it was made for is judged (Note [Judged conditions]); rank 0 alone has profiles
+            self._kept = [] if self._profile is None else [adaptive.condition(self._first_profile, self._profile)]
             self._window.take()
             self._hysteresis.reset()
-        if self._profile is None:
-            self._profile = profile
         self._steps += 1
         # a check's gather goes a step before every replan_every-th step, its decision there (Note [The check in
         # flight]): a plan's check windows end where they ended when the check was taken in place
@@ -258,7 +262,10 @@ class Replanner:
         old_s, new_s = data["old_s"], data["new_s"]
         if "plan" not in data:  # not worth a switch: these estimates are the new normal
             self._base = windows
-            if first and data.get("floor"):
+            if first and data.get("near"):
+                log.info("dcredit_opt: iteration %d: estimates moved (%s), to within half the threshold of a condition "
+                         "the plan in force was already kept for: kept", iteration, data["reason"])
+            elif first and data.get("floor"):
                 log.info("dcredit_opt: iteration %d: estimates moved (%s), but the plan in force, predicted at %.1f "
                          "ms, is within the threshold of the synchronous floor (%.1f ms), which no plan beats: kept",
                          iteration, data["reason"], old_s * 1e3, new_s * 1e3)
@@ -317,16 +324,23 @@ class Replanner:
             except ValueError:  # the plan in force no longer fits the profile (rows taken out since): unknown
                 old_s = math.inf
             data = {"reason": adaptive.describe(estimate, self._threshold), "old_s": old_s}
+            where = adaptive.condition(self._first_profile, profile)
+            if adaptive.near(where, self._kept, self._threshold / 2):
+                data.update(new_s=old_s, near=True)  # Note [Judged conditions]
+                return json.dumps(data)
             floor_s = synchronous_floor(profile)
             if not adaptive.worth_switching(old_s, floor_s, self._threshold):
                 # no plan beats the floor (floors.py), so none could be worth a switch: the search is spared
                 data.update(new_s=floor_s, floor=True)
-                return json.dumps(data)
-            fresh = make_plan(profile, config.policy, channels=config.channels, overlap_forward=config.overlap_forward)
-            validate(fresh, numels=numels, max_channels=config.channels, dtypes=self._dtypes)
-            new_s = data["new_s"] = iteration_time(fresh, profile, channel_fifo=CHANNEL_FIFO)
-            if fresh != plan and adaptive.worth_switching(old_s, new_s, self._threshold):
-                data["plan"] = fresh.to_dict()
+            else:
+                fresh = make_plan(profile, config.policy, channels=config.channels,
+                                  overlap_forward=config.overlap_forward)
+                validate(fresh, numels=numels, max_channels=config.channels, dtypes=self._dtypes)
+                new_s = data["new_s"] = iteration_time(fresh, profile, channel_fifo=CHANNEL_FIFO)
+                if fresh != plan and adaptive.worth_switching(old_s, new_s, self._threshold):
+                    data["plan"] = fresh.to_dict()
+            if "plan" not in data:
+                self._kept.append(where)
             return json.dumps(data)
         except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others would wait
             return json.dumps({"error": f"{type(e).__name__}: {e}"})

@@ -335,6 +335,34 @@ def test_a_plan_within_the_threshold_of_the_floor_is_kept_without_a_search(monke
     assert job.steps(a, 0.4, 0.1, 6) == [None] * 5 + [b] and job.made == [b]
 
 
+def test_conditions_and_their_neighbourhood():
+    p = model_like_profile(4, total_params=10_000)
+    q = adaptive.rescale(p, Estimate(compute=2.0, link=1.0, beta=0.5, link_rank=0, span_s=(0.0, 0.0)))
+    assert adaptive.condition(p, p) == (0.0, 0.0)
+    assert adaptive.condition(p, q) == pytest.approx((math.log(2.0), math.log(0.5)))
+    assert adaptive.near((0.04, -0.04), [(0.0, 0.0)], 0.05) and not adaptive.near((0.06, 0.0), [(0.0, 0.0)], 0.05)
+    assert not adaptive.near((0.0, 0.06), [(0.0, 0.0)], 0.05) and not adaptive.near((0.0, 0.0), [], 0.05)
+
+
+def test_a_decision_near_a_condition_already_kept_for_is_kept_without_planning(monkeypatch, caplog):
+    """Note [Judged conditions]: the planner runs for a condition (here compute x1.5) and keeps the plan; the
+    estimates wander off and back to within half the threshold of it: kept without a search; a condition far from
+    it (compute x3) is planned for."""
+    import logging
+
+    from dcredit_opt.optimizer.layout import fixed_plan
+
+    a = fixed_plan([4096], [4], 1024, 1, 1)
+    job = OneRank(monkeypatch, [a, a])  # the planner's fresh plan is the plan in force: kept
+    assert job.steps(a, 0.1, 0.1, 4) == [None] * 4
+    assert job.steps(a, 0.1, 0.15, 5) == [None] * 5 and len(job.made) == 1  # planned at x1.5: kept
+    assert job.steps(a, 0.1, 0.1, 6) == [None] * 6 and len(job.made) == 1  # x1.0: within the threshold
+    with caplog.at_level(logging.INFO, logger="dcredit_opt"):
+        assert job.steps(a, 0.1, 0.148, 6) == [None] * 6  # x1.48 against the kept x1.0: near x1.5
+    assert "a condition the plan in force was already kept for" in caplog.text and len(job.made) == 1
+    assert job.steps(a, 0.1, 0.3, 6) == [None] * 6 and len(job.made) == 2  # x3: planned for
+
+
 def test_close_waits_for_a_gather_in_flight(monkeypatch):
     """A check's gather started at the last step() before close(): every rank started it, so every rank waits
     for it before the plane goes (``Replanner.close``)."""
