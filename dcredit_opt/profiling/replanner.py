@@ -35,9 +35,13 @@ the next iteration's blocks have brought every rank past it; the decision is
 taken there, on every rank from the same numbers; rank 0 plans on a thread and
 broadcasts its verdict :data:`PLAN_STEPS` steps later, or "still planning",
 and then every rank asks again at the next step: rank 0 never waits for its
-planner (tens to hundreds of milliseconds of CPU, which on a busy machine
-outlasted an iteration), and a slow planner delays the verdict, never a rank's
-agreement (past ``Config.timeout_s`` it is an error every rank hears).
+planner (60-125 ms of CPU, which on a busy machine outlasted an iteration), and
+a slow planner delays the verdict, never a rank's agreement (past
+``Config.timeout_s`` it is an error every rank hears). The planner is Python,
+so while it runs it shares the interpreter with the training thread: it runs
+freely while that thread is in the backward's C++ or waits for the link, and
+slows its Python (a forward's operator calls) otherwise; so it runs seldom
+(Note [Judged conditions] in planner/adaptive.py).
 The gather goes one step before each ``replan_every``-th step, so the decision
 falls where the check in place was taken, and a switch comes one step later
 than it did. Every step of this happens at the same ``step()`` count of the
