@@ -61,7 +61,7 @@ def rank_main(args: argparse.Namespace) -> None:
                                       named_parameters=model.named_parameters(), config=config)
         jobs[on] = (model, opt)
     watched = jobs[True][1]._dc.replanner
-    spent = {"observe": [], "check": []}
+    spent = {"observe": [], "check": [], "_decide": [], "_conclude": []}  # the last two: parts of check
     for name in spent:
         method = getattr(watched, name)
 
@@ -118,7 +118,8 @@ def rank_main(args: argparse.Namespace) -> None:
         opt.synchronize()
     if rank == 0:
         record = {"on_s": times[True], "off_s": times[False], "observe_s": spent["observe"],
-                  "check_s": spent["check"], "gather_s": spent["gather"], "replans": [r.to_dict() for r in jobs[True][1].replans],
+                  "check_s": spent["check"], "gather_s": spent["gather"], "decide_s": spent["_decide"],
+                  "verdict_s": spent["_conclude"], "replans": [r.to_dict() for r in jobs[True][1].replans],
                   "estimates": estimates, "warmup": warmup,
                   "config": {"replan_every": jobs[True][1]._dc.config.replan_every,
                              "replan_threshold": jobs[True][1]._dc.config.replan_threshold}}
@@ -164,6 +165,10 @@ def markdown(record: dict) -> str:
         (f"| check (`check`): total / per iteration; of which the windows' all-gather ({len(gathers)} calls, its "
          f"start and its wait at the next step) | {sum(chk) * 1e3:.1f} ms / {sum(chk) / n * 1e6:.1f} us; "
          f"{sum(gathers) * 1e3:.1f} ms |"),
+        (f"| of the check: decisions ({len(r.get('decide_s', []))}, from the warm-up on) / rank 0's verdicts and "
+         f"\"still planning\" broadcasts ({len(r.get('verdict_s', []))}) | {sum(r.get('decide_s', [])) * 1e3:.1f} ms / "
+         f"{sum(r.get('verdict_s', [])) * 1e3:.1f} ms, the longest {max(r.get('verdict_s', [0.0]), default=0.0) * 1e3:.1f} "
+         "ms |"),
         (f"| timed watching per iteration without the all-gathers, share of the median iteration | "
          f"{own * 1e6:.1f} us, {100 * own / median(on):.3f} % |"),
         (f"| **timed watching per iteration, share of the median iteration** | **{per_iter * 1e6:.1f} us, "

@@ -79,6 +79,7 @@ import math
 
 from .plan import ALL, Plan, PlanError, stages_of, validate
 from .profile import Profile, bytes_of
+from .sharing import pause
 
 
 @dataclasses.dataclass(frozen=True)
@@ -426,6 +427,7 @@ class _Run:
 
     def run(self, stop_at_flush: bool = False) -> None:
         """Advance to the end of the iteration, or to the instant of the flush, before it releases."""
+        pause()  # Note [Planning beside training]
         # Processor sharing in virtual time: every transferring collective is
         # served the same bytes, so one counter (`served`, bytes per collective
         # since time 0) tracks them all, and a collective that starts

@@ -61,6 +61,7 @@ from collections.abc import Sequence
 
 from .plan import Plan
 from .profile import Profile, bytes_of
+from .sharing import pause
 from .simulate import event_times
 
 
@@ -83,6 +84,7 @@ class _Model:
 
     def run(self, rank: Sequence[int]) -> tuple[float, list[list[int]], list[int], list[float]]:
         """(iteration, messages per tensor in elements, messages per event, first-send time per tensor)."""
+        pause()  # Note [Planning beside training]
         alpha, beta, events, order = self.alpha, self.beta, self.events, self.order
         n = len(order)
         left = list(self.numel)

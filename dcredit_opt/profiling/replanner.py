@@ -62,7 +62,7 @@ import time
 import torch
 
 from ..config import Config
-from ..planner import adaptive
+from ..planner import adaptive, sharing
 from ..planner.floors import synchronous_floor
 from ..planner.plan import Plan, validate
 from ..planner.simulate import iteration_time
@@ -364,7 +364,8 @@ class _Planning:
             self._thread.start()
 
     def _run(self, work) -> None:
-        self._text = work()
+        with sharing.beside_training():
+            self._text = work()
 
     def verdict(self, timeout_s: float) -> str:
         """Rank 0, without waiting: the planning's JSON; ``{"planning": true}`` while the planner runs, an error

@@ -481,3 +481,28 @@ def test_rescale_prices_the_links_change_with_the_profiles_own_alpha():
     before = p.alpha_s * collectives + p.beta_s_per_byte * nbytes
     after = q.alpha_s * collectives + q.beta_s_per_byte * nbytes
     assert q.alpha_s == p.alpha_s and after == pytest.approx(0.6 * before)
+
+
+def test_a_planner_beside_training_lets_go_of_the_interpreter_between_steps(monkeypatch):
+    """Note [Planning beside training]: inside ``beside_training`` the search pauses (a blocking call, which hands
+    the interpreter to a waiting thread) at every candidate it replays; outside, and on other threads, never."""
+    import threading
+
+    from dcredit_opt.planner import sharing
+    from dcredit_opt.profiling.planning import make_plan
+
+    slept: list = []
+    monkeypatch.setattr(sharing.time, "sleep", lambda s: slept.append((threading.current_thread().name, s)))
+    profile = model_like_profile(8, total_params=1_000_000)
+    plan = make_plan(profile, "dcredit", channels=2, overlap_forward=True)
+    assert slept == []
+    with sharing.beside_training():
+        assert make_plan(profile, "dcredit", channels=2, overlap_forward=True) == plan  # the same plan
+        other = threading.Thread(target=lambda: make_plan(profile, "dcredit", channels=2, overlap_forward=True),
+                                 name="elsewhere")
+        other.start()
+        other.join()
+    assert len(slept) > 10 and all(s == ("MainThread", 0) for s in slept)
+    n = len(slept)
+    make_plan(profile, "dcredit", channels=2, overlap_forward=True)
+    assert len(slept) == n
