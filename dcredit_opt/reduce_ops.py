@@ -50,26 +50,25 @@ table both the optimizer and the collectives read (both take them all; the optim
 its own, optimizer/adasum.py)."""
 
 
-_IN_LIBRARIES = {"sum": ("SUM", "SUM", "Sum"), "min": ("MIN", "MIN", "Min"), "max": ("MAX", "MAX", "Max"),
-                 "product": ("PRODUCT", "PROD", "Product")}
-"""Each elementwise reduction by name, as torch.distributed's ``ReduceOp``, mpi4py's ``MPI`` and Horovod name it:
-the one table the backends' transports and the collectives read (an average is a sum, scaled)."""
+_IN_LIBRARIES = {
+    "torch.distributed": {"sum": "SUM", "min": "MIN", "max": "MAX", "product": "PRODUCT"},  # its ReduceOp
+    "mpi4py": {"sum": "SUM", "min": "MIN", "max": "MAX", "product": "PROD"},  # its MPI
+    "horovod": {"sum": "Sum", "min": "Min", "max": "Max", "product": "Product"},  # horovod.torch
+}
+"""Each elementwise reduction by name, as each library names it: the one table the backends' transports and the
+collectives read (an average is a sum, scaled)."""
 
 
-def library_op(name: str, library: str, module=None):
-    """The reduction ``name`` ("sum", "min", "max", "product") in ``library``: "torch" (a
-    ``torch.distributed.ReduceOp``), "mpi" (``module`` is mpi4py's ``MPI``) or "horovod" (``module`` is
-    ``horovod.torch``). A ValueError for another name or library."""
-    if name not in _IN_LIBRARIES:
-        raise ValueError(f"no elementwise reduction named {name!r}; expected one of {sorted(_IN_LIBRARIES)}")
-    libraries = ("torch", "mpi", "horovod")
-    if library not in libraries:
-        raise ValueError(f"library must be one of {libraries}, got {library!r}")
-    if library == "torch":
-        import torch.distributed as dist
-
-        module = dist.ReduceOp
-    return getattr(module, _IN_LIBRARIES[name][libraries.index(library)])
+def library_op(name: str, library: str, ops):
+    """The reduction ``name`` ("sum", "min", "max", "product") of ``library`` (a key of the table above), found on
+    ``ops``: ``torch.distributed.ReduceOp``, mpi4py's ``MPI`` or ``horovod.torch``. A ValueError for another name
+    or library."""
+    if library not in _IN_LIBRARIES:
+        raise ValueError(f"library must be one of {sorted(_IN_LIBRARIES)}, got {library!r}")
+    names = _IN_LIBRARIES[library]
+    if name not in names:
+        raise ValueError(f"no elementwise reduction named {name!r}; expected one of {sorted(names)}")
+    return getattr(ops, names[name])
 
 
 def block_reduction(op: ReduceOp) -> str:

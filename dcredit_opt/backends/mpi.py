@@ -84,7 +84,7 @@ class _MPITransport:
     def __init__(self, MPI, comms, tally_comm, reduction: str = "sum"):
         self._MPI = MPI
         # The blocks' op (Note [Reduce ops] in reduce_ops.py); the sweep, tallies and rows always sum.
-        self._reduce = library_op(reduction, "mpi", MPI)
+        self._reduce = library_op(reduction, "mpi4py", MPI)
         self._comms = comms
         self._tally_comm = tally_comm
         self._tally = None  # the request of the tally in flight

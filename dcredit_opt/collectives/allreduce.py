@@ -68,7 +68,8 @@ def _allreduce_launch(tensors: list, r: _Reduce) -> Handle:
         flat = torch.cat([tensors[i].detach().reshape(-1).to(device=device, dtype=wire) for i in members])
         flat = _scaled(flat, r.prescale)
         if size > 1:
-            op = library_op("sum" if r.op == "average" else r.op, "torch")  # an average: divided after
+            # an average is a sum, divided after
+            op = library_op("sum" if r.op == "average" else r.op, "torch.distributed", dist.ReduceOp)
             works.append(dist.all_reduce(flat, op=op, group=plane.collective_group(), async_op=True))
         buffers.append((members, flat))
 

@@ -36,13 +36,13 @@ def test_each_reduction_in_each_library_from_the_one_table():
     for name, torch_op, mpi_op, hvd_op in [("sum", dist.ReduceOp.SUM, "mpi-sum", 1), ("min", dist.ReduceOp.MIN,
                                            "mpi-min", 3), ("max", dist.ReduceOp.MAX, "mpi-max", 4),
                                            ("product", dist.ReduceOp.PRODUCT, "mpi-prod", 5)]:
-        assert library_op(name, "torch") == torch_op
-        assert library_op(name, "mpi", mpi) == mpi_op and library_op(name, "horovod", hvd) == hvd_op
+        assert library_op(name, "torch.distributed", dist.ReduceOp) == torch_op
+        assert library_op(name, "mpi4py", mpi) == mpi_op and library_op(name, "horovod", hvd) == hvd_op
         assert dc.collectives.core._OP_CODES[name] == hvd_op  # our Horovod ints are Horovod's
     with pytest.raises(ValueError, match="no elementwise reduction named 'average'"):
-        library_op("average", "torch")
+        library_op("average", "torch.distributed", dist.ReduceOp)
     with pytest.raises(ValueError, match="library must be one of"):
-        library_op("sum", "nccl")
+        library_op("sum", "nccl", dist.ReduceOp)
 
 
 def test_the_engine_refuses_an_op_it_does_not_know_before_making_anything():
