@@ -66,7 +66,7 @@ from ..planner import adaptive, sharing
 from ..planner.floors import synchronous_floor
 from ..planner.plan import Plan, validate
 from ..planner.simulate import iteration_time
-from ..world import control, runtime
+from ..world import control, process_sets, runtime
 from .planning import CHANNEL_FIFO, make_plan
 
 log = logging.getLogger("dcredit_opt")
@@ -113,7 +113,8 @@ class Replanner:
         self._cpu_clock = cpu_clock
         self._opened: tuple[int, float] | None = None  # (thread, its CPU seconds) where this iteration opened
         self._cpu_s: float | None = None  # the CPU seconds of the iteration that just ended
-        self._plane = plane  # a process set's ranks (Note [Process sets]); None: every rank
+        # where its collectives run: a process set's ranks (Note [Process sets]), or every rank
+        self._plane = process_sets.everyone() if plane is None else plane
         self._every = config.replan_every
         self._samples = max(1, min(SAMPLES, self._every - 1))
         self._threshold = config.replan_threshold
@@ -197,7 +198,7 @@ class Replanner:
         if not position:
             quiet()
             mine = adaptive.Window.to_vector(self._window.take())
-            tensor = torch.tensor(mine, dtype=torch.float64, device=self._device())
+            tensor = torch.tensor(mine, dtype=torch.float64, device=self._plane.control_device())
             gathering = self._all_gather_async(tensor, self._gather_name())
             if self._quiet_first:
                 gathering.wait()  # Note [The check in flight]: on the GPU nothing of ours stays in flight
@@ -292,28 +293,22 @@ class Replanner:
             timeline.mark("re-plan", record.to_dict())
         return fresh
 
-    def _device(self):
-        return control.control_device() if self._plane is None else self._plane.control_device()
-
     def _gather_name(self) -> str:
         """Horovod matches operations by name, and two optimizers' gathers may be in flight together: each its
         own, numbered as the backends are at its first check (the same on every rank: every rank checks its
         optimizers in the same order); a process set's plane has a group of its own."""
         if self._name is None:
-            everyone = self._plane is None or self._plane.everyone
-            self._name = f"replan.window.{runtime.next_backend_id()}" if everyone else "replan.window"
+            self._name = f"replan.window.{runtime.next_backend_id()}" if self._plane.everyone else "replan.window"
         return self._name
 
     def _all_gather_async(self, tensor, name: str):
-        if self._plane is None:
-            return control.all_gather_async(tensor, name)
         return self._plane.all_gather_async(tensor, name)
 
     def _broadcast_text(self, text: str | None, root: int) -> str:
-        return control.broadcast_text(text, root, plane=self._plane)
+        return self._plane.broadcast_text(text, root)
 
     def _rank(self) -> int:
-        return runtime.rank() if self._plane is None else self._plane.rank
+        return self._plane.rank
 
     def _plan_on_rank0(self, plan: Plan, estimate: adaptive.Estimate, numels: list) -> str:
         """Rank 0, on the planning thread: the fresh plan for the rescaled profile, if worth a switch, as JSON for
