@@ -16,7 +16,10 @@ phases, each from a timed iteration on, with a rate and a batch per rank:
 Schemes, interleaved per round (each launch a fresh job): ``adaptive`` (re-planning on, its defaults),
 ``once`` (``replan_every=0``: the plan made after profiling stays), both through the whole scenario; and
 ``fresh@<condition>`` for every condition of the scenario: a job started in that condition and planned there,
-re-planning off (what re-planning should reach). With ``--history``, a control for what a job's past costs
+re-planning off (what re-planning should reach); and ``again@<condition>``, the last condition's fresh job
+launched once more: two launches of one job differ by where their processes and memory land and by the
+machine's other load at the time, and their ratio is the spread any comparison of two launches carries. With
+``--history``, a control for what a job's past costs
 apart from its plan: ``history`` (``Config(policy="fixed")``, one plan that nothing changes, through the
 whole scenario) against ``history-fresh@<condition>`` (the same fixed plan, started in the condition); their
 ratio is what running through the earlier phases (and measuring later iterations) costs by itself. Rate changes are made by this process (root) with
@@ -26,7 +29,9 @@ batch changes by the ranks themselves.
 Per phase: the median iteration time of ``adaptive`` and ``once`` from :data:`SETTLE` iterations after the
 switch to the phase's end, against ``fresh`` in the same condition, with 95 % bootstrap intervals over
 iterations (:func:`benchmarks.stats.speedup_interval`); the re-plans (at which iteration, why); and, for
-each rank-0 profile, the synchronous floor (``planner.simulate.synchronous_floor``). Writes
+each rank-0 profile, the synchronous floor (``planner.simulate.synchronous_floor``); in the last phase, per
+round, whether the adaptive job ended on the fresh job's plan and, in the simulator under the fresh job's
+profile, how the two plans compare (so a gap in time can be told from a gap in plan). Writes
 ``benchmarks/results/<date>-p2-<scenario>.{json,md,png}`` (every iteration time, hardware, versions, load).
 """
 
@@ -110,6 +115,7 @@ def rank_main(args: argparse.Namespace) -> None:
         replans = [{**r.to_dict(), "from_timed_iteration": r.iteration - warmup} for r in opt.replans]
         record = {"iter_times_s": [b - a for a, b in zip(stamps[warmup - 1:], stamps[warmup:])],
                   "replans": replans, "log": said, "profile": opt.profile.to_dict() if opt.profile is not None else None,
+                  "plan": opt.plan.to_dict(),
                   "config": {"replan_every": config.replan_every, "replan_threshold": config.replan_threshold}}
         write_whole(args.out, json.dumps(record))
     dc.shutdown()
@@ -184,6 +190,8 @@ def jobs(scenario: str, history: bool = False) -> list[tuple[str, list, int, boo
     conditions = list(dict.fromkeys((rate, batch) for _, rate, batch in phases))
     for rate, batch in conditions:
         out.append((f"fresh@{_condition(rate, batch)}", [(0, rate, batch)], FRESH_ITERS, False, "dcredit"))
+    rate, batch = phases[-1][1:]  # the launch-to-launch control: the last condition's fresh job, once more
+    out.append((f"again@{_condition(rate, batch)}", [(0, rate, batch)], FRESH_ITERS, False, "dcredit"))
     if history:
         out.append(("history", phases, iters, False, "fixed"))
         for rate, batch in conditions:
@@ -224,6 +232,12 @@ def summarize(scenario: str, runs: dict[str, list[dict]]) -> list[dict]:
             row[f"{s}_over_fresh_ci"] = _inverse(speedup_interval(fresh, times))
         row["once_over_adaptive"] = row["once_s"] / row["adaptive_s"]
         row["once_over_adaptive_ci"] = speedup_interval(part["once"], part["adaptive"])
+        again = runs.get(f"again@{_condition(rate, batch)}")
+        if again:  # two launches of one job: what launching alone changes (the module docstring)
+            row["again_over_fresh"] = median(_flat([r["iter_times_s"] for r in again])) / row["fresh_s"]
+            row["again_over_fresh_ci"] = _inverse(speedup_interval(fresh, [r["iter_times_s"] for r in again]))
+        if p == len(phases) - 1:
+            row["plans"] = _plans_compared(runs["adaptive"], fresh_runs)
         row["replans"] = [[rp["from_timed_iteration"] for rp in r["replans"] if start <= rp["from_timed_iteration"] < end]
                           for r in runs["adaptive"]]
         control = runs.get(f"history-fresh@{_condition(rate, batch)}")
@@ -234,6 +248,26 @@ def summarize(scenario: str, runs: dict[str, list[dict]]) -> list[dict]:
             row["history_over_fresh_ci"] = _inverse(speedup_interval(started_here, past))
         rows.append(row)
     return rows
+
+
+def _plans_compared(adaptive: list[dict], fresh: list[dict]) -> list[dict]:
+    """Per round: whether the adaptive job's last plan is the fresh job's, and both plans' iteration time in the
+    simulator under the fresh job's profile (the fresh plan's, and the adaptive one's over it); empty for records
+    without plans."""
+    from dcredit_opt.planner.plan import Plan
+    from dcredit_opt.planner.profile import Profile
+    from dcredit_opt.planner.simulate import iteration_time
+    from dcredit_opt.profiling.planning import CHANNEL_FIFO
+
+    out = []
+    for a, f in zip(adaptive, fresh):
+        if not (a.get("plan") and f.get("plan") and f.get("profile")):
+            continue
+        mine, theirs, profile = Plan.from_dict(a["plan"]), Plan.from_dict(f["plan"]), Profile.from_dict(f["profile"])
+        fresh_s = iteration_time(theirs, profile, channel_fifo=CHANNEL_FIFO)
+        out.append({"same": mine == theirs, "fresh_plan_s": fresh_s,
+                    "adaptive_plan_over_fresh": iteration_time(mine, profile, channel_fifo=CHANNEL_FIFO) / fresh_s})
+    return out
 
 
 def _flat(lists: list[list[float]]) -> list[float]:
@@ -269,6 +303,16 @@ def markdown(record: dict) -> str:
                      f"{r['adaptive_over_fresh']:.3f} {_ci(r['adaptive_over_fresh_ci'])} | {r['once_s']:.3f} s | "
                      f"{r['once_over_fresh']:.3f} {_ci(r['once_over_fresh_ci'])} | {r['once_over_adaptive']:.3f} "
                      f"{_ci(r['once_over_adaptive_ci'])} | {r['replans']} |")
+    for r in record["summary"]:
+        if "again_over_fresh" in r:
+            lines += ["", (f"Launch to launch (phase {r['phase']}, {r['condition']}): a second job started there "
+                           f"(`again`) took {r['again_over_fresh']:.3f}x the `fresh` job's time "
+                           f"{_ci(r['again_over_fresh_ci'])}: the spread of two launches of one job.")]
+        for k, c in enumerate(r.get("plans", [])):
+            lines.append(f"- round {k}: the adaptive job's last plan is {'the same as' if c['same'] else 'not'} "
+                         f"the fresh job's; in the simulator, under the fresh job's "
+                         f"profile, {c['adaptive_plan_over_fresh']:.3f}x the fresh plan's "
+                         f"{c['fresh_plan_s'] * 1e3:.0f} ms")
     if any("history_over_fresh" in r for r in record["summary"]):
         lines += ["", ("The past alone (`--history`): one fixed plan through the scenario (`history`, measured as "
                        "above) against the same plan started in the phase's condition (`history-fresh`):"), ""]
@@ -289,7 +333,7 @@ def markdown(record: dict) -> str:
     starts = {k for k, _, _ in record["phases"][1:]}
     for scheme, runs in record["runs"].items():
         for k, run in enumerate(runs):
-            cells = [("| " if i in starts and "fresh" not in scheme else "") + f"{t * 1e3:.0f}"
+            cells = [("| " if i in starts and "@" not in scheme else "") + f"{t * 1e3:.0f}"
                      for i, t in enumerate(run["iter_times_s"])]
             lines.append(f"{scheme} r{k}: " + " ".join(cells))
     lines += ["```", ""]

@@ -9,13 +9,16 @@ the hand-off of blocks to the scheduler's thread, the wrapped step) decides
 the iteration time. Without a GPU this is its stand-in: a model with the
 GPT-like model's structure (its layers and heads, 77 parameters in 40
 modules) at width 64, vocabulary 512 and context 16, so that its compute
-takes a few milliseconds on one core. Two more shapes with many small
+takes a few milliseconds on one core. Three more shapes with many small
 tensors: ``transformer``, the same blocks 12 deep with 4 heads (149
-parameter tensors), and ``resnet50``, ResNet-50's bottleneck stages at base
-width 8 on 32x32 images (161 parameter tensors, batch norm in every block).
+parameter tensors), ``resnet50``, ResNet-50's bottleneck stages at base
+width 8 on 32x32 images (161 parameter tensors, batch norm in every block),
+and ``mlp``, 24 pre-norm residual blocks of width 64 (100 parameter tensors,
+LayerNorm in every block, under a millisecond of compute). ``--optimizer
+adamw`` trains with AdamW instead of SGD with momentum.
 
 Three ways to train it, each in its own process, one at a time, the rounds
-interleaving them: ``plain`` (the SGD optimizer alone), ``ddp`` (DDP at a
+interleaving them: ``plain`` (the optimizer alone), ``ddp`` (DDP at a
 world of one over Gloo) and ``dc`` (``dc.DistributedOptimizer`` at a world of
 one over Gloo; it measures and plans in the warm-up), and, with ``--ways
 plain,dc,dc-link``, ``dc-link``: the same planned for the link alone
@@ -52,16 +55,23 @@ collective's host time in the plan is worth. Not run unless ``--ways`` names it.
 WARMUP = 30
 
 
-MODELS = ("gpt", "transformer", "resnet50")
+MODELS = ("gpt", "transformer", "resnet50", "mlp")
+OPTIMIZERS = ("sgd", "adamw")
+"""``sgd``: SGD with momentum; ``adamw``: AdamW with weight decay (its default, foreach, implementation)."""
+MLP_BLOCKS = 24
+"""The ``mlp`` model: this many residual blocks of LayerNorm then Linear at width 64 (4 parameter tensors each,
+plus the stem's and the head's: 100 tensors) on 16 inputs of 64 features."""
 
 
 def _model_and_batch(name: str):
     import torch
 
-    from benchmarks.models import GPT_HEADS, GPT_LAYERS, GPTLike, ResNet50Shaped
+    from benchmarks.models import GPT_HEADS, GPT_LAYERS, GPTLike, ResidualMLP, ResNet50Shaped
 
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
+    if name == "mlp":
+        return ResidualMLP(blocks=MLP_BLOCKS), torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen)
     if name == "resnet50":
         return ResNet50Shaped(width=8), torch.randn(2, 3, 32, 32, generator=gen), torch.randint(0, 10, (2,),
                                                                                                generator=gen)
@@ -70,13 +80,21 @@ def _model_and_batch(name: str):
     return model, torch.randint(0, 512, (2, 16), generator=gen), torch.randint(0, 512, (2, 16), generator=gen)
 
 
-def _build(way: str, model_name: str):
+def _optimizer(name: str, params):
+    import torch
+
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+
+def _build(way: str, model_name: str, optimizer: str = "sgd"):
     """The model, its batch and its optimizer trained the way ``way``: ``(net, opt, x, y, parameter tensors)``.
     The default process group (and ``dc.init()`` for ours) must be up for every way but ``plain``."""
     import torch
 
     model, x, y = _model_and_batch(model_name)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    opt = _optimizer(optimizer, model.parameters())
     net = torch.nn.parallel.DistributedDataParallel(model) if way == "ddp" else model
     if way in ("dc", "dc-link"):
         import dcredit_opt as dc
@@ -108,7 +126,7 @@ def _collectives(opt) -> int | None:
     return len(stages_of(opt.plan)) if hasattr(opt, "plan") else None
 
 
-def run_one(way: str, iters: int, model_name: str = "gpt") -> dict:
+def run_one(way: str, iters: int, model_name: str = "gpt", optimizer: str = "sgd") -> dict:
     """In this process: train the small model ``model_name`` the way ``way`` and return its timings."""
     import torch
     import torch.distributed as dist
@@ -120,7 +138,7 @@ def run_one(way: str, iters: int, model_name: str = "gpt") -> dict:
         import dcredit_opt as dc
 
         dc.init()
-    net, opt, x, y, params = _build(way, model_name)
+    net, opt, x, y, params = _build(way, model_name, optimizer)
     _timed(net, opt, x, y, WARMUP)
     walls, cpu = _timed(net, opt, x, y, iters)
     collectives = _collectives(opt)
@@ -131,7 +149,7 @@ def run_one(way: str, iters: int, model_name: str = "gpt") -> dict:
     return {"way": way, "iter_s": walls, "train_cpu_s": cpu, "params": params, "collectives": collectives}
 
 
-def run_together(ways: list[str], rounds: int, block: int, model_name: str) -> dict:
+def run_together(ways: list[str], rounds: int, block: int, model_name: str, optimizer: str = "sgd") -> dict:
     """In this process: every way on its own copy of the model, taking turns in blocks of ``block``
     iterations (the first of each block, after the switch, not counted), ``rounds`` blocks each, so that
     whatever else the machine runs weighs on every way alike. Our optimizers apply what is pending before
@@ -144,7 +162,7 @@ def run_together(ways: list[str], rounds: int, block: int, model_name: str) -> d
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=0, world_size=1)
     dc.init()
-    runners = {way: _build(way, model_name) for way in ways}
+    runners = {way: _build(way, model_name, optimizer) for way in ways}
     walls = {w: [] for w in ways}
     cpus = {w: [] for w in ways}
 
@@ -203,6 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--iters", type=int, default=150)
     p.add_argument("--model", choices=MODELS, default="gpt")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
     p.add_argument("--ways", default="plain,ddp,dc", help=f"comma-separated, of {', '.join(WAYS)}")
     p.add_argument("--together", action="store_true",
                    help="every way in one process, taking turns in blocks of --block iterations (--rounds blocks "
@@ -212,10 +231,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--child-together", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
-        print(json.dumps(run_one(args.one, args.iters, args.model)))
+        print(json.dumps(run_one(args.one, args.iters, args.model, args.optimizer)))
         return
     if args.child_together:
-        print(json.dumps(run_together(args.ways.split(","), args.rounds, args.block, args.model)))
+        print(json.dumps(run_together(args.ways.split(","), args.rounds, args.block, args.model, args.optimizer)))
         return
 
     ways = args.ways.split(",")
@@ -224,10 +243,10 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--ways must include dc and name only {', '.join(WAYS)}; got {args.ways!r}")
     net = LoopbackNetwork(1)
     machine = f"# host cost, {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    model = f"a world of one, {args.model}-shaped model"
+    model = f"a world of one, {args.model}-shaped model, {args.optimizer}"
     if args.together:
         r = _child(net, 1800, "--child-together", "--ways", ",".join(ways), "--rounds", str(args.rounds),
-                   "--block", str(args.block), "--model", args.model)
+                   "--block", str(args.block), "--model", args.model, "--optimizer", args.optimizer)
         print(f"{machine}, one process, {args.rounds} turns of {args.block} iterations per way, {model} "
               f"({r['params']} parameter tensors)")
         plans = {w: "" if r["collectives"][w] is None else f"   collectives per iteration: {r['collectives'][w]}"
@@ -237,7 +256,8 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[str, list[dict]] = {w: [] for w in ways}
     for _ in range(args.rounds):
         for way in ways:
-            runs[way].append(_child(net, 600, "--one", way, "--iters", str(args.iters), "--model", args.model))
+            runs[way].append(_child(net, 600, "--one", way, "--iters", str(args.iters), "--model", args.model,
+                                       "--optimizer", args.optimizer))
     params = runs["dc"][0]["params"]
     print(f"{machine}, {args.rounds} rounds x {args.iters} iterations, {model} ({params} parameter tensors)")
     plans = {}

@@ -234,6 +234,33 @@ class GPTLike(nn.Module):
 
 
 # --------------------------------------------------------------------------
+# Residual MLP (many small tensors, LayerNorm in every block)
+# --------------------------------------------------------------------------
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(width), nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.relu(self.fc(self.norm(x)))
+
+
+class ResidualMLP(nn.Module):
+    """A stem, ``blocks`` pre-norm residual blocks (LayerNorm, Linear, ReLU) and a head: 4 tensors a block."""
+
+    def __init__(self, features: int = 64, width: int = 64, blocks: int = 24):
+        super().__init__()
+        self.stem = nn.Linear(features, width)
+        self.blocks = nn.Sequential(*(ResidualBlock(width) for _ in range(blocks)))
+        self.head = nn.Linear(width, NUM_CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)))
+
+
+# --------------------------------------------------------------------------
 # Tiny
 # --------------------------------------------------------------------------
 

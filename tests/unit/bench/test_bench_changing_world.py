@@ -16,13 +16,14 @@ def _run(times, replans=()):
 
 def test_a_round_runs_both_whole_jobs_and_a_fresh_job_per_condition():
     names = [j[0] for j in changing_world.jobs("rate-down-up")]
-    assert names == ["adaptive", "once", "fresh@1gbit/b8", "fresh@250mbit/b8"]
+    # and the launch-to-launch control: the last condition's fresh job once more
+    assert names == ["adaptive", "once", "fresh@1gbit/b8", "fresh@250mbit/b8", "again@1gbit/b8"]
     (_, phases, iters, adaptive, policy), (_, _, _, once, _) = changing_world.jobs("compute")[:2]
     assert adaptive and not once and phases[-1][2] == 32 and iters == 70 and policy == "dcredit"
     fresh = changing_world.jobs("compute")[3]
     assert fresh[1] == [(0, "1gbit", 32)] and not fresh[3]
     # --history adds the fixed-plan control: the whole scenario, and a job started in each condition
-    extra = changing_world.jobs("compute", history=True)[4:]
+    extra = changing_world.jobs("compute", history=True)[5:]
     assert [(j[0], j[1], j[3], j[4]) for j in extra] == [
         ("history", phases, False, "fixed"), ("history-fresh@1gbit/b16", [(0, "1gbit", 16)], False, "fixed"),
         ("history-fresh@1gbit/b32", [(0, "1gbit", 32)], False, "fixed")]
@@ -73,3 +74,27 @@ def test_the_cost_report_counts_replans_and_the_timed_watching():
     assert "| checks (every 10 steps) / with estimates moved beyond 10% | 20 / 0 |" in text
     # (200 * 0.1 ms + 20 * 1 ms) / 200 iterations = 0.2 ms, 0.2 % of 100 ms
     assert "**200.0 us, 0.200 %**" in text
+
+
+def test_two_launches_of_one_job_and_the_plans_are_compared_in_the_last_phase():
+    from dcredit_opt.optimizer.layout import fixed_plan
+    from dcredit_opt.planner.profile import Profile, TensorProfile
+
+    profile = Profile(tensors=tuple(TensorProfile(f"t{i}", 1 << 16, "float32", i, 1e-3, 2e-3) for i in range(4)),
+                      alpha_s=1e-4, beta_s_per_byte=1e-9, world_size=2)
+    small, large = (fixed_plan([1 << 16] * 4, [4] * 4, b, 1, 1, 0, True).to_dict() for b in (1 << 14, 1 << 20))
+    adaptive, fresh = _run([1.0] * 70), _run([1.0] * 15)
+    adaptive["plan"], fresh["plan"], fresh["profile"] = small, large, profile.to_dict()
+    runs = {"adaptive": [adaptive], "once": [_run([1.0] * 70)], "fresh@1gbit/b16": [_run([1.0] * 15)],
+            "fresh@1gbit/b32": [fresh], "again@1gbit/b32": [_run([1.2] * 15)]}
+    first, second = changing_world.summarize("compute", runs)
+    assert "again_over_fresh" not in first and second["again_over_fresh"] == pytest.approx(1.2)
+    (compared,) = second["plans"]
+    # 16 blocks of 64 KiB pay 16 start-ups where 4 blocks of 256 KiB pay 4: the small blocks' plan is slower
+    assert not compared["same"] and compared["adaptive_plan_over_fresh"] > 1.0
+    record = {"scenario": "compute", "model": "vgg", "phases": changing_world.SCENARIOS["compute"][1], "rounds": 1,
+              "date": "2026-11-28", "hardware": {}, "runs": runs, "summary": [first, second],
+              "conditions": {"load_start": [1, 1, 1], "load_end": [2, 2, 2], "wall_s": 10.0}}
+    text = changing_world.markdown(record)
+    assert "(`again`) took 1.200x the `fresh` job's time" in text
+    assert "- round 0: the adaptive job's last plan is not the fresh job's" in text
