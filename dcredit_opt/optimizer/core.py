@@ -256,11 +256,34 @@ class Core:
                 self._finish_profiling()
         return loss
 
+    # Note [Skipped steps]
+    # A script may decide, after backward, not to update this iteration: a
+    # gradient norm that is not finite, a batch whose backward raised part-way
+    # (an out-of-memory error caught, a check in a hook). Synchronous training
+    # then skips the update on every rank. Here the gradients are on the wire
+    # from the first hook on, so the skip has to end what was started:
+    # optimizer.synchronize() finishes reducing them (every rank launches the
+    # same blocks), and zero_grad() then ends the iteration without an update,
+    # as GradScaler's skipped steps end it. Without synchronize() first,
+    # zero_grad() would drop gradients still being reduced: refused, saying
+    # so. Skipping on one rank while another steps leaves different weights,
+    # which no collective would notice: the ranks' update counts travel in
+    # the tally and are compared at each flush (Note [Same updates] in
+    # usage.py), so that mistake stops every rank with an error at the next
+    # iteration's flush.
+
     def zero_grad(self, set_to_none: bool) -> None:
         backward = self.backward
-        if backward.open and (any(backward.marked) or self.tally.rows_captured()) and not backward.synchronized:
-            raise DCreditError("optimizer.zero_grad() was called after loss.backward() but before "
-                               "optimizer.step() or optimizer.synchronize(): the gradients are being reduced")
+        if backward.open and backward.synchronized:  # Note [Skipped steps]: no update this iteration
+            backward.end()
+            backward.set_synchronized(False)
+        elif backward.open and (any(backward.marked) or self.tally.rows_captured()):
+            raise DCreditError(
+                "optimizer.zero_grad() was called while this iteration's gradients are being reduced: after "
+                "loss.backward() (or a backward that raised part-way) and before optimizer.step() or "
+                "optimizer.synchronize(). Nothing was changed. To apply them, call optimizer.step(); to skip "
+                "this iteration, call optimizer.synchronize() and then optimizer.zero_grad(), on every rank "
+                "alike (Note [Skipped steps])")
         # Our own bookkeeping on gradients, not a read of any parameter: the read guard stands aside (it
         # would examine every call here while updates are pending; Note [Guard cost] in reads.py).
         lazy = self.lazy

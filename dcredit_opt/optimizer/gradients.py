@@ -115,7 +115,9 @@ class Backward:
                 f"the gradient of parameter '{self.names[i]}' was computed after this iteration's gradients "
                 "were already being reduced whole (by optimizer.synchronize(), or by reading a p.grad after a "
                 "backward, which waits for its average: Note [Gradient reads]), so it would never be reduced. "
-                "Run every backward of an iteration before reading gradients or calling synchronize()")
+                "Run every backward of an iteration before reading gradients or calling synchronize(); to "
+                "skip the update of an iteration after synchronize(), call optimizer.zero_grad() (the "
+                "DistributedOptimizer's, on every rank) before the next backward (Note [Skipped steps])")
         with self._lazy.guard.paused():  # our buffers only (Note [Guard cost] in reads.py)
             self._stage(i)
         self.marked[i] = True
@@ -209,8 +211,8 @@ class Backward:
         self.flushed = True
         self.path.set_flushed(True)
         self.life.released = True
-        if self._tally.start():  # tensors now rows-only (Note [Embedding rows]): a plan without their blocks
-            self._restage()
+        if self._tally.start(self._lazy.taken):  # tensors now rows-only (Note [Embedding rows]): a plan without
+            self._restage()  # their blocks
         if buffers.delayed is not None:
             buffers.start_delayed()  # after the tally: it never waits behind this sum
 

@@ -109,6 +109,7 @@ class LazyUpdates:
         self.reduced = False  # pending updates whose blocks a new iteration has already waited for
         self.deferred = False  # pending updates are lazy: a graph read of them before their apply is stale
         self.learned = False  # the apply points are known
+        self.taken = 0  # step()s that took an iteration's reduced gradients to an update (Note [Same updates])
         self.eager = tuple(range(T))  # tensors applied in step() even when lazy
         self._names = names
         self._params = params
@@ -128,6 +129,7 @@ class LazyUpdates:
 
     def take(self, groups) -> None:
         """``step()``: every tensor's update waits, with the hyperparameters in force now (copied)."""
+        self.taken += 1
         self.snapshot = [copy_hyper(g) for g in groups]
         self.wake()
         fill(self.pending, 1)

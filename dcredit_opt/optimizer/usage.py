@@ -18,11 +18,32 @@ did). A tensor that no rank used gets ``p.grad = None`` before the wrapped
 step, on every rank alike, and keeps it, as under DDP.
 
 The same tally carries each rank's proposal of tensors to reduce as
-embedding rows; once every rank proposes the same ones, all take the rows
+embedding rows (Note [Embedding rows]) and its count of updates (Note [Same
+updates]); once every rank proposes the same ones, all take the rows
 path together (Note [Embedding rows] in ``rows.py``). :class:`UsageTally`
 owns both: the flags, the tally, this rank's proposal and the rows agreed;
 and the sparse gradients that take the same path (Note [Sparse gradients] in
 ``sparse.py``), agreed at the first flush.
+
+Note [Same updates]
+-------------------
+Synchronous training applies one update per iteration on every rank. A
+script that skips ``step()`` on one rank alone (after a check of its own
+loss, or an exception caught in its backward, then ``zero_grad()``) while
+the others step leaves the ranks with different weights, and nothing later
+tells: the next iterations' collectives pair up as before. Each rank's
+count of the updates it took (``LazyUpdates.taken``: the ``step()`` calls
+that took an iteration's reduced gradients, applied or deferred) travels in
+the tally as ``a`` and ``a * a``, ``a`` the count modulo
+:data:`UPDATES_MODULO`. The sums equal ``world * a`` and ``world * a * a``
+on a rank exactly when every rank's count is that rank's (the sum of
+squares exceeds ``world`` times the squared mean unless all are equal), so
+where counts differ every rank sees it, at the same flush, and raises. A
+count that differs is seen at the first flush after it: one tally later,
+long before counts modulo 64 could meet again. A step skipped on every rank
+alike (``synchronize()``, a decision from the reduced gradients, then
+``zero_grad()``: the iteration ends without an update, as GradScaler's
+skipped steps do) changes every rank's count alike.
 """
 
 from __future__ import annotations
@@ -36,6 +57,10 @@ from ..errors import DCreditError
 from ..world.peers import at_rank
 from . import rows, sparse
 from .buffers import clear, per_tensor
+
+UPDATES_MODULO = 64
+"""Note [Same updates]: the update counts travel modulo this, so that ``world * a * a`` fits the tally's int32
+for a world of up to 2**31 / 64**2 = 524,288 ranks."""
 
 
 class UsageTally:
@@ -220,19 +245,22 @@ class UsageTally:
                     self.as_sparse.pop(i, None)
                 versions[i] = slot._version
 
-    def start(self) -> bool:
-        """Note [Global usage]: start summing over ranks which tensors had a gradient on each. True when
-        the last tally made tensors rows-only: the plan must be rebuilt without their blocks."""
+    def start(self, taken: int) -> bool:
+        """Note [Global usage]: start summing over ranks which tensors had a gradient on each, with this rank's
+        count of updates ``taken`` (Note [Same updates]). True when the last tally made tensors rows-only: the
+        plan must be rebuilt without their blocks."""
         here = bytes(self.used)
         replan = False
         if self._world_size == 1:
             usage = _Usage(here, None)  # nothing to sum: what this rank had is what every rank had
             usage.everywhere = here
         else:
-            usage = _Usage(here, self._counts(here))
+            usage = _Usage(here, self._counts(here, taken % UPDATES_MODULO), taken)
             last = self._usage
             try:
                 self._backend.wait_tally(self._timeout())  # the last one, if nothing needed it
+                if last is not None:
+                    self._check_updates(last)
                 if last is not None and not self._agreed:
                     replan = self._agree_on_rows(last.counts.tolist())
                 self._backend.start_tally(usage.counts)
@@ -243,9 +271,26 @@ class UsageTally:
         replan, self._sparse_replan = replan or self._sparse_replan, False
         return replan
 
-    def _counts(self, here: bytes) -> torch.Tensor:
+    def _check_updates(self, last: _Usage) -> None:
+        """Note [Same updates]: the summed tally ``last`` says every rank had taken as many updates as this
+        one when it started, or this raises (on every rank alike)."""
+        world, a = self._world_size, last.taken % UPDATES_MODULO
+        total, squares = last.counts[-2:].tolist()
+        if total == world * a and squares == world * a * a:
+            return
+        raise DCreditError(
+            f"the ranks have not all applied the same number of optimizer updates: this rank had taken {last.taken} "
+            "when the last iteration's gradients were reduced, and some rank had taken another number "
+            "(Note [Same updates]). A step() was skipped on some ranks but not on others (for example after a check of the "
+            "rank's own loss, or an exception caught in its backward, followed by zero_grad()), so the weights "
+            "now differ between ranks. Skip a step on every rank alike: decide from values every rank shares "
+            "(the gradients after optimizer.synchronize(), or a flag you all-reduce), then call "
+            "optimizer.zero_grad() without step() on every rank")
+
+    def _counts(self, here: bytes, updates: int) -> torch.Tensor:
         """What this rank adds to the tally: per tensor, whether it had a gradient here; then this rank's
-        proposal for Note [Embedding rows] (rows wanted, rows only). Built from the bytes and a per-proposal
+        proposal for Note [Embedding rows] (rows wanted, rows only); then its count of updates, modulo
+        :data:`UPDATES_MODULO`, and its square (Note [Same updates]). Built from the bytes and a per-proposal
         tail, not element by element: this runs every iteration."""
         proposal = tuple(self._proposal)
         T = len(here)
@@ -253,10 +298,12 @@ class UsageTally:
             tail = torch.tensor([*(k > 0 for k in proposal), *(k == rows.ROWS_ONLY for k in proposal)],
                                 dtype=torch.int32)
             self._tail = (proposal, tail)
-        counts = torch.empty(3 * T, dtype=torch.int32)
+        counts = torch.empty(3 * T + 2, dtype=torch.int32)
         if T:
             counts[:T] = torch.frombuffer(bytearray(here), dtype=torch.uint8)
-        counts[T:] = self._tail[1]
+        counts[T:3 * T] = self._tail[1]
+        counts[3 * T] = updates
+        counts[3 * T + 1] = updates * updates
         return counts
 
     def unused_everywhere(self, indices) -> list:
@@ -330,12 +377,14 @@ class UsageTally:
 
 class _Usage:
     """One iteration's Note [Global usage]: per tensor, whether it had a gradient here, the counts being
-    summed over ranks, and, once that sum is known, whether it had one anywhere."""
+    summed over ranks, and, once that sum is known, whether it had one anywhere; and the updates this rank had
+    taken (Note [Same updates])."""
 
-    __slots__ = ("counts", "everywhere", "here")
+    __slots__ = ("counts", "everywhere", "here", "taken")
 
-    def __init__(self, here: bytes, counts: torch.Tensor | None):
+    def __init__(self, here: bytes, counts: torch.Tensor | None, taken: int = 0):
         self.here = here
         self.counts = counts
         self.everywhere = None
+        self.taken = taken
 

@@ -680,6 +680,54 @@ def p3d_early_read(mode: str):
     return _module_pattern(lambda: StaleNet(mode), _sgd, stale_loss)
 
 
+class _SkipBatch(Exception):
+    """Raised by a hook inside backward; the script catches it and skips the batch."""
+
+
+SKIP = 3
+"""The step whose update the skipped-step patterns skip."""
+
+
+def skipped_step(kind: str):
+    """Note [Skipped steps]: every rank skips the update of step :data:`SKIP`, then trains on; the reference
+    skips it too. ``"synchronized"``: after a finished backward, on a look at the reduced gradients (a norm
+    check); ``"interrupted"``: after a backward that a hook on ``mid``'s output ended part-way with an
+    exception, caught. Both then call ``synchronize()`` and ``zero_grad()``, and no ``step()``."""
+    def run(job: Job) -> dict:
+        model, ref, opt, ropt = job.make(Net, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9))
+        armed = [False]
+
+        def boom(grad):
+            if armed[0]:
+                raise _SkipBatch(f"a hook ended the backward of step {SKIP}")
+
+        def hook_output(module, inputs, out):
+            if out.requires_grad:
+                out.register_hook(boom)
+
+        model.mid.register_forward_hook(hook_output)
+        norms = []
+        for step in range(STEPS):
+            opt.zero_grad()
+            armed[0] = kind == "interrupted" and step == SKIP
+            loss = mse(model, step, job.rank)
+            try:
+                loss.backward()
+            except _SkipBatch:
+                assert armed[0]
+            if step == SKIP:
+                opt.synchronize()
+                norms.append(float(torch.stack([p.grad.norm() for p in model.parameters()
+                                                if p.grad is not None]).norm()))
+                opt.zero_grad()
+                continue
+            job.step(opt)
+            reference_grads(ref, lambda r, step=step: mse(ref, step, r), job.world)
+            ropt.step()
+        return job.result(model, ref, opt, skipped_norm=norms[0])
+    return run
+
+
 WORK = {
     "P3a_parameterlist_in_parent": _module_pattern(ParamListNet),
     "P3b_child_weight_via_F_linear": _module_pattern(FunctionalChildNet),
@@ -716,6 +764,8 @@ WORK = {
     "P3d_early_read_saved_for_backward": p3d_early_read("saved"),
     "P3d_early_read_module_not_called": p3d_early_read("functional"),
     "P3d_early_read_untracked": p3d_early_read("untracked"),
+    "step_skipped_after_synchronize": skipped_step("synchronized"),
+    "step_skipped_after_interrupted_backward": skipped_step("interrupted"),
 }
 
 PROFILED = {
@@ -821,6 +871,28 @@ def p13_unscale_without_synchronize(job: Job) -> dict:
     return _expect_error(job, model, ref, opt, ropt, body)
 
 
+def step_skipped_on_one_rank(job: Job) -> dict:
+    """Rank 1 alone skips the update of step :data:`SKIP` (``synchronize()``, ``zero_grad()``); rank 0 steps.
+    The weights differ from then on, and no collective notices: refused on every rank at a later flush
+    (Note [Same updates] in usage.py)."""
+    model, ref, opt, ropt = job.make(Net, _sgd)
+
+    def body(step, where):
+        opt.zero_grad()
+        where[0] = f"forward of step {step}"
+        loss = mse(model, step, job.rank)
+        where[0] = f"backward of step {step}"
+        loss.backward()
+        where[0] = f"step() of step {step}"
+        if step == SKIP and job.rank == 1:
+            opt.synchronize()
+            opt.zero_grad()
+            return
+        job.step(opt)
+
+    return _expect_error(job, model, ref, opt, ropt, body)
+
+
 def p14_unfrozen_later(job: Job) -> dict:
     def frozen_net():
         net = Net()
@@ -885,6 +957,7 @@ RAISE = {
     "P3e_stale_read_on_thread": p3e_stale_read_on_thread("thread"),
     "P3e_stale_read_untracked_on_thread": p3e_stale_read_on_thread("thread_untracked"),
     "rows_second_backward_before_step": rows_second_backward,
+    "step_skipped_on_one_rank": step_skipped_on_one_rank,
 }
 
 LAST = {"P8_shutdown_after_lazy_step": p8_shutdown_after_lazy_step}

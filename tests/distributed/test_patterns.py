@@ -35,7 +35,8 @@ GROUPS = {
 OTHER_BACKEND_TIMEOUT_S = 180
 OTHER_BACKENDS = ["P2_branch_on_rank1_while_profiling", "P3a_parameterlist_in_parent",
                   "P3b_child_weight_via_F_linear", "P3c_bare_weight_via_F_linear",
-                  "unused_on_every_rank_with_momentum", "embedding_rows_tied", "embedding_rows_regularised_later"]
+                  "unused_on_every_rank_with_momentum", "embedding_rows_tied", "embedding_rows_regularised_later",
+                  "step_skipped_after_interrupted_backward"]
 
 _launched: dict = {}
 
@@ -122,6 +123,9 @@ def test_pattern_equals_synchronous_reference(name):
             assert r["hook_calls"] == [(n, n)] * pw.STEPS, (
                 f"rank {rank}: step post hook calls (params, params with grad): {r['hook_calls']}, expected "
                 f"{pw.STEPS} calls each seeing all {n}")
+    elif name.startswith("step_skipped_after"):  # the skip was decided on the reduced gradients: the same
+        norms = [r["skipped_norm"] for r in per_rank]
+        assert norms[0] == norms[1], f"ranks saw different reduced gradients at the skipped step: norms {norms}"
     elif name == "P13p_plain_grad_scaler_with_inf":
         scales = [r["scales"] for r in per_rank]
         assert scales[0] == scales[1] == per_rank[0]["ref_scales"], f"scales per step: {scales}, reference " \
@@ -169,6 +173,8 @@ RAISES = {
     "P3e_stale_read_on_thread": (("a.weight",), ["synchronize()"]),
     "P3e_stale_read_untracked_on_thread": (("a.weight",), ["synchronize()"]),
     "rows_second_backward_before_step": (("emb.weight",), ["backward_passes_per_step"]),
+    "step_skipped_on_one_rank": (("",), ["not all applied the same number of optimizer updates",
+                                         "zero_grad() without step() on every rank"]),
 }
 
 

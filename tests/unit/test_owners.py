@@ -15,7 +15,7 @@ from torch import nn
 
 from dcredit_opt.config import Config
 from dcredit_opt.errors import DCreditError
-from dcredit_opt.optimizer import rows
+from dcredit_opt.optimizer import rows, usage
 from dcredit_opt.optimizer.notices import Notices
 from dcredit_opt.optimizer.usage import UsageTally
 
@@ -49,7 +49,7 @@ def test_alone_the_tally_says_unused_what_this_rank_did_not_use():
     tally = _tally(params)
     tally.used[0] = True
     tally.used[2] = True
-    assert tally.start() is False
+    assert tally.start(0) is False
     assert list(tally.used) == [0, 0, 0]  # cleared for the next iteration
     assert tally.unused_everywhere(range(3)) == [1]
 
@@ -59,7 +59,7 @@ def test_a_gradient_the_user_assigned_is_not_dropped():
     slots = [torch.zeros(2), torch.zeros(2)]
     watched = list(slots)
     tally = _tally(params)
-    tally.start()  # nothing used: both unused everywhere
+    tally.start(0)  # nothing used: both unused everywhere
     params[0].grad = slots[0]
     params[1].grad = torch.ones(2)  # the user's
     assert tally.drop_unused_grads(range(2), watched, slots) == [0, 1]
@@ -69,11 +69,11 @@ def test_a_gradient_the_user_assigned_is_not_dropped():
 
 def test_with_peers_the_tally_waits_only_for_tensors_unused_here():
     params = [nn.Parameter(torch.zeros(2)) for _ in range(3)]
-    side = _SideChannel(others=[0, 1, 0, 0, 0, 0, 0, 0, 0])  # the other rank used tensor 1 only
+    side = _SideChannel(others=[0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0])  # the other rank used tensor 1 only
     tally = _tally(params, world=2, backend=side)
     tally.used[0] = True
-    tally.start()
-    assert [c.tolist() for c in side.started] == [[1, 0, 0, 0, 0, 0, 0, 0, 0]]
+    tally.start(0)
+    assert [c.tolist() for c in side.started] == [[1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]]
     waits = side.waits  # the start waits for the last tally, if any
     assert tally.unused_everywhere([0]) == []
     assert side.waits == waits  # used here: used, whatever the others did
@@ -81,18 +81,53 @@ def test_with_peers_the_tally_waits_only_for_tensors_unused_here():
     assert side.waits == waits + 1
 
 
+class _Peers(_SideChannel):
+    """Every other rank's update count is ``theirs[k]`` at the k-th tally (nothing used, nothing proposed)."""
+
+    def __init__(self, theirs, world):
+        super().__init__(world=world)
+        self.theirs = list(theirs)
+
+    def start_tally(self, counts):
+        self.started.append(counts.clone())
+        a = self.theirs.pop(0) % usage.UPDATES_MODULO
+        counts[-2:] += torch.tensor([a, a * a], dtype=torch.int32) * (self.world - 1)
+
+
+@pytest.mark.parametrize("world", [2, 5])
+def test_the_tally_carries_the_update_counts_and_a_rank_that_skipped_a_step_is_told(world):
+    params = [nn.Parameter(torch.zeros(2)) for _ in range(2)]
+    # the same counts at the first three tallies (64 and 0 are the same modulo 64: no false alarm on the wrap)
+    tally = _tally(params, world=world, backend=_Peers([0, 1, 64, 66, 3], world))
+    for taken in (0, 1, 64):
+        tally.start(taken)  # each checks the tally before it
+    assert tally._backend.started[-1][-2:].tolist() == [0, 0]  # 64 modulo 64, and its square
+    tally.start(65)  # the others took 66: checked at the next start, on every rank alike
+    with pytest.raises(DCreditError, match=r"not all applied the same number of optimizer updates: this rank had "
+                                           r"taken 65.*zero_grad\(\) without step\(\) on every rank"):
+        tally.start(66)
+
+
+def test_alone_the_update_count_is_not_exchanged():
+    tally = _tally([nn.Parameter(torch.zeros(2))])
+    side = tally._backend
+    tally.start(3)
+    tally.start(7)
+    assert side.started == []
+
+
 def test_the_ranks_agree_on_embedding_rows_through_the_tally():
     emb = nn.Embedding(5, 2)
     params = [emb.weight, nn.Parameter(torch.zeros(2, 2))]
-    side = _SideChannel(others=[1, 0, 1, 0, 1, 0])  # the other rank proposes tensor 0, rows only
+    side = _SideChannel(others=[1, 0, 1, 0, 1, 0, 0, 0])  # the other rank proposes tensor 0, rows only
     notices = Notices()
     tally = _tally(params, world=2, backend=side, notices=notices)
     tracer = types.SimpleNamespace(embedded_by={0: [weakref.ref(emb)]}, read_otherwise=set())
     tally.propose_rows(tracer, grouped=set())
     tally.used[0] = True
-    assert tally.start() is False  # the first tally is in flight: nothing agreed yet
+    assert tally.start(0) is False  # the first tally is in flight: nothing agreed yet
     assert tally.rows == {}
-    assert tally.start() is True  # the last tally's sums: both ranks propose tensor 0, rows only
+    assert tally.start(0) is True  # the last tally's sums: both ranks propose tensor 0, rows only
     assert list(tally.rows) == [0] and tally.rows[0].kind == rows.ROWS_ONLY
     assert tally.rows_only() == [0]
     assert "rows" in notices
@@ -102,11 +137,11 @@ def test_the_ranks_agree_on_embedding_rows_through_the_tally():
 
 def test_a_proposal_of_one_rank_alone_is_not_taken():
     emb = nn.Embedding(5, 2)
-    side = _SideChannel(others=[0, 0, 0])  # the other rank proposes nothing
+    side = _SideChannel(others=[0, 0, 0, 0, 0])  # the other rank proposes nothing
     tally = _tally([emb.weight], world=2, backend=side)
     tally.propose_rows(types.SimpleNamespace(embedded_by={0: [weakref.ref(emb)]}, read_otherwise={0}), set())
-    tally.start()
-    assert tally.start() is False
+    tally.start(0)
+    assert tally.start(0) is False
     assert tally.rows == {}
 
 
