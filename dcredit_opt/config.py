@@ -129,6 +129,14 @@ class Config:
     before any update (the step is skipped). Costs one pass over the gradients, and that ``step()``
     waits for every block instead of overlapping them with the next forward."""
 
+    check_weights_every: int = 100
+    """Every this many iterations (the first check at iteration ``check_weights_every``), every rank's weights
+    are compared with every other rank's, exactly, through the tally the iteration sends anyway; a parameter that differs between ranks
+    (a write to it on some ranks only, ranks that started from different weights, or a fault of ours)
+    stops every rank with DCreditError naming it, at the next iteration's end of backward (Note [Same
+    weights]). Costs one read of the weights on the training thread per check (an integer sum per
+    parameter) and two integers per parameter in that iteration's tally. 0 turns it off. With 2+ ranks."""
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -138,7 +146,8 @@ class Config:
         Always ValueError, a wrong type included, so that one ``except`` catches
         every bad setting, from the constructor and from ``DCREDIT_*`` alike.
         """
-        for name in ("block_bytes", "window", "credit_bytes", "channels", "profile_iters", "replan_every"):
+        for name in ("block_bytes", "window", "credit_bytes", "channels", "profile_iters", "replan_every",
+                     "check_weights_every"):
             if isinstance(getattr(self, name), bool):  # bool is an int subclass; never a count
                 raise ValueError(  # noqa: TRY004
                     f"Config.{name} must be an integer, got {getattr(self, name)!r}")
@@ -167,6 +176,9 @@ class Config:
             raise ValueError(f"Config.collective_host_s must be a number of seconds in [0, 1), got {host!r}")
         if not isinstance(self.replan_every, int) or self.replan_every < 0 or self.replan_every == 1:
             raise ValueError(f"Config.replan_every must be 0 (off) or >= 2 steps, got {self.replan_every!r}")
+        if not isinstance(self.check_weights_every, int) or self.check_weights_every < 0:
+            raise ValueError(f"Config.check_weights_every must be 0 (off) or a number of iterations >= 1, got "
+                             f"{self.check_weights_every!r}")
         if (isinstance(self.replan_threshold, bool) or not isinstance(self.replan_threshold, (int, float))
                 or not 0 <= self.replan_threshold < 10):
             raise ValueError(f"Config.replan_threshold must be a share in [0, 10) (0.1 = 10 %), got "

@@ -18,8 +18,8 @@ did). A tensor that no rank used gets ``p.grad = None`` before the wrapped
 step, on every rank alike, and keeps it, as under DDP.
 
 The same tally carries each rank's proposal of tensors to reduce as
-embedding rows (Note [Embedding rows]) and its count of updates (Note [Same
-updates]); once every rank proposes the same ones, all take the rows
+embedding rows (Note [Embedding rows]) its count of updates (Note [Same updates]) and, now and
+then, fingerprints of its weights (Note [Same weights]); once every rank proposes the same ones, all take the rows
 path together (Note [Embedding rows] in ``rows.py``). :class:`UsageTally`
 owns both: the flags, the tally, this rank's proposal and the rows agreed;
 and the sparse gradients that take the same path (Note [Sparse gradients] in
@@ -44,6 +44,34 @@ long before counts modulo 64 could meet again. A step skipped on every rank
 alike (``synchronize()``, a decision from the reduced gradients, then
 ``zero_grad()``: the iteration ends without an update, as GradScaler's
 skipped steps do) changes every rank's count alike.
+
+Note [Same weights]
+-------------------
+Synchronous training keeps every rank's weights bit for bit the same: the
+same reduced gradients, the same optimizer, the same arithmetic. So the
+weights themselves are compared, every ``Config.check_weights_every``
+iterations, in the same tally: per parameter an exact fingerprint, the
+integer sum of its bits read as 32-bit words (16-bit for 16-bit dtypes),
+which no summation order or thread count changes, mixed down to six bits
+``f`` (a multiply whose top bits depend on every bit of the sum: a sum's
+low bits are all zero for round values such as a fresh layer norm's ones),
+sent as ``f`` and ``f * f`` as the update counts are (Note [Same
+updates]); a parameter whose sums are not
+``world * f`` and ``world * f * f`` differs somewhere, and every rank finds
+the same first one. A difference that falls on the same six bits (1 in 64
+per parameter per check) is seen at a later check, as the weights go on
+moving apart; weights that differ only by a permutation of the same values
+have the same sum and are not seen. The fingerprint is taken at the flush, after the last
+``step()``'s updates were applied (``release()`` and ``synchronize()``
+apply what is pending first), so every rank fingerprints the weights of
+the same number of updates. What it catches that nothing else does: a
+write to a parameter on some ranks only (a checkpoint loaded on one rank,
+an in-place change under a rank's own condition), ranks that started from
+different weights (no broadcast of rank 0's), and any fault of ours that
+lets ranks drift. The first check comes at iteration ``check_weights_every``,
+not the first: a script may run a step or two on purpose from different
+weights (Horovod's own test of broadcasting the optimizer's state does)
+before it broadcasts them.
 """
 
 from __future__ import annotations
@@ -59,8 +87,29 @@ from . import rows, sparse
 from .buffers import clear, per_tensor
 
 UPDATES_MODULO = 64
-"""Note [Same updates]: the update counts travel modulo this, so that ``world * a * a`` fits the tally's int32
-for a world of up to 2**31 / 64**2 = 524,288 ranks."""
+"""Note [Same updates]: the update counts (and Note [Same weights]'s fingerprints) travel modulo this, so that
+``world * a * a`` fits the tally's int32 for a world of up to 2**31 / 64**2 = 524,288 ranks."""
+
+
+_MIX = 0x9E3779B97F4A7C15
+"""An odd 64-bit multiplier (2**64 over the golden ratio): its product's top bits depend on every bit of the
+fingerprint's sum, whose low bits alone are all zero for round values (zeros, ones)."""
+
+
+def fingerprints(params) -> list[int]:
+    """Note [Same weights]: per parameter, the sum of its bits read as integer words (16-bit words for a 16-bit
+    dtype, 8-bit for an 8-bit one, else 32-bit), exact whatever the order of the summation, mixed down to a
+    number below :data:`UPDATES_MODULO`."""
+    sums = []
+    for p in params:
+        flat = p.detach().reshape(-1)
+        word = {1: torch.uint8, 2: torch.int16}.get(flat.element_size(), torch.int32)
+        sums.append(flat.view(word).sum(dtype=torch.int64))
+    if not sums:
+        return []
+    bits = UPDATES_MODULO.bit_length() - 1
+    return [((s & 0xFFFFFFFFFFFFFFFF) * _MIX & 0xFFFFFFFFFFFFFFFF) >> (64 - bits)
+            for s in torch.stack(sums).cpu().tolist()]
 
 
 class UsageTally:
@@ -91,6 +140,10 @@ class UsageTally:
         self._tail = None  # (proposal, its part of the tally), rebuilt when the proposal changes
         self._modules: dict[int, list] = {}  # tensor -> weak references to the embeddings that read it
         self._agreed = False
+        self._starts = 0  # tallies started: the same on every rank (each is a collective)
+        # Note [Same weights]: every this many tallies carries the weights' fingerprints
+        self._check_weights = int(config.check_weights_every)
+        self._weights_matched = 0  # the last iteration (tally) whose weights matched on every rank, 0: none yet
         # Note [Sparse gradients]: this rank's sparse gradients of the first iteration, until the first flush
         # agrees which tensors are sparse (None after it, or when sparse gradients are reduced dense).
         self._first_sparse: dict | None = None
@@ -255,12 +308,20 @@ class UsageTally:
             usage = _Usage(here, None)  # nothing to sum: what this rank had is what every rank had
             usage.everywhere = here
         else:
-            usage = _Usage(here, self._counts(here, taken % UPDATES_MODULO), taken)
+            self._starts += 1
+            check = self._check_weights and not self._starts % self._check_weights
+            weights = fingerprints(self._params) if check else None
+            usage = _Usage(here, self._counts(here, taken % UPDATES_MODULO, weights), taken, weights,
+                           self._starts)
             last = self._usage
             try:
                 self._backend.wait_tally(self._timeout())  # the last one, if nothing needed it
-                if last is not None:
-                    self._check_updates(last)
+            except (RuntimeError, TimeoutError) as e:
+                raise at_rank(e, "end of phase 1, summing which gradients each rank computed") from e
+            if last is not None:
+                self._check_updates(last)
+                self._check_weights_of(last)
+            try:
                 if last is not None and not self._agreed:
                     replan = self._agree_on_rows(last.counts.tolist())
                 self._backend.start_tally(usage.counts)
@@ -275,7 +336,7 @@ class UsageTally:
         """Note [Same updates]: the summed tally ``last`` says every rank had taken as many updates as this
         one when it started, or this raises (on every rank alike)."""
         world, a = self._world_size, last.taken % UPDATES_MODULO
-        total, squares = last.counts[-2:].tolist()
+        total, squares = last.counts[3 * len(self._params):3 * len(self._params) + 2].tolist()
         if total == world * a and squares == world * a * a:
             return
         raise DCreditError(
@@ -287,23 +348,56 @@ class UsageTally:
             "(the gradients after optimizer.synchronize(), or a flag you all-reduce), then call "
             "optimizer.zero_grad() without step() on every rank")
 
-    def _counts(self, here: bytes, updates: int) -> torch.Tensor:
+    def _check_weights_of(self, last: _Usage) -> None:
+        """Note [Same weights]: where the summed tally ``last`` carried fingerprints, every parameter's must be
+        this rank's on every rank, or this raises (on every rank alike, naming the same parameter)."""
+        if last.weights is None:
+            return
+        T, world = len(self._params), self._world_size
+        mine = torch.tensor(last.weights, dtype=torch.int64)
+        sums = last.counts[3 * T + 2:].to(torch.int64).reshape(2, T)
+        differ = ((sums[0] != world * mine) | (sums[1] != world * mine * mine)).nonzero().reshape(-1).tolist()
+        if not differ:
+            self._weights_matched = last.starts
+            return
+        i = differ[0]
+        if self._weights_matched:
+            since = (f"after the same updates on every rank (Note [Same updates]), and they were equal at iteration "
+                     f"{self._weights_matched} (the check before)")
+        else:
+            since = ("at the first comparison; the ranks may have started from different weights (give every rank "
+                     "rank 0's before training: dc.broadcast_parameters(model.state_dict(), root_rank=0), as Horovod "
+                     "scripts do, or the same seed)")
+        others = f" ({len(differ) - 1} more parameters differ too)" if len(differ) > 1 else ""
+        raise DCreditError(
+            f"parameter '{self._names[i]}' differs between ranks{others} at iteration {last.starts}, {since}. "
+            "Something changed it on some ranks only (a checkpoint loaded on one rank, an in-place write under a "
+            "rank's own condition): change parameters on every rank alike, or broadcast them from one rank "
+            "after the change. The weights no longer equal synchronous training's; "
+            "Config(check_weights_every=...) sets how often this is checked (Note [Same weights])")
+
+    def _counts(self, here: bytes, updates: int, weights: list | None = None) -> torch.Tensor:
         """What this rank adds to the tally: per tensor, whether it had a gradient here; then this rank's
         proposal for Note [Embedding rows] (rows wanted, rows only); then its count of updates, modulo
-        :data:`UPDATES_MODULO`, and its square (Note [Same updates]). Built from the bytes and a per-proposal
-        tail, not element by element: this runs every iteration."""
+        :data:`UPDATES_MODULO`, and its square (Note [Same updates]); and, where given, the fingerprints of its
+        weights and their squares (Note [Same weights]). Built from the bytes and a per-proposal tail, not
+        element by element: this runs every iteration."""
         proposal = tuple(self._proposal)
         T = len(here)
         if self._tail is None or self._tail[0] != proposal:
             tail = torch.tensor([*(k > 0 for k in proposal), *(k == rows.ROWS_ONLY for k in proposal)],
                                 dtype=torch.int32)
             self._tail = (proposal, tail)
-        counts = torch.empty(3 * T + 2, dtype=torch.int32)
+        counts = torch.empty(3 * T + 2 + (2 * T if weights is not None else 0), dtype=torch.int32)
         if T:
             counts[:T] = torch.frombuffer(bytearray(here), dtype=torch.uint8)
         counts[T:3 * T] = self._tail[1]
         counts[3 * T] = updates
         counts[3 * T + 1] = updates * updates
+        if weights is not None and T:
+            f = torch.tensor(weights, dtype=torch.int32)
+            counts[3 * T + 2:4 * T + 2] = f
+            counts[4 * T + 2:] = f * f
         return counts
 
     def unused_everywhere(self, indices) -> list:
@@ -380,11 +474,14 @@ class _Usage:
     summed over ranks, and, once that sum is known, whether it had one anywhere; and the updates this rank had
     taken (Note [Same updates])."""
 
-    __slots__ = ("counts", "everywhere", "here", "taken")
+    __slots__ = ("counts", "everywhere", "here", "starts", "taken", "weights")
 
-    def __init__(self, here: bytes, counts: torch.Tensor | None, taken: int = 0):
+    def __init__(self, here: bytes, counts: torch.Tensor | None, taken: int = 0, weights: list | None = None,
+                 starts: int = 0):
         self.here = here
         self.counts = counts
         self.everywhere = None
         self.taken = taken
+        self.weights = weights  # this rank's fingerprints (Note [Same weights]), where this tally carries them
+        self.starts = starts  # tallies started up to this one: its iteration, counted from 1
 

@@ -38,8 +38,11 @@ STEPS = 6
 
 
 def fixed_config(**kw) -> dc.Config:
-    """The plan of the brief: small blocks, so that every tensor spans blocks; the lazy step on from step 2."""
-    return dc.Config(**{"policy": "fixed", "block_bytes": 128, "window": 2, "channels": 2, **kw})
+    """The plan of the brief: small blocks, so that every tensor spans blocks; the lazy step on from step 2;
+    the ranks' weights compared every other iteration (Note [Same weights]), so that every pattern that
+    trains like the reference shows the comparison raises nothing where nothing differs."""
+    return dc.Config(**{"policy": "fixed", "block_bytes": 128, "window": 2, "channels": 2, "check_weights_every": 2,
+                        **kw})
 
 
 # ---- models ------------------------------------------------------------------------------
@@ -893,6 +896,19 @@ def step_skipped_on_one_rank(job: Job) -> dict:
     return _expect_error(job, model, ref, opt, ropt, body)
 
 
+def weight_changed_on_one_rank(job: Job) -> dict:
+    """After step() of step 2, rank 1 alone adds to ``out.bias`` in place (a rank's own condition): the weights
+    differ from then on; refused on every rank, naming it, at a later flush (Note [Same weights] in usage.py)."""
+    model, ref, opt, ropt = job.make(Net, _sgd)
+
+    def after(step):
+        if step == 2 and job.rank == 1:
+            with torch.no_grad():
+                model.out.bias.add_(0.5)
+
+    return _expect_error(job, model, ref, opt, ropt, _standard_body(job, model, opt, after_step=after))
+
+
 def p14_unfrozen_later(job: Job) -> dict:
     def frozen_net():
         net = Net()
@@ -958,6 +974,7 @@ RAISE = {
     "P3e_stale_read_untracked_on_thread": p3e_stale_read_on_thread("thread_untracked"),
     "rows_second_backward_before_step": rows_second_backward,
     "step_skipped_on_one_rank": step_skipped_on_one_rank,
+    "weight_changed_on_one_rank": weight_changed_on_one_rank,
 }
 
 LAST = {"P8_shutdown_after_lazy_step": p8_shutdown_after_lazy_step}

@@ -175,6 +175,8 @@ RAISES = {
     "rows_second_backward_before_step": (("emb.weight",), ["backward_passes_per_step"]),
     "step_skipped_on_one_rank": (("",), ["not all applied the same number of optimizer updates",
                                          "zero_grad() without step() on every rank"]),
+    "weight_changed_on_one_rank": (("out.bias",), ["differs between ranks", "on some ranks only",
+                                                   "change parameters on every rank alike"]),
 }
 
 

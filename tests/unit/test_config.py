@@ -43,6 +43,7 @@ FIELDS = (
     ("embedding_rows", "bool"),
     ("accept_delayed_updates", "bool"),
     ("check_finite", "bool"),
+    ("check_weights_every", "int"),
 )
 
 
@@ -113,6 +114,9 @@ def test_the_configuration_doc_is_generated_and_current():
     ("replan_every", -1),
     ("replan_every", 1),
     ("replan_every", 2.0),
+    ("check_weights_every", -1),
+    ("check_weights_every", 1.5),
+    ("check_weights_every", True),
     ("replan_threshold", -0.1),
     ("replan_threshold", math.nan),
     ("replan_threshold", "0.1"),

@@ -6,6 +6,7 @@ is tested without a process group.
 
 from __future__ import annotations
 
+import math
 import types
 import weakref
 
@@ -39,9 +40,10 @@ class _SideChannel:
         self.waits += 1
 
 
-def _tally(params, world=1, backend=None, notices=None):
+def _tally(params, world=1, backend=None, notices=None, check_weights_every=0):
     names = [f"p{i}" for i in range(len(params))]
-    return UsageTally(names, params, world, backend or _SideChannel(), Config(), notices or Notices(), lambda: None)
+    return UsageTally(names, params, world, backend or _SideChannel(),
+                      Config(check_weights_every=check_weights_every), notices or Notices(), lambda: None)
 
 
 def test_alone_the_tally_says_unused_what_this_rank_did_not_use():
@@ -106,6 +108,63 @@ def test_the_tally_carries_the_update_counts_and_a_rank_that_skipped_a_step_is_t
     with pytest.raises(DCreditError, match=r"not all applied the same number of optimizer updates: this rank had "
                                            r"taken 65.*zero_grad\(\) without step\(\) on every rank"):
         tally.start(66)
+
+
+class _Replicas(_SideChannel):
+    """The other ranks' weights are ``theirs``: their fingerprints are summed in where this rank's are sent."""
+
+    def __init__(self, theirs, world):
+        super().__init__(world=world)
+        self.theirs = theirs
+
+    def start_tally(self, counts):
+        self.started.append(counts.clone())
+        T = len(self.theirs)
+        counts[3 * T:3 * T + 2] *= self.world  # the same update counts everywhere
+        if len(counts) > 3 * T + 2:
+            f = torch.tensor(usage.fingerprints(self.theirs), dtype=torch.int32)
+            counts[3 * T + 2:] += torch.cat([f, f * f]) * (self.world - 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_tally_compares_the_weights_every_few_iterations_and_names_the_parameter_that_differs(dtype):
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(4, 3, dtype=dtype)), nn.Parameter(torch.randn(5, dtype=dtype))]
+    theirs = [p.detach().clone() for p in params]
+    side = _Replicas(theirs, world=3)
+    tally = _tally(params, world=3, backend=side, check_weights_every=2)
+    plain, carrying = 3 * 2 + 2, 3 * 2 + 2 + 2 * 2
+    tally.start(0)
+    assert len(side.started[-1]) == plain  # iteration 1: no check
+    tally.start(0)
+    assert len(side.started[-1]) == carrying  # iteration 2 carries the fingerprints
+    tally.start(0)  # checks iteration 2's: the same weights
+    with torch.no_grad():
+        theirs[1][2] += 1  # the other ranks' second parameter moves by one step; this rank's does not
+    tally.start(0)  # iteration 4 carries them
+    with pytest.raises(DCreditError, match=r"parameter 'p1' differs between ranks at iteration 4, after the same "
+                                           r"updates on every rank .*equal at iteration 2.*on some ranks only"):
+        tally.start(0)
+
+
+def test_ranks_that_start_from_different_weights_are_told_to_broadcast_them():
+    params = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.ones(2))]
+    theirs = [torch.zeros(3), torch.full((2,), 2.0)]
+    tally = _tally(params, world=2, backend=_Replicas(theirs, world=2), check_weights_every=1)
+    tally.start(0)
+    with pytest.raises(DCreditError, match=r"'p1' differs between ranks at iteration 1, at the first comparison; "
+                                           r"the ranks may have started from different weights.*broadcast_parameters"):
+        tally.start(0)
+
+
+def test_a_fingerprint_is_exact_whatever_the_summation_order():
+    torch.manual_seed(1)
+    w = torch.randn(1000)
+    assert usage.fingerprints([w]) == usage.fingerprints([w.flip(0).flip(0).clone()])
+    nudged = w.clone()
+    nudged[500] = torch.nextafter(nudged[500], torch.tensor(math.inf))  # the smallest change there is
+    assert usage.fingerprints([nudged]) != usage.fingerprints([w])
+    assert usage.fingerprints([w[::2]]) == usage.fingerprints([w[::2].contiguous()])  # a strided view reads alike
 
 
 def test_alone_the_update_count_is_not_exchanged():
