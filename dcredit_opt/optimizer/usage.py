@@ -51,8 +51,8 @@ Synchronous training keeps every rank's weights bit for bit the same: the
 same reduced gradients, the same optimizer, the same arithmetic. So the
 weights themselves are compared, every ``Config.check_weights_every``
 iterations, in the same tally: per parameter an exact fingerprint, the
-integer sum of its bits read as 32-bit words (16-bit for 16-bit dtypes),
-which no summation order or thread count changes, mixed down to six bits
+integer sum of its bytes read as 64-bit words (modulo 2**64), which no
+summation order or thread count changes, mixed down to six bits
 ``f`` (a multiply whose top bits depend on every bit of the sum: a sum's
 low bits are all zero for round values such as a fresh layer norm's ones),
 sent as ``f`` and ``f * f`` as the update counts are (Note [Same
@@ -97,14 +97,21 @@ fingerprint's sum, whose low bits alone are all zero for round values (zeros, on
 
 
 def fingerprints(params) -> list[int]:
-    """Note [Same weights]: per parameter, the sum of its bits read as integer words (16-bit words for a 16-bit
-    dtype, 8-bit for an 8-bit one, else 32-bit), exact whatever the order of the summation, mixed down to a
-    number below :data:`UPDATES_MODULO`."""
+    """Note [Same weights]: per parameter, the sum of its bytes read as 64-bit integers (modulo 2**64, so exact
+    whatever the order of the summation; the last bytes that do not fill a word added one by one), mixed down
+    to a number below :data:`UPDATES_MODULO`."""
     sums = []
     for p in params:
-        flat = p.detach().reshape(-1)
-        word = {1: torch.uint8, 2: torch.int16}.get(flat.element_size(), torch.int32)
-        sums.append(flat.view(word).sum(dtype=torch.int64))
+        raw = p.detach().reshape(-1).contiguous().view(torch.uint8)  # a strided parameter: its values in order
+        whole = raw.numel() // 8 * 8
+        try:
+            total = raw[:whole].view(torch.int64).sum()  # a native integer sum: as fast as a float one
+        except RuntimeError:  # storage not aligned to 8 bytes (a view into another tensor): 32-bit words
+            whole = raw.numel() // 4 * 4
+            total = raw[:whole].view(torch.int32).sum(dtype=torch.int64)
+        if whole < raw.numel():
+            total = total + raw[whole:].sum(dtype=torch.int64)
+        sums.append(total)
     if not sums:
         return []
     bits = UPDATES_MODULO.bit_length() - 1
