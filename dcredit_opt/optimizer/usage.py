@@ -64,7 +64,9 @@ moving apart; weights that differ only by a permutation of the same values
 have the same sum and are not seen. The fingerprint is taken at the flush, after the last
 ``step()``'s updates were applied (``release()`` and ``synchronize()``
 apply what is pending first), so every rank fingerprints the weights of
-the same number of updates. What it catches that nothing else does: a
+the same number of updates, and travels in the next flush's tally: on a
+GPU the sums run on the device and reach the host without the training
+thread waiting for them. What it catches that nothing else does: a
 write to a parameter on some ranks only (a checkpoint loaded on one rank,
 an in-place change under a rank's own condition), ranks that started from
 different weights (no broadcast of rank 0's), and any fault of ours that
@@ -96,10 +98,9 @@ _MIX = 0x9E3779B97F4A7C15
 fingerprint's sum, whose low bits alone are all zero for round values (zeros, ones)."""
 
 
-def fingerprints(params) -> list[int]:
-    """Note [Same weights]: per parameter, the sum of its bytes read as 64-bit integers (modulo 2**64, so exact
-    whatever the order of the summation; the last bytes that do not fill a word added one by one), mixed down
-    to a number below :data:`UPDATES_MODULO`."""
+def _word_sums(params) -> torch.Tensor:
+    """Per parameter, the sum of its bytes read as 64-bit integers (modulo 2**64, so exact whatever the order of
+    the summation; the last bytes that do not fill a word added one by one), on the parameters' device."""
     sums = []
     for p in params:
         raw = p.detach().reshape(-1).contiguous().view(torch.uint8)  # a strided parameter: its values in order
@@ -113,10 +114,43 @@ def fingerprints(params) -> list[int]:
             total = total + raw[whole:].sum(dtype=torch.int64)
         sums.append(total)
     if not sums:
-        return []
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.stack([t.to(sums[0].device) for t in sums])
+
+
+def _mix(total: int) -> int:
+    """A word sum mixed down to a number below :data:`UPDATES_MODULO` (its top bits after :data:`_MIX`)."""
     bits = UPDATES_MODULO.bit_length() - 1
-    return [((s & 0xFFFFFFFFFFFFFFFF) * _MIX & 0xFFFFFFFFFFFFFFFF) >> (64 - bits)
-            for s in torch.stack(sums).cpu().tolist()]
+    return ((total & 0xFFFFFFFFFFFFFFFF) * _MIX & 0xFFFFFFFFFFFFFFFF) >> (64 - bits)
+
+
+def fingerprints(params) -> list[int]:
+    """Note [Same weights]: per parameter, its exact fingerprint, below :data:`UPDATES_MODULO` (the host waits
+    for the sums: :class:`_Fingerprinting` does not)."""
+    return [_mix(t) for t in _word_sums(params).cpu().tolist()]
+
+
+class _Fingerprinting:
+    """The fingerprints of the weights as they are at one flush, read at the next (Note [Same weights]): on a
+    GPU the sums run on the device and come back with a copy the host does not wait for at the flush that
+    starts them."""
+
+    def __init__(self, params, iteration: int):
+        self.iteration = iteration  # the flush (tally) whose weights these are, counted from 1
+        sums = _word_sums(params)
+        self._event = None
+        if sums.is_cuda:
+            self._host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+            self._host.copy_(sums, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = sums
+
+    def values(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()  # recorded a whole iteration ago: long done
+        return [_mix(t) for t in self._host.tolist()]
 
 
 class UsageTally:
@@ -151,6 +185,7 @@ class UsageTally:
         # Note [Same weights]: every this many tallies carries the weights' fingerprints
         self._check_weights = int(config.check_weights_every)
         self._weights_matched = 0  # the last iteration (tally) whose weights matched on every rank, 0: none yet
+        self._fingerprinting: _Fingerprinting | None = None  # taken at the last flush, sent at the next
         # Note [Sparse gradients]: this rank's sparse gradients of the first iteration, until the first flush
         # agrees which tensors are sparse (None after it, or when sparse gradients are reduced dense).
         self._first_sparse: dict | None = None
@@ -316,10 +351,13 @@ class UsageTally:
             usage.everywhere = here
         else:
             self._starts += 1
-            check = self._check_weights and not self._starts % self._check_weights
-            weights = fingerprints(self._params) if check else None
+            # Note [Same weights]: fingerprints taken at one check's flush travel in the next flush's tally
+            taken_at, self._fingerprinting = self._fingerprinting, None
+            weights = None if taken_at is None else taken_at.values()
+            if self._check_weights and not self._starts % self._check_weights:
+                self._fingerprinting = _Fingerprinting(self._params, self._starts)
             usage = _Usage(here, self._counts(here, taken % UPDATES_MODULO, weights), taken, weights,
-                           self._starts)
+                           0 if taken_at is None else taken_at.iteration)
             last = self._usage
             try:
                 self._backend.wait_tally(self._timeout())  # the last one, if nothing needed it
@@ -490,5 +528,5 @@ class _Usage:
         self.everywhere = None
         self.taken = taken
         self.weights = weights  # this rank's fingerprints (Note [Same weights]), where this tally carries them
-        self.starts = starts  # tallies started up to this one: its iteration, counted from 1
+        self.starts = starts  # where it carries fingerprints, the iteration (flush) whose weights they are
 

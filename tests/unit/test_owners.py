@@ -135,13 +135,14 @@ def test_the_tally_compares_the_weights_every_few_iterations_and_names_the_param
     tally = _tally(params, world=3, backend=side, check_weights_every=2)
     plain, carrying = 3 * 2 + 2, 3 * 2 + 2 + 2 * 2
     tally.start(0)
-    assert len(side.started[-1]) == plain  # iteration 1: no check
-    tally.start(0)
-    assert len(side.started[-1]) == carrying  # iteration 2 carries the fingerprints
-    tally.start(0)  # checks iteration 2's: the same weights
+    tally.start(0)  # iteration 2 takes the fingerprints of its weights...
+    assert len(side.started[-1]) == plain
+    tally.start(0)  # ...and iteration 3's tally carries them
+    assert len(side.started[-1]) == carrying
     with torch.no_grad():
         theirs[1][2] += 1  # the other ranks' second parameter moves by one step; this rank's does not
-    tally.start(0)  # iteration 4 carries them
+    tally.start(0)  # checks iteration 2's: the same weights; takes iteration 4's
+    tally.start(0)  # carries them
     with pytest.raises(DCreditError, match=r"parameter 'p1' differs between ranks at iteration 4, after the same "
                                            r"updates on every rank .*equal at iteration 2.*on some ranks only"):
         tally.start(0)
@@ -151,6 +152,7 @@ def test_ranks_that_start_from_different_weights_are_told_to_broadcast_them():
     params = [nn.Parameter(torch.zeros(3)), nn.Parameter(torch.ones(2))]
     theirs = [torch.zeros(3), torch.full((2,), 2.0)]
     tally = _tally(params, world=2, backend=_Replicas(theirs, world=2), check_weights_every=1)
+    tally.start(0)
     tally.start(0)
     with pytest.raises(DCreditError, match=r"'p1' differs between ranks at iteration 1, at the first comparison; "
                                            r"the ranks may have started from different weights.*broadcast_parameters"):
