@@ -135,7 +135,8 @@ class Config:
     (a write to it on some ranks only, ranks that started from different weights, or a fault of ours)
     stops every rank with DCreditError naming it, at the next iteration's end of backward (Note [Same
     weights]). Costs one read of the weights on the training thread per check (an integer sum per
-    parameter) and two integers per parameter in that iteration's tally. 0 turns it off. With 2+ ranks."""
+    parameter) and two integers per parameter in that iteration's tally. 0 turns it off (do so where ranks
+    run on different kinds of device, whose kernels may round the same update differently). With 2+ ranks."""
 
     def __post_init__(self) -> None:
         self.validate()
