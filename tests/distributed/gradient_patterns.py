@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import copy
 import io
-import random
-import time
 
 import torch
 import torch.nn.functional as F
@@ -25,24 +23,12 @@ from .workers import Net, batch
 STEPS = pw.STEPS
 
 
-class Skew:
-    """Rank 1 sleeps 0-20 ms at each call (seeded): rank 0 then meets blocks still on the wire."""
-
-    def __init__(self, rank: int, seed: int = 0):
-        self.rank = rank
-        self.random = random.Random(1000 * seed + rank)
-
-    def __call__(self) -> None:
-        if self.rank == 1:
-            time.sleep(self.random.uniform(0.0, 0.02))
-
-
 def _train(job: pw.Job, lazy: bool, model_fn, change, seed: int = 0, opt_fn=pw._sgd, steps: int = STEPS):
     """The standard loop with ``change(model, step, reference)`` between backward and step on both the
     model (reference=False) and the reference (reference=True, after averaging)."""
     config = job.config(lazy_step="auto" if lazy else "off")
     model, ref, opt, ropt = job.make(model_fn, opt_fn, config=config, seed=seed)
-    skew = Skew(job.rank, seed)
+    skew = pw.Skew(job.rank, seed)
     for step in range(steps):
         opt.zero_grad()
         pw.mse(model, step, job.rank).backward()
@@ -127,7 +113,7 @@ def autograd_grad_assigned(job, lazy):
     as Horovod's synchronize() does."""
     config = job.config(lazy_step="auto" if lazy else "off")
     model, ref, opt, ropt = job.make(Net, pw._sgd, config=config)
-    skew = Skew(job.rank)
+    skew = pw.Skew(job.rank)
     for step in range(STEPS):
         opt.zero_grad()
         params = list(model.parameters())

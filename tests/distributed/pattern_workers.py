@@ -22,6 +22,7 @@ import contextlib
 import copy
 import io
 import logging
+import random
 import time
 import traceback
 
@@ -228,6 +229,18 @@ class ClipSGD(torch.optim.Optimizer):
 # ---- data, losses, the reference ------------------------------------------------------------
 
 
+class Skew:
+    """Rank 1 sleeps 0-20 ms at each call (seeded): rank 0 then meets blocks still on the wire."""
+
+    def __init__(self, rank: int, seed: int = 0):
+        self.rank = rank
+        self.random = random.Random(1000 * seed + rank)
+
+    def __call__(self) -> None:
+        if self.rank == 1:
+            time.sleep(self.random.uniform(0.0, 0.02))
+
+
 def tokens(step: int, rank: int):
     g = torch.Generator().manual_seed(104729 * step + rank)
     return torch.randint(0, 20, (8, 5), generator=g), torch.randint(0, 20, (8,), generator=g)
@@ -292,11 +305,15 @@ class Job:
         return opt
 
     def train(self, model, ref, opt, ropt, loss_fn=mse, steps: int = STEPS, after_step=None, scheds=(),
-              set_to_none: bool = True):
+              set_to_none: bool = True, skew=None):
+        """``skew``: a :class:`Skew` called after the backward and after ``step()``."""
+        skew = skew or (lambda: None)
         for step in range(steps):
             opt.zero_grad(set_to_none=set_to_none)
             loss_fn(model, step, self.rank).backward()
+            skew()
             self.step(opt)
+            skew()
             reference_grads(ref, lambda r, step=step: loss_fn(ref, step, r), self.world)
             ropt.step()
             for s in scheds:
@@ -557,6 +574,195 @@ def ema_after_step(job: Job) -> dict:
     return job.result(model, ref, opt, ema_diff=state_diff(ema, rema))
 
 
+# ---- weights written, read or reloaded between step() and the next forward; other scripts' patterns ---------
+# From the second step() on, after the first iteration learned where each weight is first read (Note [First
+# read]): the update of every weight still waits then, and the read guard (Note [Guarded reads]) must apply it
+# before the write or the read. Rank 1 sleeps at random, so that blocks are still on the wire.
+
+
+def _after_step(change, model_fn=Net, opt_fn=_sgd):
+    """``change(m, o, step, log)`` after every ``step()`` but the first, to the model (with its wrapped
+    optimizer) and to the reference (with its own); what each logs is compared (``log_diff``)."""
+    def run(job: Job) -> dict:
+        model, ref, opt, ropt = job.make(model_fn, opt_fn)
+        logs = {id(model): [], id(ref): []}
+
+        def after_step(step):
+            if step:  # the first step() is followed by the iteration that learns the reads
+                for m, o in ((model, opt), (ref, ropt)):
+                    change(m, o, step, logs[id(m)])
+
+        job.train(model, ref, opt, ropt, after_step=after_step, skew=Skew(job.rank))
+        extra = {"optimizer_state_diff": optimizer_state_diff(opt, ropt)}
+        if logs[id(model)]:
+            extra["log_diff"] = max(abs(a - b) for a, b in zip(logs[id(model)], logs[id(ref)]))
+        return job.result(model, ref, opt, **extra)
+    return run
+
+
+def optimizer_state_diff(opt, ropt) -> float:
+    """The worst difference between two optimizers' per-parameter state tensors (momentum, Adam's moments)."""
+    state, rstate = opt.state_dict()["state"], ropt.state_dict()["state"]
+    assert list(state) == list(rstate), (list(state), list(rstate))
+    return max((float((state[k][key].float() - v.float()).abs().max()) for k in rstate
+                for key, v in rstate[k].items() if isinstance(v, torch.Tensor)), default=0.0)
+
+
+def _write_weights(m, o, step, log):
+    """One write per step, in turn: a WGAN weight clip, ``.data`` scaled, ``copy_``, ``vector_to_parameters``
+    (which replaces each ``.data``: the weights move in memory), a norm divided out by hand."""
+    ps = list(m.parameters())
+    with torch.no_grad():
+        kind = step % 5
+        if kind == 0:
+            for p in ps:
+                p.clamp_(-0.1, 0.1)
+        elif kind == 1:
+            for p in ps:
+                p.data.mul_(0.9)
+        elif kind == 2:
+            for p in ps:
+                p.copy_(p * 0.9 + 1e-3)
+        elif kind == 3:
+            nn.utils.vector_to_parameters(nn.utils.parameters_to_vector(ps) * 0.95, ps)
+        else:
+            m.mid.weight.div_(m.mid.weight.norm())
+
+
+class TempNet(Net):
+    """``Net`` with a one-element parameter (a learned temperature), read with ``.item()``."""
+
+    def __init__(self):
+        super().__init__()
+        self.temp = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, x):
+        return super().forward(x) * self.temp
+
+
+def _read_weights(m, o, step, log):
+    """Reads that bypass the module, logged: ``.data``, ``.numpy()``, ``.tolist()``, ``.item()``, and
+    ``parameters_to_vector`` under ``no_grad``."""
+    log.append(m.mid.weight.data.sum().item())
+    log.append(float(m.out.weight.detach().numpy().sum()))
+    log.append(sum(m.inp.bias.tolist()))
+    log.append(m.temp.item())
+    with torch.no_grad():
+        log.append(float(nn.utils.parameters_to_vector(m.parameters()).sum()))
+
+
+def _evaluate_submodule(m, o, step, log):
+    """``out`` (the last layer the forward reads) evaluated alone, in eval mode under no_grad."""
+    m.eval()
+    with torch.no_grad():
+        log.append(float(m.out(torch.linspace(-1, 1, 2 * 61).view(2, 61)).sum()))
+    m.train()
+
+
+def _resume(model_too: bool):
+    """At step 3, the checkpoint of step 1 is loaded: the optimizer's state, and the model's with it."""
+    saved = {}
+
+    def change(m, o, step, log):
+        if step == 1:
+            saved[id(m)] = copy.deepcopy((m.state_dict(), o.state_dict()))
+        elif step == 3:
+            sd, osd = saved[id(m)]
+            if model_too:
+                m.load_state_dict(sd)
+            o.load_state_dict(osd)
+    return change
+
+
+def _freeze_mid(m, o, step, log):
+    """``mid`` frozen after step 2's step() and unfrozen after step 4's: its gradient is None meanwhile."""
+    if step in (2, 4):
+        m.mid.requires_grad_(step == 4)
+
+
+def swa_after_step(job: Job) -> dict:
+    """``AveragedModel.update_parameters(model)`` after every step() from the third on."""
+    from torch.optim.swa_utils import AveragedModel
+
+    model, ref, opt, ropt = job.make(Net, _sgd)
+    averaged = {}
+
+    def update(step):
+        if step >= 2:
+            for m in (model, ref):
+                averaged.setdefault(id(m), AveragedModel(m)).update_parameters(m)
+
+    job.train(model, ref, opt, ropt, after_step=update, skew=Skew(job.rank))
+    return job.result(model, ref, opt, average_diff=param_diff(averaged[id(model)], averaged[id(ref)]))
+
+
+class MaskedBiasNet(Net):
+    """``Net`` whose ``mid.bias`` is multiplied by ``gate``: a gradient of exactly zero where it is 0."""
+
+    def forward(self, x, gate: float = 1.0):
+        h = F.linear(torch.relu(self.inp(x)), self.mid.weight, self.mid.bias * gate)
+        return self.out(self.norm(torch.relu(h)))
+
+
+def zero_gradient_on_one_rank(job: Job) -> dict:
+    """``mid.bias`` gets a gradient of exactly zero on rank 1 on even steps (it is still used there: the
+    average is half rank 0's gradient, as in synchronous training)."""
+    def loss(m, step, rank):
+        x, y = batch(step, rank)
+        return F.mse_loss(m(x, gate=0.0 if rank == 1 and step % 2 == 0 else 1.0), y)
+
+    model, ref, opt, ropt = job.make(MaskedBiasNet, _sgd)
+    job.train(model, ref, opt, ropt, loss, skew=Skew(job.rank))
+    return job.result(model, ref, opt, optimizer_state_diff=optimizer_state_diff(opt, ropt))
+
+
+def _parametrized(kind: str):
+    """``Net`` with ``mid``'s weight behind a parametrization (``torch.nn.utils.parametrize``) or an older
+    weight hook (``spectral_norm``, ``weight_norm``): the parameters the optimizer sees are read in a
+    parametrization module's forward or in ``mid``'s own forward pre-hook."""
+    def make():
+        net = Net()
+        utils = nn.utils
+        {"orthogonal": utils.parametrizations.orthogonal, "weight_norm": utils.parametrizations.weight_norm,
+         "spectral_norm": utils.parametrizations.spectral_norm, "spectral_norm_hook": utils.spectral_norm,
+         "weight_norm_hook": utils.weight_norm}[kind](net.mid)
+        return net
+    return make
+
+
+def replicated(model_fn, opt_fn=_sgd):
+    """For models whose forward changes their own state (spectral norm's power iteration updates ``u`` and
+    ``v`` at every training forward): the reference is one replica per rank, each running its rank's forward
+    once per step, their gradients averaged by hand; this rank is compared with its own replica."""
+    def run(job: Job) -> dict:
+        def build():
+            torch.manual_seed(0)
+            return model_fn()
+
+        model, replicas = build(), [build() for _ in range(job.world)]
+        opt = job.wrap(opt_fn(model.parameters()), model)
+        ropts = [opt_fn(r.parameters()) for r in replicas]
+        skew = Skew(job.rank)
+        for step in range(STEPS):
+            opt.zero_grad()
+            mse(model, step, job.rank).backward()
+            skew()
+            job.step(opt)
+            skew()
+            for r, replica in enumerate(replicas):
+                replica.zero_grad()
+                mse(replica, step, r).backward()
+            for ps in zip(*(r.parameters() for r in replicas)):
+                mean = sum(p.grad for p in ps) / job.world
+                for p in ps:
+                    p.grad = mean.clone()
+            for o in ropts:
+                o.step()
+        ref, ropt = replicas[job.rank], ropts[job.rank]
+        return job.result(model, ref, opt, optimizer_state_diff=optimizer_state_diff(opt, ropt))
+    return run
+
+
 def p6_custom_global_clip(job: Job) -> dict:
     records = []
 
@@ -769,6 +975,16 @@ WORK = {
     "P3d_early_read_untracked": p3d_early_read("untracked"),
     "step_skipped_after_synchronize": skipped_step("synchronized"),
     "step_skipped_after_interrupted_backward": skipped_step("interrupted"),
+    "weights_written_after_step": _after_step(_write_weights),
+    "weights_read_around_the_module_after_step": _after_step(_read_weights, TempNet),
+    "submodule_evaluated_after_step": _after_step(_evaluate_submodule),
+    "checkpoint_resumed_after_step": _after_step(_resume(model_too=True), opt_fn=_adam),
+    "optimizer_state_loaded_after_step": _after_step(_resume(model_too=False)),
+    "layer_frozen_and_unfrozen_mid_training": _after_step(_freeze_mid, opt_fn=_adam),
+    "swa_averaged_model_after_step": swa_after_step,
+    "zero_gradient_on_one_rank": zero_gradient_on_one_rank,
+    **{f"parametrized_{kind}": replicated(_parametrized(kind)) for kind in (
+        "orthogonal", "weight_norm", "spectral_norm", "spectral_norm_hook", "weight_norm_hook")},
 }
 
 PROFILED = {
