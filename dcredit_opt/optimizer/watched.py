@@ -27,7 +27,8 @@ Inside a backward (a user's hook that runs after ours), a read of a
 gradient already handed to the scheduler cannot wait (the rest of the
 iteration's blocks are not released yet): it raises a ``DCreditError``.
 Assigning ``p.grad.data`` (``model.to()`` after wrapping does) would
-detach the alias from its slot: refused too.
+detach the alias from its slot: refused too, unless the new data is the
+gradient itself (``model.to()`` to the device and dtype it already has).
 """
 
 from __future__ import annotations
@@ -113,6 +114,8 @@ def _refuse_data_assignment(args) -> None:
     core = keeper() if keeper is not None else None
     if core is None or core.closed:
         return
+    if len(args) > 1 and args[1] is target:
+        return  # `g.data = g`: model.to() or .float() to the device and dtype it already has changes nothing
     name = core.names[target._dc_index]
     raise DCreditError(
         f"p.grad.data of parameter '{name}' was assigned (model.to(), .cuda(), .half() after wrapping do that): "

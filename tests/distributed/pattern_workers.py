@@ -659,6 +659,12 @@ def _evaluate_submodule(m, o, step, log):
     m.train()
 
 
+def _move_to_own_device(m, o, step, log):
+    """``model.to(device)`` and ``model.float()`` to the device and dtype the model has: no-ops in torch."""
+    m.to(next(m.parameters()).device)
+    m.float()
+
+
 def _resume(model_too: bool):
     """At step 3, the checkpoint of step 1 is loaded: the optimizer's state, and the model's with it."""
     saved = {}
@@ -978,6 +984,7 @@ WORK = {
     "weights_written_after_step": _after_step(_write_weights),
     "weights_read_around_the_module_after_step": _after_step(_read_weights, TempNet),
     "submodule_evaluated_after_step": _after_step(_evaluate_submodule),
+    "model_moved_to_its_own_device_after_step": _after_step(_move_to_own_device),
     "checkpoint_resumed_after_step": _after_step(_resume(model_too=True), opt_fn=_adam),
     "optimizer_state_loaded_after_step": _after_step(_resume(model_too=False)),
     "layer_frozen_and_unfrozen_mid_training": _after_step(_freeze_mid, opt_fn=_adam),
