@@ -190,11 +190,11 @@ class Core:
         self.require_open("step()")
         stepper, backward = self.stepper, self.backward
         stepper.check_groups()
-        self._end_learning()
         loss = None
-        if closure is not None:
+        if closure is not None:  # its forward is the next iteration's: the tracer may be watching it
             with torch.enable_grad():
                 loss = closure()
+        self._end_learning()
         if backward.synchronized and not self.skip:
             warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
                           "optimizer.synchronize(). This can cause training slowdown. You may want to "

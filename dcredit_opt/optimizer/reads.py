@@ -14,8 +14,10 @@ For one iteration, from the return of the first ``step()`` to the start of
 the next backward, a :class:`FirstReadTracer` is active: a
 ``TorchFunctionMode`` sees every torch operation called from Python, and a
 pair of global module hooks keeps the stack of module forwards that are
-running. The first operation that reads a parameter (matched by memory, so
-``p``, ``p.detach()``, ``p.data`` and views all count) records the innermost
+running (with ``opt.step(closure)`` that iteration's forward runs in the
+closure, which ``step()`` calls before it ends the watch). The first
+operation that reads a parameter (matched by memory, so ``p``,
+``p.detach()``, ``p.data`` and views all count) records the innermost
 module whose forward is running, or ``None`` when no forward is. Operations
 that only make aliases or look at metadata (``detach``, ``view``,
 ``.shape``, ``.grad``) are not reads: ``model.state_dict()`` only detaches

@@ -702,6 +702,27 @@ def swa_after_step(job: Job) -> dict:
     return job.result(model, ref, opt, average_diff=param_diff(averaged[id(model)], averaged[id(ref)]))
 
 
+def step_with_closure(job: Job) -> dict:
+    """``opt.step(closure)``, the closure doing zero_grad, forward and backward (the LBFGS-style loop)."""
+    model, ref, opt, ropt = job.make(Net, _adam)
+    skew = Skew(job.rank)
+    for step in range(STEPS):
+        def closure(step=step):
+            opt.zero_grad()
+            loss = mse(model, step, job.rank)
+            loss.backward()
+            skew()
+            return loss
+
+        job.step(opt, closure)
+
+        def reference_closure(step=step):
+            reference_grads(ref, lambda r: mse(ref, step, r), job.world)
+
+        ropt.step(reference_closure)
+    return job.result(model, ref, opt, optimizer_state_diff=optimizer_state_diff(opt, ropt))
+
+
 class MaskedBiasNet(Net):
     """``Net`` whose ``mid.bias`` is multiplied by ``gate``: a gradient of exactly zero where it is 0."""
 
@@ -989,6 +1010,7 @@ WORK = {
     "optimizer_state_loaded_after_step": _after_step(_resume(model_too=False)),
     "layer_frozen_and_unfrozen_mid_training": _after_step(_freeze_mid, opt_fn=_adam),
     "swa_averaged_model_after_step": swa_after_step,
+    "step_with_closure": step_with_closure,
     "zero_gradient_on_one_rank": zero_gradient_on_one_rank,
     **{f"parametrized_{kind}": replicated(_parametrized(kind)) for kind in (
         "orthogonal", "weight_norm", "spectral_norm", "spectral_norm_hook", "weight_norm_hook")},
