@@ -278,12 +278,16 @@ class Core:
             backward.end()
             backward.set_synchronized(False)
         elif backward.open and (any(backward.marked) or self.tally.rows_captured()):
+            first = next((f" (that of '{self.names[i]}' among them)" for i, m in enumerate(backward.marked) if m), "")
             raise DCreditError(
-                "optimizer.zero_grad() was called while this iteration's gradients are being reduced: after "
+                f"optimizer.zero_grad() was called while this iteration's gradients are being reduced{first}: after "
                 "loss.backward() (or a backward that raised part-way) and before optimizer.step() or "
                 "optimizer.synchronize(). Nothing was changed. To apply them, call optimizer.step(); to skip "
                 "this iteration, call optimizer.synchronize() and then optimizer.zero_grad(), on every rank "
-                "alike (Note [Skipped steps])")
+                "alike (Note [Skipped steps]). If that backward was meant for another model's loss (a GAN's "
+                "generator loss through the discriminator), keep this model's parameters out of it: "
+                "loss.backward(inputs=[...the other model's parameters]), or requires_grad_(False) on these "
+                "parameters during that backward")
         # Our own bookkeeping on gradients, not a read of any parameter: the read guard stands aside (it
         # would examine every call here while updates are pending; Note [Guard cost] in reads.py).
         lazy = self.lazy

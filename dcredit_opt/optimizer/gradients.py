@@ -89,7 +89,10 @@ class Backward:
         return DCreditError(
             f"gradient of parameter '{self.names[i]}' was computed {self.counts[i] + 1} times before "
             f"step(), but backward_passes_per_step={self.passes}. Call step() after every "
-            f"{self.passes} backward pass(es), or raise backward_passes_per_step.")
+            f"{self.passes} backward pass(es), or raise backward_passes_per_step. If one of those passes was "
+            f"meant for another model's loss (a GAN's generator loss through the discriminator), keep this "
+            f"model's parameters out of it: loss.backward(inputs=[...the other model's parameters]), or "
+            f"requires_grad_(False) on these parameters during that backward.")
 
     def before_accumulate(self, i: int) -> None:
         """Before autograd adds a gradient to ``p.grad``, so that a refusal changes nothing: called by the C++

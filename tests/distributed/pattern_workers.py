@@ -790,6 +790,77 @@ def replicated(model_fn, opt_fn=_sgd):
     return run
 
 
+def _gan_models():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16)), \
+        nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+
+
+def _gan_losses(step: int, rank: int):
+    """The discriminator's and the generator's loss of ``rank``'s batch at ``step``, as functions of (G, D)."""
+    real = batch(step, rank)[0]
+    z = torch.randn(8, 8, generator=torch.Generator().manual_seed(7919 * step + rank))
+    ones, zeros = torch.ones(8, 1), torch.zeros(8, 1)
+
+    def d_loss(g, d):
+        return F.binary_cross_entropy_with_logits(d(real), ones) + \
+            F.binary_cross_entropy_with_logits(d(g(z).detach()), zeros)
+
+    def g_loss(g, d):
+        return F.binary_cross_entropy_with_logits(d(g(z)), ones)
+
+    return d_loss, g_loss
+
+
+def gan(kind: str):
+    """A GAN: the discriminator's step on real and ``G(z).detach()``, then the generator's step through the
+    discriminator, each model with its own optimizer. The discriminator's parameters stay out of the
+    generator's backward: "pix2pix" sets ``requires_grad=False`` on them meanwhile (pytorch-CycleGAN-and-pix2pix's
+    ``set_requires_grad``), "inputs" passes ``backward(inputs=...)``; "dcgan" does neither (PyTorch's DCGAN
+    example), so the generator's backward gives them a gradient that no step() of theirs reduces: refused,
+    naming the parameter and the fix."""
+    def run(job: Job) -> dict:
+        (g, d), (rg, rd) = _gan_models(), _gan_models()
+
+        def adam(ps):
+            return torch.optim.Adam(ps, lr=1e-2, betas=(0.5, 0.999))
+
+        og, od = job.wrap(adam(g.parameters()), g), job.wrap(adam(d.parameters()), d)
+        rog, rod = adam(rg.parameters()), adam(rd.parameters())
+        skew = Skew(job.rank)
+
+        def body(step, where):
+            d_loss, g_loss = _gan_losses(step, job.rank)
+            d.requires_grad_(True)
+            where[0] = f"the discriminator's zero_grad() of step {step}"
+            od.zero_grad()
+            where[0] = f"the discriminator's backward of step {step}"
+            d_loss(g, d).backward()
+            skew()
+            job.step(od)
+            d.requires_grad_(kind != "pix2pix")
+            og.zero_grad()
+            where[0] = f"the generator's backward of step {step}"
+            g_loss(g, d).backward(inputs=list(g.parameters()) if kind == "inputs" else None)
+            skew()
+            job.step(og)
+            for model, ropt, which in ((rd, rod, 0), (rg, rog, 1)):
+                reference_grads(model, lambda r, which=which: _gan_losses(step, r)[which](rg, rd), job.world)
+                ropt.step()
+
+        if kind == "dcgan":
+            return _expect_error(job, d, rd, od, rod, body, loss_fn=None)
+        for step in range(STEPS):
+            body(step, ["?"])
+        discriminator = {"discriminator_diff": state_diff(d.state_dict(), rd.state_dict()),
+                         "optimizer_state_diff": max(optimizer_state_diff(og, rog), optimizer_state_diff(od, rod))}
+        out = job.result(g, rg, og, **discriminator)
+        od._dc.close()
+        out["closed_discriminator_diff"] = param_diff(d, rd)
+        return out
+    return run
+
+
 def p6_custom_global_clip(job: Job) -> dict:
     records = []
 
@@ -1014,6 +1085,8 @@ WORK = {
     "zero_gradient_on_one_rank": zero_gradient_on_one_rank,
     **{f"parametrized_{kind}": replicated(_parametrized(kind)) for kind in (
         "orthogonal", "weight_norm", "spectral_norm", "spectral_norm_hook", "weight_norm_hook")},
+    "gan_discriminator_frozen_for_generator": gan("pix2pix"),
+    "gan_generator_backward_inputs": gan("inputs"),
 }
 
 PROFILED = {
@@ -1027,13 +1100,15 @@ PROFILED = {
 
 def _expect_error(job: Job, model, ref, opt, ropt, body, loss_fn=mse) -> dict:
     """Run ``body(step)`` for each step; the DCreditError it raises (type, message, where), or that none came.
-    The reference difference is reported too, to tell a silent wrong result from a harmless miss."""
+    The reference difference is reported too, to tell a silent wrong result from a harmless miss.
+    ``loss_fn=None``: ``body`` steps the reference itself."""
     where = ["?"]
     try:
         for step in range(STEPS + 2):
             body(step, where)
-            reference_grads(ref, lambda r, step=step: loss_fn(ref, step, r), job.world)
-            ropt.step()
+            if loss_fn is not None:
+                reference_grads(ref, lambda r, step=step: loss_fn(ref, step, r), job.world)
+                ropt.step()
     except Exception as e:  # noqa: BLE001 - the type is the test's to judge
         return {"raised": type(e).__name__, "is_dcredit_error": isinstance(e, dc.DCreditError),
                 "message": str(e), "where": where[0], "step": step}
@@ -1220,6 +1295,7 @@ RAISE = {
     "rows_second_backward_before_step": rows_second_backward,
     "step_skipped_on_one_rank": step_skipped_on_one_rank,
     "weight_changed_on_one_rank": weight_changed_on_one_rank,
+    "gan_generator_backward_reaches_discriminator": gan("dcgan"),
 }
 
 LAST = {"P8_shutdown_after_lazy_step": p8_shutdown_after_lazy_step}

@@ -177,6 +177,8 @@ RAISES = {
                                          "zero_grad() without step() on every rank"]),
     "weight_changed_on_one_rank": (("out.bias",), ["differs between ranks", "on some ranks only",
                                                    "change parameters on every rank alike"]),
+    "gan_generator_backward_reaches_discriminator": (("0.weight", "0.bias", "2.weight", "2.bias"),
+                                                     ["backward(inputs=", "requires_grad_(False)"]),
 }
 
 
