@@ -209,8 +209,14 @@ class Core:
                     stepper.step_base()
                     return loss
                 if not self._assigned_gradients():
-                    raise DCreditError("step() called, but no gradient was computed since the last step(): "
-                                       "call loss.backward() before optimizer.step()")
+                    raise DCreditError(
+                        f"step() called, but no gradient was computed since the last step() (none of its "
+                        f"{len(self.params)} parameters, '{self.names[0]}' the first, has one): call "
+                        "loss.backward() before optimizer.step(). If a backward ran but reached none of them on "
+                        "this rank (a task's head that this rank's batch did not use, with an optimizer of its "
+                        "own), wrap one optimizer over the whole model, with a parameter group per part if they "
+                        "need their own settings: a parameter unused on some ranks then gets the others' "
+                        "average, as in synchronous training")
                 # Gradients assigned by hand (from torch.autograd.grad): reduced now, as Horovod's
                 # synchronize() reduces every p.grad whose hook did not fire.
             backward.begin()  # or fewer backward passes than backward_passes_per_step: reduce what there is
