@@ -38,6 +38,7 @@ class Stepper:
         self._frozen = frozen
         self._buffers, self._lazy, self._tally, self._backward, self._engine, self._backend = parts
         self._config = config
+        self._device_type = params[0].device.type if params else "cpu"  # autocast's, for _step_outside_forward
         self._notices = notices
         self._horovod_groups = horovod_groups  # merged in every plan (grouping.py)
         groups = optimizer.param_groups
@@ -157,7 +158,7 @@ class Stepper:
                 slots = buffers.slots
                 for i in todo:
                     params[i].grad = slots[i]
-            self._base.step(optimizer)
+            self._step_outside_forward(optimizer)
         finally:
             for g, ps in zip(groups, saved_params):
                 g["params"] = ps
@@ -165,6 +166,18 @@ class Stepper:
                 g.update(hyper)
             for i, grad in zip(todo, saved_grads):
                 params[i].grad = grad
+
+    def _step_outside_forward(self, optimizer) -> None:
+        """The wrapped step of deferred updates, in the context ``step()`` gave them, not the forward's where
+        they are applied: under autocast the optimizer's own arithmetic would run in low precision (Adafactor's
+        ``row_var @ col_var``), and under inference mode the state it creates (a parameter's first update)
+        would be inference tensors, which its next update outside inference mode may not change."""
+        device = self._device_type
+        if not (torch.is_autocast_enabled(device) or torch.is_inference_mode_enabled()):
+            self._base.step(optimizer)
+            return
+        with torch.inference_mode(False), torch.autocast(device, enabled=False):
+            self._base.step(optimizer)
 
     def apply_on_read(self, indices) -> None:
         """A read of pending parameters before the place learned for them (Note [Guarded reads] in reads.py):

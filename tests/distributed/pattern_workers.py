@@ -482,6 +482,42 @@ def bf16_autocast(job: Job) -> dict:
     return job.result(model, ref, opt, tol=5e-3)
 
 
+def adafactor_bf16_autocast(job: Job) -> dict:
+    """The forward under bf16 autocast, Adafactor (whose update of a matrix multiplies its row and column
+    variances): a deferred update is applied inside the next forward's autocast region, but must be computed
+    as step() computes it, in full precision."""
+    def loss(m, step, rank):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return mse(m, step, rank)
+
+    model, ref, opt, ropt = job.make(Net, lambda ps: torch.optim.Adafactor(ps, lr=1e-2))
+    job.train(model, ref, opt, ropt, loss, skew=Skew(job.rank))
+    return job.result(model, ref, opt, optimizer_state_diff=optimizer_state_diff(opt, ropt))
+
+
+def inference_mode_eval_first_update(job: Job) -> dict:
+    """An evaluation under ``torch.inference_mode()`` right after steps 1 and 3, reading the branch first; the
+    branch is trained from step 1 on, so its first update (which makes its Adam state) is applied inside that
+    evaluation. The state must be made as in step(), not as inference tensors, which the next update outside
+    inference mode (step 2's, in the training forward) could not change."""
+    model, ref, opt, ropt = job.make(lambda: Net(branch=True), _adam)
+    worst = [0.0]
+
+    def loss(m, step, rank):
+        x, y = batch(step, rank)
+        return F.mse_loss(m(x, use_branch=step >= 1), y)
+
+    def evaluate(step):
+        if step in (1, 3):
+            probe = batch(10_000 + step, 0)[0]
+            with torch.inference_mode():
+                worst[0] = max(worst[0], float((model(probe, use_branch=True) - ref(probe, use_branch=True))
+                                               .abs().max()))
+
+    job.train(model, ref, opt, ropt, loss, after_step=evaluate, skew=Skew(job.rank))
+    return job.result(model, ref, opt, eval_diff=worst[0], optimizer_state_diff=optimizer_state_diff(opt, ropt))
+
+
 def save_after_step(job: Job) -> dict:
     model, ref, opt, ropt = job.make(Net, _adam)
     worst = [0.0]
@@ -1090,6 +1126,8 @@ WORK = {
     "backward_passes_per_step_2": backward_passes_2,
     "zero_grad_variants": zero_grad_variants,
     "bf16_autocast": bf16_autocast,
+    "adafactor_bf16_autocast": adafactor_bf16_autocast,
+    "inference_mode_eval_first_update": inference_mode_eval_first_update,
     "adam_weight_decay": _module_pattern(Net, lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.01)),
     "adamw_weight_decay": _module_pattern(Net, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)),
     "torch_save_after_step": save_after_step,
