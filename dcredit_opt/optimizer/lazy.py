@@ -10,9 +10,11 @@ optimizer's core through a :class:`Keeper`.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..errors import DCreditError
 from ..timeline import profiled
@@ -170,13 +172,20 @@ class Stepper:
     def _step_outside_forward(self, optimizer) -> None:
         """The wrapped step of deferred updates, in the context ``step()`` gave them, not the forward's where
         they are applied: under autocast the optimizer's own arithmetic would run in low precision (Adafactor's
-        ``row_var @ col_var``), and under inference mode the state it creates (a parameter's first update)
-        would be inference tensors, which its next update outside inference mode may not change."""
+        ``row_var @ col_var``); under inference mode the state it creates (a parameter's first update) would be
+        inference tensors, which its next update outside inference mode may not change; and the forward's
+        dispatch modes would take its operations for the forward's (selective activation checkpointing caches
+        their outputs, and its recompute would be handed them)."""
         device = self._device_type
-        if not (torch.is_autocast_enabled(device) or torch.is_inference_mode_enabled()):
+        modes = torch._C._len_torch_dispatch_stack()
+        if not (modes or torch.is_autocast_enabled(device) or torch.is_inference_mode_enabled()):
             self._base.step(optimizer)
             return
-        with torch.inference_mode(False), torch.autocast(device, enabled=False):
+        with contextlib.ExitStack() as outside:
+            if modes:
+                outside.enter_context(_disable_current_modes())
+            outside.enter_context(torch.inference_mode(False))
+            outside.enter_context(torch.autocast(device, enabled=False))
             self._base.step(optimizer)
 
     def apply_on_read(self, indices) -> None:

@@ -13,8 +13,8 @@ just before the first read of that parameter in the next iteration, by
 running the wrapped optimizer's own ``step()`` on that parameter with the
 hyperparameters that were in force when ``step()`` was called (copied:
 a tensor learning rate that a scheduler changes in place does not leak in),
-and outside the autocast and inference mode of the forward it is applied in
-(``Stepper._step_outside_forward`` in ``lazy.py``).
+and outside the autocast, inference mode and dispatch modes of the forward
+it is applied in (``Stepper._step_outside_forward`` in ``lazy.py``).
 Where the first read happens is learned once (Note [First read] in
 ``reads.py``): the update is applied in a forward pre-hook of the module
 whose forward reads the parameter first, and in ``step()`` itself for a

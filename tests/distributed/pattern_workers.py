@@ -174,6 +174,29 @@ class CkptNet(nn.Module):
         return self.out(torch.tanh(h))
 
 
+class SelectiveCkptNet(nn.Module):
+    """A block of bias-free layers under selective activation checkpointing that saves matrix products
+    (``aten.mm``) and recomputes the rest."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.block = nn.Sequential(nn.Linear(32, 61, bias=False), nn.Tanh(), nn.Linear(61, 32, bias=False))
+        self.out = nn.Linear(32, 7)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+        def policy(ctx, op, *args, **kwargs):
+            return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else \
+                CheckpointPolicy.PREFER_RECOMPUTE
+
+        h = torch.relu(self.inp(x))
+        h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=False,
+                                              context_fn=lambda: create_selective_checkpoint_contexts(policy))
+        return self.out(torch.tanh(h))
+
+
 class StaleNet(nn.Module):
     """P3d/P3e: from step 5 on, ``a.weight`` is read by the parent before ``a`` runs (learned: in ``a``).
 
@@ -492,6 +515,15 @@ def adafactor_bf16_autocast(job: Job) -> dict:
 
     model, ref, opt, ropt = job.make(Net, lambda ps: torch.optim.Adafactor(ps, lr=1e-2))
     job.train(model, ref, opt, ropt, loss, skew=Skew(job.rank))
+    return job.result(model, ref, opt, optimizer_state_diff=optimizer_state_diff(opt, ropt))
+
+
+def selective_checkpoint_adafactor(job: Job) -> dict:
+    """Adafactor (its update multiplies matrices: ``aten.mm``) with a block under selective activation
+    checkpointing that caches ``aten.mm`` outputs: the block's deferred updates are applied inside the
+    checkpointed forward, but the checkpoint's cache must hold only the forward's products."""
+    model, ref, opt, ropt = job.make(SelectiveCkptNet, lambda ps: torch.optim.Adafactor(ps, lr=1e-2))
+    job.train(model, ref, opt, ropt, skew=Skew(job.rank))
     return job.result(model, ref, opt, optimizer_state_diff=optimizer_state_diff(opt, ropt))
 
 
@@ -1128,6 +1160,7 @@ WORK = {
     "bf16_autocast": bf16_autocast,
     "adafactor_bf16_autocast": adafactor_bf16_autocast,
     "inference_mode_eval_first_update": inference_mode_eval_first_update,
+    "selective_checkpoint_adafactor": selective_checkpoint_adafactor,
     "adam_weight_decay": _module_pattern(Net, lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.01)),
     "adamw_weight_decay": _module_pattern(Net, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)),
     "torch_save_after_step": save_after_step,
