@@ -52,6 +52,11 @@ def named_tracked_params(optimizer, named_parameters):
         if id(p) in seen or id(p) not in in_optimizer:
             continue  # tied weights once; foreign parameters never
         seen.add(id(p))
+        if isinstance(p, torch.nn.parameter.UninitializedParameter):
+            raise ValueError(  # noqa: TRY004 - not yet initialized is a question of value here
+                f"parameter '{name}' is not initialized yet (a lazy module's, such as nn.LazyLinear): its "
+                "gradient's place is laid out by its shape. Run one forward pass (a dry run on a batch) before "
+                "building the DistributedOptimizer")
         if not p.requires_grad:
             frozen.append((name, p))
             continue

@@ -69,6 +69,17 @@ def test_horovod_value_errors_for_names(make_named, message):
     assert not hooked, f"{len(hooked)} parameter(s) keep a hook after the refused construction"
 
 
+def test_a_lazy_module_not_yet_run_is_named():
+    """A lazy module's parameters take their shape at its first forward; torch's optimizers accept them before,
+    but their gradients' places are laid out at wrapping: refused, naming the parameter and the fix."""
+    model = nn.Sequential(nn.LazyLinear(3), nn.ReLU(), nn.Linear(3, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"parameter '0\.weight' is not initialized.*Run one forward pass"):
+        dc.DistributedOptimizer(opt, named_parameters=model.named_parameters(), config=FIXED)
+    model(torch.ones(4, 5))  # the dry run: now it wraps
+    dc.DistributedOptimizer(opt, named_parameters=model.named_parameters(), config=FIXED)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"backward_passes_per_step": 0}, "backward_passes_per_step"),
     ({"backward_passes_per_step": 1.5}, "backward_passes_per_step"),
