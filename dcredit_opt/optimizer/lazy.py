@@ -40,6 +40,7 @@ class Stepper:
         self._frozen = frozen
         self._buffers, self._lazy, self._tally, self._backward, self._engine, self._backend = parts
         self._config = config
+        self.stepping = False  # inside the wrapped class's own step() (_base_step)
         self._device_type = params[0].device.type if params else "cpu"  # autocast's, for _step_outside_forward
         self._notices = notices
         self._horovod_groups = horovod_groups  # merged in every plan (grouping.py)
@@ -73,7 +74,7 @@ class Stepper:
             for i in ours:
                 params[i].grad = buffers.for_step(i)
             with profiled("dcredit_opt::apply"):
-                self._base.step(self._optimizer())
+                self._base_step(self._optimizer())
         finally:
             for i in ours:
                 params[i].grad = watched[i]
@@ -82,7 +83,7 @@ class Stepper:
     def step_base(self) -> None:
         """The wrapped step as it is, over every parameter, nothing reduced (a fresh optimizer's state made
         from zero gradients: ``Core.step``)."""
-        self._base.step(self._optimizer())
+        self._base_step(self._optimizer())
 
     def zero_grad_base(self, set_to_none: bool) -> None:
         self._base.zero_grad(self._optimizer(), set_to_none=set_to_none)
@@ -179,14 +180,23 @@ class Stepper:
         device = self._device_type
         modes = torch._C._len_torch_dispatch_stack()
         if not (modes or torch.is_autocast_enabled(device) or torch.is_inference_mode_enabled()):
-            self._base.step(optimizer)
+            self._base_step(optimizer)
             return
         with contextlib.ExitStack() as outside:
             if modes:
                 outside.enter_context(_disable_current_modes())
             outside.enter_context(torch.inference_mode(False))
             outside.enter_context(torch.autocast(device, enabled=False))
+            self._base_step(optimizer)
+
+    def _base_step(self, optimizer) -> None:
+        """The wrapped class's own ``step()``; meanwhile ``opt.state`` is handed out as it is (for any other
+        reader the wrapper's ``state`` applies what is pending first)."""
+        self.stepping = True
+        try:
             self._base.step(optimizer)
+        finally:
+            self.stepping = False
 
     def apply_on_read(self, indices) -> None:
         """A read of pending parameters before the place learned for them (Note [Guarded reads] in reads.py):

@@ -32,7 +32,8 @@ parameter is not read in between, and the stale-read checks below run on
 it at that apply as they would have at its own. Optimizer state therefore
 stays exactly what a synchronous step would have made. ``synchronize()``,
 ``state_dict()``/``load_state_dict()`` of the optimizer and of every module
-the forward ran, and ``step()`` apply what is pending first.
+the forward ran, a read of the optimizer's ``state`` (its momentum logged,
+reset or cleared), and ``step()`` apply what is pending first.
 
 The lazy step defers only what it can prove safe, and checks the rest:
 

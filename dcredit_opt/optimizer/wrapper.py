@@ -194,6 +194,20 @@ class _Wrapper:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._dc.zero_grad(set_to_none)
 
+    @property
+    def state(self):
+        """The per-parameter state (momentum, Adam's moments and step) as synchronous training has it: what is
+        pending is applied first, so that reading, resetting or clearing it between ``step()`` and the next
+        forward sees this step's update; the wrapped step's own reads get it as it is."""
+        core = core_of(self)  # None while the wrapper is being built
+        if core is not None and core.lazy.npending and not core.stepper.stepping:
+            core.apply_pending()
+        return self.__dict__["state"]
+
+    @state.setter
+    def state(self, value) -> None:
+        self.__dict__["state"] = value
+
     def state_dict(self):
         self._dc.apply_pending()
         return super(type(self), self).state_dict()

@@ -733,6 +733,23 @@ def _move_to_own_device(m, o, step, log):
     m.float()
 
 
+def _read_optimizer_state(m, o, step, log):
+    """Adam's state read through ``opt.state`` (its moments and step count logged, as when monitoring it)."""
+    for p in m.parameters():
+        log.append(float(o.state[p]["exp_avg_sq"].sum()))
+        log.append(float(o.state[p]["step"]))
+
+
+def _reset_optimizer_state(m, o, step, log):
+    """The momentum buffers zeroed in place through ``opt.state`` after step 2, and the state cleared after
+    step 4 (a restart of the optimizer's memory)."""
+    if step == 2:
+        for p in m.parameters():
+            o.state[p]["momentum_buffer"].zero_()
+    elif step == 4:
+        o.state.clear()
+
+
 def _resume(model_too: bool):
     """At step 3, the checkpoint of step 1 is loaded: the optimizer's state, and the model's with it."""
     saved = {}
@@ -1178,6 +1195,8 @@ WORK = {
     "weights_read_around_the_module_after_step": _after_step(_read_weights, TempNet),
     "submodule_evaluated_after_step": _after_step(_evaluate_submodule),
     "model_moved_to_its_own_device_after_step": _after_step(_move_to_own_device),
+    "optimizer_state_read_after_step": _after_step(_read_optimizer_state, opt_fn=_adam),
+    "optimizer_state_reset_after_step": _after_step(_reset_optimizer_state),
     "checkpoint_resumed_after_step": _after_step(_resume(model_too=True), opt_fn=_adam),
     "optimizer_state_loaded_after_step": _after_step(_resume(model_too=False)),
     "layer_frozen_and_unfrozen_mid_training": _after_step(_freeze_mid, opt_fn=_adam),

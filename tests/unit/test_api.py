@@ -721,7 +721,8 @@ def test_profiling_calls_no_deprecated_torch_distributed_function():
 
 def test_the_wrapper_is_horovods_surface_over_one_field_of_its_own():
     # The returned object is an instance of a subclass of the user's optimizer class (isinstance checks, LR
-    # schedulers); what it adds is Horovod's optimizer API, and one field, the core that does the work.
+    # schedulers); what it adds is Horovod's optimizer API, and one field, the core that does the work. `state`
+    # stays the optimizer's own dict, behind a property that applies pending updates before handing it out.
     model, opt = model_and_opt()
     before = set(vars(opt))
     wrapped = dc.DistributedOptimizer(opt, named_parameters=model.named_parameters(), config=FIXED)
@@ -729,6 +730,6 @@ def test_the_wrapper_is_horovods_surface_over_one_field_of_its_own():
     assert set(vars(wrapped)) - before == {"_dc"}
     own = {name for name in type(wrapped).__dict__ if not name.startswith("__")}
     assert own == {"step", "synchronize", "set_backward_passes_per_step", "skip_synchronize", "zero_grad",
-                   "state_dict", "load_state_dict", "add_param_group", "plan", "replans", "profile",
+                   "state", "state_dict", "load_state_dict", "add_param_group", "plan", "replans", "profile",
                    "_step_supports_amp_scaling"}
     wrapped._dc.close()
