@@ -83,7 +83,7 @@ def wrap(optimizer, names, params, frozen, wire, passes: int, process_set, confi
     cls = type(base.__name__, (base,), {k: v for k, v in _AdasumWrapper.__dict__.items()
                                          if k not in ("__dict__", "__weakref__", "__module__", "__doc__")})
     wrapped = cls.__new__(cls)
-    wrapped.__dict__.update(optimizer.__dict__)
+    wrapped.__dict__.update(checks.copied_fields(optimizer))
     wrapped._dc = AdasumCore(base, names, params, frozen, wire, passes, plane)
     job.register_user(wrapped._dc)
     return wrapped

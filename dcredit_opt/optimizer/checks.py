@@ -65,6 +65,13 @@ def named_tracked_params(optimizer, named_parameters):
     return names, params, frozen
 
 
+def copied_fields(optimizer) -> dict:
+    """The user's optimizer's instance fields that its wrapper takes over (so the two share state and groups).
+    Not ``step``: an LR scheduler built before wrapping replaced ``optimizer.step`` on the instance (to note
+    that it is called), and copied, it would shadow the wrapper's own ``step()``, which then never reduces."""
+    return {k: v for k, v in optimizer.__dict__.items() if k != "step"}
+
+
 def check_same_model_on_all_ranks(names, params, plane=None) -> None:
     """Compare names, shapes and dtypes across ranks before any gradient moves.
 

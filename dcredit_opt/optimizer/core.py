@@ -84,6 +84,7 @@ class Core:
         me = weakref.ref(self)
         # Note [Lazy step]: the updates that wait for their first read, and where each is applied.
         self.lazy = LazyUpdates(optimizer, names, params, self.told)
+        self.lazy.watch_checkpoints(optimizer)
         self.backend = backends.create(config.backend, config.channels, config.timeout_s, members,
                                        device_windows=config.device_windows, reduction=reduction)
         self.engine = self.backend.engine

@@ -362,6 +362,12 @@ class LazyUpdates:
         """At close: the model's hooks no longer keep the optimizer."""
         self.keeper.strong = None
 
+    def watch_checkpoints(self, optimizer) -> None:
+        """The optimizer object the script wrapped shares its hook dicts with the wrapper: a checkpoint saved or
+        loaded through either (``state_dict()``, ``load_state_dict()``) applies what is pending first."""
+        self._hooks += [optimizer.register_state_dict_pre_hook(weak_apply_hook(self.keeper)),
+                        optimizer.register_load_state_dict_pre_hook(weak_apply_hook(self.keeper))]
+
     def remove_hooks(self) -> None:
         """At close: the guard and the apply points go."""
         self.guard.remove()

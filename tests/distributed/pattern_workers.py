@@ -25,6 +25,7 @@ import logging
 import random
 import time
 import traceback
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -771,6 +772,63 @@ def _freeze_mid(m, o, step, log):
         m.mid.requires_grad_(step == 4)
 
 
+def wrapped_optimizer_checkpointed_after_step(job: Job) -> dict:
+    """The optimizer object the script built and wrapped, kept under its own name: its ``state_dict()`` saved
+    after every step() from the second on (Adam: the moments and the step count), and at step 3 its
+    ``load_state_dict()`` of step 1's checkpoint."""
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    inner, ropt = _adam(model.parameters()), _adam(ref.parameters())
+    opt = job.wrap(inner, model)
+    worst, saved = [0.0], {}
+
+    def save(step):
+        if step:
+            worst[0] = max(worst[0], _saved_state_diff(inner.state_dict(), ropt.state_dict()))
+        if step == 1:
+            saved.update(mine=copy.deepcopy(inner.state_dict()), reference=copy.deepcopy(ropt.state_dict()))
+        elif step == 3:
+            inner.load_state_dict(saved["mine"])
+            ropt.load_state_dict(saved["reference"])
+
+    job.train(model, ref, opt, ropt, after_step=save, skew=Skew(job.rank))
+    return job.result(model, ref, opt, saved_diff=worst[0], optimizer_state_diff=optimizer_state_diff(opt, ropt))
+
+
+def scheduler_before_wrapping_resumed(job: Job) -> dict:
+    """A StepLR built on the optimizer before it is wrapped, and the wrapper's ``load_state_dict()`` of step 1's
+    checkpoint at step 3: the schedule must go on reaching the optimizer that steps."""
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    scheds = (torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.7),
+              torch.optim.lr_scheduler.StepLR(ropt, step_size=1, gamma=0.7))
+    opt = job.wrap(inner, model)
+    saved, lrs = {}, []
+
+    def resume(step):
+        lrs.append((opt.param_groups[0]["lr"], ropt.param_groups[0]["lr"]))
+        if step == 1:
+            saved.update(mine=copy.deepcopy(opt.state_dict()), reference=copy.deepcopy(ropt.state_dict()))
+        elif step == 3:
+            opt.load_state_dict(saved["mine"])
+            ropt.load_state_dict(saved["reference"])
+
+    with warnings.catch_warnings():  # the scheduler sees inner.step() uncalled: the wrapper's step() is called
+        warnings.simplefilter("ignore", UserWarning)
+        job.train(model, ref, opt, ropt, after_step=resume, scheds=scheds, skew=Skew(job.rank))
+    return job.result(model, ref, opt, lr_diff=max(abs(a - b) for a, b in lrs),
+                      optimizer_state_diff=optimizer_state_diff(opt, ropt))
+
+
+def _saved_state_diff(sd, rsd) -> float:
+    return max(float((sd["state"][k][key].float() - v.float()).abs().max()) for k in rsd["state"]
+               for key, v in rsd["state"][k].items())
+
+
 def swa_after_step(job: Job) -> dict:
     """``AveragedModel.update_parameters(model)`` after every step() from the third on."""
     from torch.optim.swa_utils import AveragedModel
@@ -1200,6 +1258,8 @@ WORK = {
     "checkpoint_resumed_after_step": _after_step(_resume(model_too=True), opt_fn=_adam),
     "optimizer_state_loaded_after_step": _after_step(_resume(model_too=False)),
     "layer_frozen_and_unfrozen_mid_training": _after_step(_freeze_mid, opt_fn=_adam),
+    "wrapped_optimizer_checkpointed_after_step": wrapped_optimizer_checkpointed_after_step,
+    "scheduler_before_wrapping_resumed": scheduler_before_wrapping_resumed,
     "swa_averaged_model_after_step": swa_after_step,
     "step_with_closure": step_with_closure,
     "zero_gradient_on_one_rank": zero_gradient_on_one_rank,
