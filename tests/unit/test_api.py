@@ -77,7 +77,7 @@ def test_a_lazy_module_not_yet_run_is_named():
     with pytest.raises(ValueError, match=r"parameter '0\.weight' is not initialized.*Run one forward pass"):
         dc.DistributedOptimizer(opt, named_parameters=model.named_parameters(), config=FIXED)
     model(torch.ones(4, 5))  # the dry run: now it wraps
-    dc.DistributedOptimizer(opt, named_parameters=model.named_parameters(), config=FIXED)
+    dc.DistributedOptimizer(opt, named_parameters=model.named_parameters(), config=FIXED)._dc.close()
 
 
 @pytest.mark.parametrize("kwargs, message", [
