@@ -209,17 +209,11 @@ class Core:
                     self.apply_pending()
                     stepper.step_base()
                     return loss
-                if not self._assigned_gradients():
-                    raise DCreditError(
-                        f"step() called, but no gradient was computed since the last step() (none of its "
-                        f"{len(self.params)} parameters, '{self.names[0]}' the first, has one): call "
-                        "loss.backward() before optimizer.step(). If a backward ran but reached none of them on "
-                        "this rank (a task's head that this rank's batch did not use, with an optimizer of its "
-                        "own), wrap one optimizer over the whole model, with a parameter group per part if they "
-                        "need their own settings: a parameter unused on some ranks then gets the others' "
-                        "average, as in synchronous training")
+                if not any(p.grad is not None for p in self.params):
+                    self._tell_no_gradient()  # Note [No gradient here]
                 # Gradients assigned by hand (from torch.autograd.grad): reduced now, as Horovod's
-                # synchronize() reduces every p.grad whose hook did not fire.
+                # synchronize() reduces every p.grad whose hook did not fire; none at all, this rank joins the
+                # others' reduction with none (Note [No gradient here]).
             backward.begin()  # or fewer backward passes than backward_passes_per_step: reduce what there is
         if self.timeline is not None:
             self.timeline.settle()  # Note [Timeline writer] in timeline.py
@@ -387,9 +381,26 @@ class Core:
                 return False
         return True
 
-    def _assigned_gradients(self) -> bool:
-        """Whether some ``p.grad`` was assigned by user code since the last ``step()`` (not our own)."""
-        return any(p.grad is not None and p.grad is not w for p, w in zip(self.params, self.buffers.watched))
+    # Note [No gradient here]
+    # A step() with no backward since the last one, and no gradient at all:
+    # an optimizer per part of the model (a head per task) whose part this
+    # rank's batch did not use, while another rank's did. Synchronous
+    # training (DDP, Horovod) averages that part's gradients with this
+    # rank's zeros; the other ranks are already reducing them and wait for
+    # this one. So this rank joins the iteration with no gradient: every
+    # tensor counts as unused here (Note [Global usage]), its blocks carry
+    # zeros, and a parameter some rank used gets the average, one no rank
+    # used stays without a gradient and the optimizer skips it, as a plain
+    # step() with no gradient does. Said once, since a step() with no
+    # backward may also be a forgotten loss.backward().
+
+    def _tell_no_gradient(self) -> None:
+        self.told.tell("no gradient", (
+            f"dcredit_opt: step() found no gradient on this rank since the last step() (none of its "
+            f"{len(self.params)} parameters, '{self.names[0]}' the first, has one): this rank joined the "
+            "reduction with none, so each parameter gets the other ranks' average, or stays without a gradient "
+            "(and unchanged) where no rank computed one (Note [No gradient here]). If a loss.backward() was "
+            "meant to come first, call it before optimizer.step(). Said once."))
 
     def _replaced_gradients(self) -> tuple[list, list]:
         """Note [Replaced gradients]: the tensors whose gradient user code set to ``None`` after

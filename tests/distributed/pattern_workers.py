@@ -1018,8 +1018,8 @@ class TwoHeadNet(nn.Module):
 
 
 def heads_per_rank_one_optimizer(job: Job) -> dict:
-    """The fix for ``head_optimizer_unused_on_every_rank``: one optimizer over the whole model, a parameter
-    group per part; rank 0's batches are task a's, rank 1's task b's, so each head is used on one rank only."""
+    """One optimizer over the whole model, a parameter group per part (or an optimizer per part:
+    ``optimizer_per_head``); rank 0's batches are task a's, rank 1's task b's, so each head is used on one rank only."""
     def grouped(ps):
         ps = list(ps)
         return torch.optim.SGD([{"params": ps[:2]}, {"params": ps[2:4], "lr": 0.1}, {"params": ps[4:]}],
@@ -1032,6 +1032,50 @@ def heads_per_rank_one_optimizer(job: Job) -> dict:
     model, ref, opt, ropt = job.make(TwoHeadNet, grouped)
     job.train(model, ref, opt, ropt, loss, skew=Skew(job.rank))
     return job.result(model, ref, opt, optimizer_state_diff=optimizer_state_diff(opt, ropt))
+
+
+def optimizer_per_head(by_rank: bool):
+    """An optimizer per part (body, head a, head b), every step() called each iteration (Note [No gradient
+    here] in core.py). ``by_rank``: rank 0's batches are task a's, rank 1's task b's, so each head's optimizer
+    has a gradient on one rank only and the other joins with none: the head gets the average (half the one
+    rank's gradient), as under DDP and Horovod. Otherwise the task alternates by step, the same on every rank:
+    the unused head's optimizer has no gradient anywhere, and its parameters stay as they are."""
+    def run(job: Job) -> dict:
+        torch.manual_seed(0)
+        model = TwoHeadNet()
+        ref = copy.deepcopy(model)
+        parts = ("body", "a", "b")
+        opts = {k: dc.DistributedOptimizer(
+            _sgd(getattr(model, k).parameters()), config=job.config(),
+            named_parameters=[(n, p) for n, p in model.named_parameters() if n.startswith(f"{k}.")]) for k in parts}
+        job.opts.extend(opts.values())
+        ropts = {k: _sgd(getattr(ref, k).parameters()) for k in parts}
+
+        def task(step, rank):
+            return "ab"[rank % 2] if by_rank else "ab"[step % 2]
+
+        def loss(m, step, rank):
+            x, y = batch(step, rank)
+            return F.mse_loss(m(x, task(step, rank)), y)
+
+        skew = Skew(job.rank)
+        for step in range(STEPS):
+            for opt in opts.values():
+                opt.zero_grad()
+            loss(model, step, job.rank).backward()
+            skew()
+            for opt in opts.values():
+                job.step(opt)
+            reference_grads(ref, lambda r, step=step: loss(ref, step, r), job.world)
+            for ropt in ropts.values():
+                ropt.step()
+        out = job.result(model, ref, opts["body"])
+        for k in ("a", "b"):
+            opts[k]._dc.close()
+        out["closed_diff"] = param_diff(model, ref)
+        out["checksum"] = checksum(model)
+        return out
+    return run
 
 
 def p6_custom_global_clip(job: Job) -> dict:
@@ -1266,6 +1310,8 @@ WORK = {
     **{f"parametrized_{kind}": replicated(_parametrized(kind)) for kind in (
         "orthogonal", "weight_norm", "spectral_norm", "spectral_norm_hook", "weight_norm_hook")},
     "heads_per_rank_one_optimizer": heads_per_rank_one_optimizer,
+    "optimizer_per_head_head_unused_everywhere": optimizer_per_head(by_rank=False),
+    "optimizer_per_head_tasks_differ_by_rank": optimizer_per_head(by_rank=True),
     "gan_discriminator_frozen_for_generator": gan("pix2pix"),
     "gan_generator_backward_inputs": gan("inputs"),
 }
@@ -1437,39 +1483,6 @@ def p3e_stale_read_on_thread(mode: str):
     return run
 
 
-def head_optimizer_unused(job: Job) -> dict:
-    """An optimizer per part (body, head a, head b), every step() called each iteration; the batches of
-    step 0 are all task a's, so no backward reaches head b's parameters: its step() is refused (plain torch
-    would skip them), naming a parameter and the fix, one optimizer over the whole model."""
-    torch.manual_seed(0)
-    model = TwoHeadNet()
-    ref = copy.deepcopy(model)
-    parts = ("body", "a", "b")
-    opts = {k: dc.DistributedOptimizer(
-        _sgd(getattr(model, k).parameters()), config=job.config(),
-        named_parameters=[(n, p) for n, p in model.named_parameters() if n.startswith(f"{k}.")]) for k in parts}
-    job.opts.extend(opts.values())
-    ropts = {k: _sgd(getattr(ref, k).parameters()) for k in parts}
-
-    def task(step):
-        return "a" if step % 2 == 0 else "b"
-
-    def body(step, where):
-        for opt in opts.values():
-            opt.zero_grad()
-        where[0] = f"backward of step {step}"
-        x, y = batch(step, job.rank)
-        F.mse_loss(model(x, task(step)), y).backward()
-        for k, opt in opts.items():
-            where[0] = f"step() of {k}'s optimizer at step {step}"
-            job.step(opt)
-        reference_grads(ref, lambda r: F.mse_loss(ref(batch(step, r)[0], task(step)), batch(step, r)[1]), job.world)
-        for ropt in ropts.values():
-            ropt.step()
-
-    return _expect_error(job, model, ref, opts["body"], ropts["body"], body, loss_fn=None)
-
-
 def numpy_alias_written_after_step(job: Job) -> dict:
     """A NumPy view of ``mid.weight`` taken once (after step 1's step()), then used from step 2 on to clip the
     weight right after step(): NumPy's writes are no torch operations, so the guard never applies the pending
@@ -1534,7 +1547,6 @@ RAISE = {
     "step_skipped_on_one_rank": step_skipped_on_one_rank,
     "weight_changed_on_one_rank": weight_changed_on_one_rank,
     "gan_generator_backward_reaches_discriminator": gan("dcgan"),
-    "head_optimizer_unused_on_every_rank": head_optimizer_unused,
     "numpy_alias_written_after_step": numpy_alias_written_after_step,
 }
 
