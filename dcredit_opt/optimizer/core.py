@@ -80,6 +80,7 @@ class Core:
         self.told = Notices()
         self._optimizer = weakref.ref(optimizer)
         self.skip = False  # inside optimizer.skip_synchronize()
+        self._zeros: dict = {}  # tensor -> the zeros zero_grad(set_to_none=False) gave it in place of its slot
         self._replan = False  # this step() stages a plan: it must be eager
         me = weakref.ref(self)
         # Note [Lazy step]: the updates that wait for their first read, and where each is applied.
@@ -293,12 +294,13 @@ class Core:
         # would examine every call here while updates are pending; Note [Guard cost] in reads.py).
         lazy = self.lazy
         with lazy.guard.paused():
+            self._zeros.clear()
             if lazy.npending and not set_to_none:  # set to None, as the wrapped zero_grad sets every p.grad
                 pending, buffers = lazy.pending, self.buffers
                 for i, p in enumerate(self.params):
                     if pending[i] and buffers.is_ours(i, p.grad):
                         # The slot holds the reduced gradient a pending update still needs.
-                        p.grad = torch.zeros_like(p)
+                        p.grad = self._zeros[i] = torch.zeros_like(p)
             # Reads and writes gradients only, never a parameter's values: the guard need not see it.
             self.stepper.zero_grad_base(set_to_none)
 
@@ -364,18 +366,22 @@ class Core:
     # ---- step()'s questions -------------------------------------------------------------------
 
     def _zero_gradients_only(self) -> bool:
-        """No backward since the last ``step()``, and every gradient present is zero (at least one is).
+        """No backward since the last ``step()``, and every gradient present is a zero tensor the script put
+        there (at least one is).
 
         ``hvd.broadcast_optimizer_state(opt, root)`` creates the state of a
-        fresh optimizer that way: zero gradients, then ``opt.step()``. The
-        average of zeros is zero on every rank, so stepping locally is exactly
-        the synchronous step; any other gradient, set by hand, was never
-        reduced and is refused.
+        fresh optimizer that way: new zero gradients, then ``opt.step()``, on
+        every rank. The average of zeros is zero on every rank, so stepping
+        locally is exactly the synchronous step. Zeros in our own slots (or
+        the zeros ``zero_grad(set_to_none=False)`` put in place of a slot a
+        pending update still needs) are what that call left where no backward
+        came since: this rank joins the others' reduction (Note [No gradient
+        here]), which another rank's backward may have started.
         """
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads:
+        grads = [(i, p.grad) for i, p in enumerate(self.params) if p.grad is not None]
+        if not grads or any(self.buffers.is_ours(i, g) or g is self._zeros.get(i) for i, g in grads):
             return False
-        for g in grads:
+        for _, g in grads:
             values = g.coalesce().values() if g.is_sparse else g
             if bool(values.any()):
                 return False

@@ -1034,12 +1034,15 @@ def heads_per_rank_one_optimizer(job: Job) -> dict:
     return job.result(model, ref, opt, optimizer_state_diff=optimizer_state_diff(opt, ropt))
 
 
-def optimizer_per_head(by_rank: bool):
+def optimizer_per_head(by_rank: bool, set_to_none: bool = True):
     """An optimizer per part (body, head a, head b), every step() called each iteration (Note [No gradient
-    here] in core.py). ``by_rank``: rank 0's batches are task a's, rank 1's task b's, so each head's optimizer
-    has a gradient on one rank only and the other joins with none: the head gets the average (half the one
-    rank's gradient), as under DDP and Horovod. Otherwise the task alternates by step, the same on every rank:
-    the unused head's optimizer has no gradient anywhere, and its parameters stay as they are."""
+    here] in core.py). ``by_rank``: at each step the ranks' batches are of different tasks (rank 0 a, b, a...,
+    rank 1 b, a, b...), so each head's optimizer has a gradient on one rank only and the other joins with none:
+    the head gets the average (half the one rank's gradient), as under DDP and Horovod; a rank's head updates
+    then wait, pending, through a forward that does not read them. Otherwise the task alternates by step, the same on every rank:
+    the unused head's optimizer has no gradient anywhere, and its parameters stay as they are. With
+    ``set_to_none=False`` the unused head keeps zeros in its gradients instead of ``None``: the rank joins the
+    same way (not the local step on zero gradients that ``hvd.broadcast_optimizer_state`` takes)."""
     def run(job: Job) -> dict:
         torch.manual_seed(0)
         model = TwoHeadNet()
@@ -1052,7 +1055,7 @@ def optimizer_per_head(by_rank: bool):
         ropts = {k: _sgd(getattr(ref, k).parameters()) for k in parts}
 
         def task(step, rank):
-            return "ab"[rank % 2] if by_rank else "ab"[step % 2]
+            return "ab"[(rank + step) % 2] if by_rank else "ab"[step % 2]
 
         def loss(m, step, rank):
             x, y = batch(step, rank)
@@ -1061,7 +1064,7 @@ def optimizer_per_head(by_rank: bool):
         skew = Skew(job.rank)
         for step in range(STEPS):
             for opt in opts.values():
-                opt.zero_grad()
+                opt.zero_grad(set_to_none=set_to_none)
             loss(model, step, job.rank).backward()
             skew()
             for opt in opts.values():
@@ -1312,6 +1315,7 @@ WORK = {
     "heads_per_rank_one_optimizer": heads_per_rank_one_optimizer,
     "optimizer_per_head_head_unused_everywhere": optimizer_per_head(by_rank=False),
     "optimizer_per_head_tasks_differ_by_rank": optimizer_per_head(by_rank=True),
+    "optimizer_per_head_tasks_differ_by_rank_zeros_kept": optimizer_per_head(by_rank=True, set_to_none=False),
     "gan_discriminator_frozen_for_generator": gan("pix2pix"),
     "gan_generator_backward_inputs": gan("inputs"),
 }
