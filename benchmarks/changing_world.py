@@ -232,7 +232,7 @@ def summarize(scenario: str, runs: dict[str, list[dict]]) -> list[dict]:
             row[f"{s}_over_fresh_ci"] = _inverse(speedup_interval(fresh, times))
         row["once_over_adaptive"] = row["once_s"] / row["adaptive_s"]
         row["once_over_adaptive_ci"] = speedup_interval(part["once"], part["adaptive"])
-        again = runs.get(f"again@{_condition(rate, batch)}")
+        again = runs.get(f"again@{_condition(rate, batch)}") if p == len(phases) - 1 else None
         if again:  # two launches of one job: what launching alone changes (the module docstring)
             row["again_over_fresh"] = median(_flat([r["iter_times_s"] for r in again])) / row["fresh_s"]
             row["again_over_fresh_ci"] = _inverse(speedup_interval(fresh, [r["iter_times_s"] for r in again]))
