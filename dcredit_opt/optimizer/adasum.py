@@ -85,6 +85,7 @@ def wrap(optimizer, names, params, frozen, wire, passes: int, process_set, confi
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(checks.copied_fields(optimizer))
     wrapped._dc = AdasumCore(base, names, params, frozen, wire, passes, plane)
+    checks.LoadInPlace.install(wrapped)
     job.register_user(wrapped._dc)
     return wrapped
 

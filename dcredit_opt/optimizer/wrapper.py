@@ -117,47 +117,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     wrapped.__dict__.update(checks.copied_fields(optimizer))
     wrapped._dc = Core(wrapped, base, names, params, frozen, backward_passes_per_step, op,
                        float(gradient_predivide_factor), config, sparse_as_dense, wire, group_of, process_set)
-    _LoadInPlace.install(wrapped)
+    checks.LoadInPlace.install(wrapped)
     return _marked(wrapped, params)
-
-
-class _LoadInPlace:
-    """The wrapper and the optimizer it wraps share one state dict, one group list and its group dicts (an LR
-    scheduler built on either changes both). torch's ``load_state_dict()`` replaces all three with new objects
-    on the optimizer it is called on, which would part the two: the other then keeps training (and saving) the
-    state before the load, and a scheduler built on the other stops reaching the one that steps. So what is
-    loaded into either is copied into the shared objects, which stay. Pre- and post-hooks of
-    ``load_state_dict``, registered once in the hook dicts the two share."""
-
-    def __init__(self):
-        self._kept = None
-
-    @classmethod
-    def install(cls, optimizer) -> None:
-        if not any(isinstance(getattr(h, "__self__", None), cls)
-                   for h in optimizer._optimizer_load_state_dict_post_hooks.values()):
-            loader = cls()
-            optimizer.register_load_state_dict_pre_hook(loader.before)
-            optimizer.register_load_state_dict_post_hook(loader.after)
-
-    def before(self, optimizer, state_dict) -> None:
-        groups = optimizer.__dict__["param_groups"]
-        self._kept = (optimizer.__dict__["state"], groups, list(groups))
-
-    def after(self, optimizer) -> None:
-        state, groups, dicts = self._kept
-        self._kept = None
-        loaded_state, loaded_groups = optimizer.__dict__["state"], optimizer.__dict__["param_groups"]
-        if loaded_state is not state:
-            state.clear()
-            state.update(loaded_state)
-            optimizer.__dict__["state"] = state
-        if loaded_groups is not groups:
-            for kept, loaded in zip(dicts, loaded_groups):
-                kept.clear()
-                kept.update(loaded)
-            groups[:] = dicts
-            optimizer.__dict__["param_groups"] = groups
 
 
 def _marked(wrapped, params):

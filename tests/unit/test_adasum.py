@@ -136,6 +136,32 @@ def test_a_world_of_one_is_the_plain_step(op):
     wrapped.set_backward_passes_per_step(2)
 
 
+# torch's scheduler counts the step() of the object it was built on; the wrapper's own step() is another one
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before:UserWarning")
+def test_a_scheduler_built_before_wrapping_still_reaches_the_wrapper_after_a_load():
+    """The Adasum wrapper shares its state and groups with the optimizer it wraps, across a load_state_dict()
+    on either (checks.LoadInPlace), as DistributedOptimizer's does: a scheduler built on the script's own
+    optimizer before wrapping keeps setting the learning rate the wrapper steps with, as in plain torch."""
+    model, opt = _model_and_opt()
+    plain_model = copy.deepcopy(model)
+    plain_opt = torch.optim.Adam(plain_model.parameters(), lr=0.1)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    plain_schedule = torch.optim.lr_scheduler.StepLR(plain_opt, step_size=1, gamma=0.5)
+    wrapped = dc.DistributedOptimizer(opt, named_parameters=model.named_parameters(), op=dc.Adasum)
+    for seed in range(4):
+        if seed == 2:  # a resume: the wrapper loads its own checkpoint
+            wrapped.load_state_dict(copy.deepcopy(wrapped.state_dict()))
+            plain_opt.load_state_dict(copy.deepcopy(plain_opt.state_dict()))
+        _step(model, wrapped, seed)
+        _step(plain_model, plain_opt, seed)
+        schedule.step()
+        plain_schedule.step()
+    assert wrapped.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == plain_opt.param_groups[0]["lr"]
+    for p, q in zip(model.parameters(), plain_model.parameters()):
+        assert torch.equal(p, q)
+    assert wrapped.param_groups is opt.param_groups and wrapped.state is opt.state
+
+
 @pytest.mark.filterwarnings("ignore:GradScaler is going to stop passing itself:FutureWarning")
 def test_a_grad_scaler_skips_the_step_on_inf_and_lowers_the_scale():
     model, opt = _model_and_opt(torch.optim.SGD)
