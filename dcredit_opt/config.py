@@ -131,10 +131,10 @@ class Config:
 
     check_weights_every: int = 100
     """Every this many iterations (the first check at iteration ``check_weights_every``), every rank's weights
-    are compared with every other rank's, exactly, through the tally the iteration sends anyway; a parameter that differs between ranks
-    (a write to it on some ranks only, ranks that started from different weights, or a fault of ours)
-    stops every rank with DCreditError naming it, at the next iteration's end of backward (Note [Same
-    weights]). Costs one read of the weights on the training thread per check (an integer sum per
+    are compared with every other rank's, exactly, through the tally the iteration sends anyway; a parameter
+    that differs between ranks (a write to it on some ranks only, ranks that started from different weights,
+    or a fault of ours) stops every rank with DCreditError naming it, at the next iteration's end of backward
+    (Note [Same weights]). Costs one read of the weights on the training thread per check (an integer sum per
     parameter) and two integers per parameter in that iteration's tally. 0 turns it off (do so where ranks
     run on different kinds of device, whose kernels may round the same update differently). With 2+ ranks."""
 

@@ -130,6 +130,21 @@ def fingerprints(params) -> list[int]:
     return [_mix(t) for t in _word_sums(params).cpu().tolist()]
 
 
+def _agreement(values) -> torch.Tensor:
+    """What a rank adds to the tally so that every rank can tell whether all sent the same ``values`` (each below
+    :data:`UPDATES_MODULO`): the values, then their squares (Note [Same updates])."""
+    v = torch.tensor(values, dtype=torch.int32)
+    return torch.cat([v, v * v])
+
+
+def _disagreeing(summed: torch.Tensor, mine, world: int) -> list[int]:
+    """Where ``summed`` (every rank's :func:`_agreement`, summed) shows some rank sent another value than ``mine``:
+    the same positions on every rank (Note [Same updates])."""
+    v = torch.tensor(mine, dtype=torch.int64)
+    sums, squares = summed.to(torch.int64).reshape(2, -1)
+    return ((sums != world * v) | (squares != world * v * v)).nonzero().reshape(-1).tolist()
+
+
 class _Fingerprinting:
     """The fingerprints of the weights as they are at one flush, read at the next (Note [Same weights]): on a
     GPU the sums run on the device and come back with a copy the host does not wait for at the flush that
@@ -380,17 +395,16 @@ class UsageTally:
     def _check_updates(self, last: _Usage) -> None:
         """Note [Same updates]: the summed tally ``last`` says every rank had taken as many updates as this
         one when it started, or this raises (on every rank alike)."""
-        world, a = self._world_size, last.taken % UPDATES_MODULO
-        total, squares = last.counts[3 * len(self._params):3 * len(self._params) + 2].tolist()
-        if total == world * a and squares == world * a * a:
+        T = len(self._params)
+        if not _disagreeing(last.counts[3 * T:3 * T + 2], [last.taken % UPDATES_MODULO], self._world_size):
             return
         raise DCreditError(
             f"the ranks have not all applied the same number of optimizer updates: this rank had taken {last.taken} "
             "when the last iteration's gradients were reduced, and some rank had taken another number "
-            "(Note [Same updates]). A step() was skipped on some ranks but not on others (for example after a check of the "
-            "rank's own loss, or an exception caught in its backward, followed by zero_grad()), so the weights "
-            "now differ between ranks. Skip a step on every rank alike: decide from values every rank shares "
-            "(the gradients after optimizer.synchronize(), or a flag you all-reduce), then call "
+            "(Note [Same updates]). A step() was skipped on some ranks but not on others (for example after a "
+            "check of the rank's own loss, or an exception caught in its backward, followed by zero_grad()), so "
+            "the weights now differ between ranks. Skip a step on every rank alike: decide from values every rank "
+            "shares (the gradients after optimizer.synchronize(), or a flag you all-reduce), then call "
             "optimizer.zero_grad() without step() on every rank")
 
     def _check_weights_of(self, last: _Usage) -> None:
@@ -398,12 +412,9 @@ class UsageTally:
         this rank's on every rank, or this raises (on every rank alike, naming the same parameter)."""
         if last.weights is None:
             return
-        T, world = len(self._params), self._world_size
-        mine = torch.tensor(last.weights, dtype=torch.int64)
-        sums = last.counts[3 * T + 2:].to(torch.int64).reshape(2, T)
-        differ = ((sums[0] != world * mine) | (sums[1] != world * mine * mine)).nonzero().reshape(-1).tolist()
+        differ = _disagreeing(last.counts[3 * len(self._params) + 2:], last.weights, self._world_size)
         if not differ:
-            self._weights_matched = last.starts
+            self._weights_matched = last.weights_at
             return
         i = differ[0]
         if self._weights_matched:
@@ -415,7 +426,7 @@ class UsageTally:
                      "scripts do, or the same seed)")
         others = f" ({len(differ) - 1} more parameters differ too)" if len(differ) > 1 else ""
         raise DCreditError(
-            f"parameter '{self._names[i]}' differs between ranks{others} at iteration {last.starts}, {since}. "
+            f"parameter '{self._names[i]}' differs between ranks{others} at iteration {last.weights_at}, {since}. "
             "Something changed it on some ranks only (a checkpoint loaded on one rank, an in-place write under a "
             "rank's own condition): change parameters on every rank alike, or broadcast them from one rank "
             "after the change. The weights no longer equal synchronous training's; "
@@ -433,17 +444,11 @@ class UsageTally:
             tail = torch.tensor([*(k > 0 for k in proposal), *(k == rows.ROWS_ONLY for k in proposal)],
                                 dtype=torch.int32)
             self._tail = (proposal, tail)
-        counts = torch.empty(3 * T + 2 + (2 * T if weights is not None else 0), dtype=torch.int32)
-        if T:
-            counts[:T] = torch.frombuffer(bytearray(here), dtype=torch.uint8)
-        counts[T:3 * T] = self._tail[1]
-        counts[3 * T] = updates
-        counts[3 * T + 1] = updates * updates
-        if weights is not None and T:
-            f = torch.tensor(weights, dtype=torch.int32)
-            counts[3 * T + 2:4 * T + 2] = f
-            counts[4 * T + 2:] = f * f
-        return counts
+        parts = [torch.frombuffer(bytearray(here), dtype=torch.uint8).to(torch.int32) if T else
+                 torch.zeros(0, dtype=torch.int32), self._tail[1], _agreement([updates])]
+        if weights is not None:
+            parts.append(_agreement(weights))
+        return torch.cat(parts)
 
     def unused_everywhere(self, indices) -> list:
         """Of tensors ``indices``, those no rank computed a gradient for in the iteration being applied."""
@@ -519,14 +524,14 @@ class _Usage:
     summed over ranks, and, once that sum is known, whether it had one anywhere; and the updates this rank had
     taken (Note [Same updates])."""
 
-    __slots__ = ("counts", "everywhere", "here", "starts", "taken", "weights")
+    __slots__ = ("counts", "everywhere", "here", "taken", "weights", "weights_at")
 
     def __init__(self, here: bytes, counts: torch.Tensor | None, taken: int = 0, weights: list | None = None,
-                 starts: int = 0):
+                 weights_at: int = 0):
         self.here = here
         self.counts = counts
         self.everywhere = None
         self.taken = taken
         self.weights = weights  # this rank's fingerprints (Note [Same weights]), where this tally carries them
-        self.starts = starts  # where it carries fingerprints, the iteration (flush) whose weights they are
+        self.weights_at = weights_at  # where it carries fingerprints, the iteration (flush) whose weights they are
 
