@@ -85,6 +85,7 @@ def wrap(optimizer, names, params, frozen, wire, passes: int, process_set, confi
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(checks.copied_fields(optimizer))
     wrapped._dc = AdasumCore(base, names, params, frozen, wire, passes, plane)
+    wrapped._dc.step_noted = checks.StepNoted.of(optimizer)
     checks.LoadInPlace.install(wrapped)
     job.register_user(wrapped._dc)
     return wrapped
@@ -109,12 +110,15 @@ class AdasumCore:
         self.plane = plane
         self.closed = False
         self.steps = 0
+        self.step_noted = None  # checks.StepNoted for an LR scheduler built before wrapping (set by wrap())
         self._held = [id(p) for p in self.params] + [id(p) for _, p in self.frozen]
 
     # ---- the step ------------------------------------------------------------------------------
 
     def step(self, optimizer, closure, grad_scaler):
         self._check(optimizer)
+        if self.step_noted is not None:
+            self.step_noted()
         if grad_scaler is not None and self._skip_for_scaler(optimizer, grad_scaler):
             return None
         if self.plane.size == 1:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import weakref
 
 import torch
 
@@ -70,6 +71,27 @@ def copied_fields(optimizer) -> dict:
     Not ``step``: an LR scheduler built before wrapping replaced ``optimizer.step`` on the instance (to note
     that it is called), and copied, it would shadow the wrapper's own ``step()``, which then never reduces."""
     return {k: v for k, v in optimizer.__dict__.items() if k != "step"}
+
+
+class StepNoted:
+    """An LR scheduler built on the script's optimizer before wrapping watches that object's ``step()`` (torch
+    replaces it on the instance to note each call), and warns at its first ``step()`` that it was called before
+    ``optimizer.step()`` if none was noted. The wrapper's ``step()`` is its own method, which never calls that
+    one: so it notes its calls on the script's object too, as the scheduler would have. Only where such a
+    scheduler was built (a scheduler built on the wrapper notes its calls itself)."""
+
+    def __init__(self, optimizer):
+        self._watched = weakref.ref(optimizer)
+
+    @classmethod
+    def of(cls, optimizer):
+        """A noter for ``optimizer`` where an LR scheduler watches its ``step()``, else None."""
+        return cls(optimizer) if hasattr(optimizer.__dict__.get("step"), "_wrapped_by_lr_sched") else None
+
+    def __call__(self) -> None:
+        watched = self._watched()
+        if watched is not None:
+            watched._opt_called = True
 
 
 class LoadInPlace:

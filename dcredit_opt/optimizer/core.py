@@ -79,6 +79,7 @@ class Core:
                                               groups=group_of)
         self.told = Notices()
         self._optimizer = weakref.ref(optimizer)
+        self.step_noted = None  # checks.StepNoted for an LR scheduler built before wrapping (set by the wrapper)
         self.skip = False  # inside optimizer.skip_synchronize()
         self._zeros: dict = {}  # tensor -> the zeros zero_grad(set_to_none=False) gave it in place of its slot
         self._replan = False  # this step() stages a plan: it must be eager
@@ -190,6 +191,8 @@ class Core:
 
     def step(self, closure, grad_scaler):
         self.require_open("step()")
+        if self.step_noted is not None:
+            self.step_noted()
         stepper, backward = self.stepper, self.backward
         stepper.check_groups()
         loss = None

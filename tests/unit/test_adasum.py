@@ -136,8 +136,6 @@ def test_a_world_of_one_is_the_plain_step(op):
     wrapped.set_backward_passes_per_step(2)
 
 
-# torch's scheduler counts the step() of the object it was built on; the wrapper's own step() is another one
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before:UserWarning")
 def test_a_scheduler_built_before_wrapping_still_reaches_the_wrapper_after_a_load():
     """The Adasum wrapper shares its state and groups with the optimizer it wraps, across a load_state_dict()
     on either (checks.LoadInPlace), as DistributedOptimizer's does: a scheduler built on the script's own

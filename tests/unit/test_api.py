@@ -218,6 +218,32 @@ def test_world_of_one_matches_plain_training_for_every_optimizer():
         assert dc.size() == 1 and dc.rank() == 0 and dc.local_rank() == 0
 
 
+@pytest.mark.filterwarnings("error:Detected call of `lr_scheduler.step\\(\\)` before:UserWarning")
+@pytest.mark.parametrize("op", [dc.Average, dc.Adasum])
+def test_a_scheduler_built_before_wrapping_sees_the_wrappers_step(op):
+    """torch's LR scheduler notes the step() of the object it was built on and warns at its first step() where
+    none was noted; the wrapper's step() notes itself there (checks.StepNoted), so no warning is spurious, and
+    the schedule is the plain one."""
+    model, opt = model_and_opt()
+    ref_model, ref_opt = model_and_opt()
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref_schedule = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=1, gamma=0.5)
+    wrapped = dc.DistributedOptimizer(opt, named_parameters=model.named_parameters(), op=op, config=FIXED)
+    x = torch.randn(5, 4)
+    for m, o, s in ((model, wrapped, schedule), (ref_model, ref_opt, ref_schedule)):
+        for _ in range(3):
+            o.zero_grad()
+            m(x).sum().backward()
+            o.step()
+            s.step()
+    assert wrapped.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"] == 0.1 * 0.5 ** 3
+    wrapped.synchronize()
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q)
+    with pytest.warns(UserWarning, match="before `optimizer.step"):  # the check is still torch's own
+        torch.optim.lr_scheduler.StepLR(torch.optim.SGD(ref_model.parameters(), lr=0.1), step_size=1).step()
+
+
 def _run_init(env, timeout=60):
     code = "import dcredit_opt as dc; dc.init(timeout_s=3.0); print('size', dc.size())"
     clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
