@@ -243,6 +243,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "The first of `indices` whose slot was written since its version was recorded, or -1.")
       .def("not_watched", &GradientPath::NotWatched, "The tensors whose p.grad is not their watched alias now.")
       .def("addresses", &GradientPath::Addresses, "Every parameter's data address, in order.")
+      .def("first_shared", &GradientPath::FirstShared,
+           "The first parameter whose storage another tensor holds too, or -1 (Note [Hidden writes]).")
       .def("forget_graph_reads", &GradientPath::ForgetGraphReads, py::arg("indices"),
            "Drop the parameters' links to their gradient accumulators (Note [Graph reads]).")
       .def("first_graph_read", &GradientPath::FirstGraphRead, py::arg("indices"),

@@ -351,6 +351,16 @@ std::vector<int64_t> GradientPath::Addresses() {
   return out;
 }
 
+int64_t GradientPath::FirstShared() {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  const State& s = *state_;
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    const at::Tensor& p = s.params[i];
+    if (p.has_storage() && p.storage().use_count() > 1) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
 // Note [Graph reads]
 // ~~~~~~~~~~~~~~~~~~
 // A leaf's AccumulateGrad node is held by the graphs that read the leaf; the

@@ -90,6 +90,10 @@ class GradientPath {
   // Every parameter's data address, in order (the read guard's table is
   // rebuilt only when one moved).
   std::vector<int64_t> Addresses();
+  // The first parameter whose storage another tensor holds too (a view or a
+  // detached alias that a NumPy array may keep), or -1 (Note [Hidden writes]
+  // in lazy.py).
+  int64_t FirstShared();
   // Note [Graph reads] (gradient_path.cc) for the parameters `indices`: drop
   // their links to their accumulators; the position in `indices` of the
   // first one a live graph made since has read, or -1.

@@ -228,12 +228,35 @@ class Stepper:
             return False
         if eager_reason:
             return False
+        shared = self._backward.path.first_shared()
+        if shared >= 0:  # Note [Hidden writes]
+            self._notices.tell("hidden writes", f"dcredit_opt: parameter '{self.names[shared]}' shares its memory "
+                                                "with another tensor kept past step() (a detached alias, a view, a "
+                                                "NumPy array over it, a kept state_dict()): code that is no torch "
+                                                "operation may write it unseen, so while that lasts every update "
+                                                "is applied in step(), without overlap (Note [Hidden writes] in "
+                                                "lazy.py). Said once.")
+            return False
         reason = separable.why_eager(self._base, self._optimizer(), self._config.lazy_step)
         if reason is not None:
             self._notices.tell(reason, f"dcredit_opt: updates are applied in step() (no overlap with the next "
                                        f"forward), because {reason}")
             return False
         return True
+
+    # Note [Hidden writes]
+    # The read guard (Note [Guarded reads] in reads.py) sees torch operations.
+    # A NumPy array over a parameter (``p.detach().numpy()``), or memory handed
+    # to another library, is written by code that is none: a clip through the
+    # array after step() would land before the deferred update instead of
+    # after it, and the update would undo it, silently. Such a writer needs a
+    # tensor other than the parameter over the parameter's storage (the
+    # array keeps the detached tensor it was made from), and so does any view
+    # or alias a script keeps. So step() counts each parameter's storage
+    # users (one C++ loop, ``GradientPath.first_shared``): where any other
+    # tensor holds one, the step is eager, and a notice says so once. A kept
+    # torch alias, which the guard would have handled, costs the overlap
+    # only while it lives; our own machinery keeps none.
 
     # ---- the checks ---------------------------------------------------------------
 

@@ -57,9 +57,11 @@ code compiled by ``torch.compile``) but that autograd records shows in the
 parameter's gradient accumulator (Note [Graph reads] in
 ``csrc/torch/gradient_path.cc``): every apply, and the start of the backward,
 raise a ``DCreditError`` naming the parameter before anything is applied or
-launched. A read that neither sees (another thread or compiled code, without
-autograd; a collective or C++ extension handed ``p`` directly) is the
-remaining gap, stated in ``docs/lazy-step.md``.
+launched. A NumPy array kept over a parameter's memory makes the step
+eager (Note [Hidden writes] in ``lazy.py``). A read that none of these sees
+(another thread or compiled code, without autograd; a collective or C++
+extension handed ``p`` directly) is the remaining gap, stated in
+``docs/lazy-step.md``.
 
 Note [Guard cost]
 -----------------
