@@ -9,6 +9,7 @@
 #include <atomic>
 #include <exception>
 #include <string>
+#include <unordered_map>
 #include <utility>
 
 namespace dcredit {
@@ -354,9 +355,28 @@ std::vector<int64_t> GradientPath::Addresses() {
 int64_t GradientPath::FirstShared() {
   std::lock_guard<std::mutex> lock(state_->mu);
   const State& s = *state_;
+  // Parameters laid out over one buffer hold its storage once each; so does
+  // the Python storage object torch keeps once `untyped_storage()` was
+  // called (torch.save calls it), while no Python code holds it. Any holder
+  // beyond these is another tensor. The common case, one holder per storage,
+  // needs no count of ours.
+  auto others = [](const at::Tensor& p) -> int64_t {
+    if (!p.has_storage()) return 0;
+    const c10::Storage& storage = p.storage();
+    int64_t users = static_cast<int64_t>(storage.use_count()) - 1;
+    if (storage.unsafeGetStorageImpl()->pyobj_slot()->has_unique_reference()) --users;
+    return users;
+  };
+  if (std::none_of(s.params.begin(), s.params.end(), [&](const at::Tensor& p) { return others(p) > 0; })) return -1;
+  std::unordered_map<const c10::StorageImpl*, int64_t> ours;
+  for (const at::Tensor& p : s.params) {
+    if (p.has_storage()) ++ours[p.storage().unsafeGetStorageImpl()];
+  }
   for (size_t i = 0; i < s.params.size(); ++i) {
     const at::Tensor& p = s.params[i];
-    if (p.has_storage() && p.storage().use_count() > 1) return static_cast<int64_t>(i);
+    if (p.has_storage() && others(p) + 1 > ours[p.storage().unsafeGetStorageImpl()]) {
+      return static_cast<int64_t>(i);
+    }
   }
   return -1;
 }

@@ -85,7 +85,7 @@ def wrap(optimizer, names, params, frozen, wire, passes: int, process_set, confi
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(checks.copied_fields(optimizer))
     wrapped._dc = AdasumCore(base, names, params, frozen, wire, passes, plane)
-    wrapped._dc.step_noted = checks.StepNoted.of(optimizer)
+    wrapped._dc.note_steps_on(optimizer)
     checks.LoadInPlace.install(wrapped)
     job.register_user(wrapped._dc)
     return wrapped
@@ -110,7 +110,7 @@ class AdasumCore:
         self.plane = plane
         self.closed = False
         self.steps = 0
-        self.step_noted = None  # checks.StepNoted for an LR scheduler built before wrapping (set by wrap())
+        self.step_noted = None  # note_steps_on()
         self._held = [id(p) for p in self.params] + [id(p) for _, p in self.frozen]
 
     # ---- the step ------------------------------------------------------------------------------
@@ -186,6 +186,11 @@ class AdasumCore:
         return True
 
     # ---- the rest of the surface ----------------------------------------------------------------
+
+    def note_steps_on(self, optimizer) -> None:
+        """Note every ``step()`` on ``optimizer`` too, for an LR scheduler built on it before wrapping
+        (checks.StepNoted)."""
+        self.step_noted = checks.StepNoted.of(optimizer)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:

@@ -79,7 +79,7 @@ class Core:
                                               groups=group_of)
         self.told = Notices()
         self._optimizer = weakref.ref(optimizer)
-        self.step_noted = None  # checks.StepNoted for an LR scheduler built before wrapping (set by the wrapper)
+        self.step_noted = None  # note_steps_on()
         self.skip = False  # inside optimizer.skip_synchronize()
         self._zeros: dict = {}  # tensor -> the zeros zero_grad(set_to_none=False) gave it in place of its slot
         self._replan = False  # this step() stages a plan: it must be eager
@@ -276,6 +276,11 @@ class Core:
     # the tally and are compared at each flush (Note [Same updates] in
     # usage.py), so that mistake stops every rank with an error at the next
     # iteration's flush.
+
+    def note_steps_on(self, optimizer) -> None:
+        """Note every ``step()`` on ``optimizer`` too, for an LR scheduler built on it before wrapping
+        (checks.StepNoted)."""
+        self.step_noted = checks.StepNoted.of(optimizer)
 
     def zero_grad(self, set_to_none: bool) -> None:
         backward = self.backward

@@ -253,10 +253,11 @@ class Stepper:
     # tensor other than the parameter over the parameter's storage (the
     # array keeps the detached tensor it was made from), and so does any view
     # or alias a script keeps. So step() counts each parameter's storage
-    # users (one C++ loop, ``GradientPath.first_shared``): where any other
-    # tensor holds one, the step is eager, and a notice says so once. A kept
-    # torch alias, which the guard would have handled, costs the overlap
-    # only while it lives; our own machinery keeps none.
+    # users (one C++ loop, ``GradientPath.first_shared``): where a tensor
+    # other than our parameters holds one (parameters laid out over one
+    # buffer hold it once each), the step is eager, and a notice says so
+    # once. A kept torch alias, which the guard would have handled, costs the
+    # overlap only while it lives; our own machinery keeps none.
 
     # ---- the checks ---------------------------------------------------------------
 

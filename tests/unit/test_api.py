@@ -661,7 +661,8 @@ def test_pickling_parameters_right_after_step_saves_updated_values():
 
 def test_a_read_of_a_buffer_that_holds_several_parameters_applies_each_of_them():
     # Parameters laid out in one flat buffer (views of it), and an EMA of the whole buffer right after step():
-    # the read touches every parameter in it, not only the first.
+    # the read touches every parameter in it, not only the first. The script keeps no tensor of its own over the
+    # buffer (one would make every step eager: Note [Hidden writes]); it takes the buffer back from a parameter.
     torch.manual_seed(0)
     flat = torch.zeros(4 * 8 + 8 + 8 * 3 + 3)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
@@ -671,6 +672,7 @@ def test_a_read_of_a_buffer_that_holds_several_parameters_applies_each_of_them()
             flat[offset:offset + p.numel()].copy_(p.reshape(-1))
             p.data = flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
+    del flat
     ref = copy.deepcopy(model)
     opt = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                   named_parameters=model.named_parameters(),
@@ -680,6 +682,7 @@ def test_a_read_of_a_buffer_that_holds_several_parameters_applies_each_of_them()
         train_step(model, opt, s)
         train_step(ref, ref_opt, s)
     assert opt._dc.lazy.npending, "the step was not lazy: this test needs the lazy path"
+    flat = torch.empty(0).set_(model[0].weight.untyped_storage())
     ema = flat.clone()  # one read of the whole buffer
     expected = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
     assert torch.allclose(ema, expected, atol=1e-6)

@@ -473,18 +473,20 @@ def test_device_windows_change_nothing_for_cpu_blocks():
         opt._dc.close()
 
 
-@pytest.mark.parametrize("alias", ["numpy", "detached", "view", "state_dict"])
+@pytest.mark.parametrize("alias", ["numpy", "detached", "view", "state_dict", "storage"])
 def test_a_parameter_whose_storage_another_tensor_holds_steps_eagerly_and_equals_plain_torch(alias, caplog):
     """Note [Hidden writes]: while another tensor holds a parameter's storage (a NumPy array over it, a kept
-    alias, view or state_dict()), a write no torch operation shows could land before a deferred update: every
-    step() is then eager, said once; dropped, the lazy step comes back. Our own machinery holds none."""
+    alias, view, state_dict() or storage object), a write no torch operation shows could land before a deferred
+    update: every step() is then eager, said once; dropped, the lazy step comes back. Our own machinery holds
+    none, and neither does the storage object torch keeps once untyped_storage() was called (the pickler's)."""
     model, opt, ref, ropt = pair(LAZY)
     path = opt._dc.backward.path
     train(model, opt, range(3), ref, ropt)
+    model[0].weight.untyped_storage()  # torch keeps this Python object for the storage; nobody holds it
     assert path.first_shared() == -1 and opt._dc.lazy.npending > 0  # lazy, with no alias of ours
     weight = model[2].weight
     kept = {"numpy": lambda: weight.detach().numpy(), "detached": weight.detach, "view": lambda: weight.data[1:],
-            "state_dict": model.state_dict}[alias]()
+            "state_dict": model.state_dict, "storage": weight.untyped_storage}[alias]()
     first = 0 if alias == "state_dict" else 2  # every parameter, or model[2].weight (the third)
     assert path.first_shared() == first
     with caplog.at_level("INFO", logger="dcredit_opt"):
@@ -502,6 +504,29 @@ def test_a_parameter_whose_storage_another_tensor_holds_steps_eagerly_and_equals
     del kept
     assert path.first_shared() == -1
     train(model, opt, range(6, 8), ref, ropt)
+    assert opt._dc.lazy.npending > 0
+    opt.synchronize()
+    assert_same(model, ref)
+
+
+def test_parameters_over_one_buffer_step_lazily_until_another_tensor_holds_it():
+    """Note [Hidden writes]: parameters laid out over one buffer hold its storage once each, which is ours; the
+    script's own tensor over the buffer (the base kept) is another holder, and makes the steps eager."""
+    model, opt, ref, ropt = pair(LAZY)
+    params = list(model.parameters())
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            p.data = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+    path = opt._dc.backward.path
+    assert path.first_shared() == 0  # the base, kept
+    train(model, opt, range(3), ref, ropt)
+    assert opt._dc.lazy.npending == 0
+    del flat
+    assert path.first_shared() == -1
+    train(model, opt, range(3, 6), ref, ropt)
     assert opt._dc.lazy.npending > 0
     opt.synchronize()
     assert_same(model, ref)
