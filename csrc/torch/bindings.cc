@@ -243,6 +243,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "The first of `indices` whose slot was written since its version was recorded, or -1.")
       .def("not_watched", &GradientPath::NotWatched, "The tensors whose p.grad is not their watched alias now.")
       .def("addresses", &GradientPath::Addresses, "Every parameter's data address, in order.")
+      .def("lend_slots", &GradientPath::LendSlots, py::arg("indices"),
+           "p.grad = its slot for each of `indices`; what it held is kept for return_slots().")
+      .def("return_slots", &GradientPath::ReturnSlots, "p.grad back to what lend_slots() found.")
       .def("first_shared", &GradientPath::FirstShared,
            "The first parameter whose storage another tensor holds too, or -1 (Note [Hidden writes]).")
       .def("forget_graph_reads", &GradientPath::ForgetGraphReads, py::arg("indices"),

@@ -381,6 +381,25 @@ int64_t GradientPath::FirstShared() {
   return -1;
 }
 
+void GradientPath::LendSlots(const std::vector<int64_t>& indices) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  if (!lent_.empty()) throw std::logic_error("lend_slots: the slots lent before were not returned");
+  const State& s = *state_;
+  for (int64_t i : indices) CheckIndex(s.slots.size(), i, "lend_slots");
+  lent_.reserve(indices.size());
+  for (int64_t i : indices) {
+    at::Tensor& grad = s.params[i].mutable_grad();
+    lent_.emplace_back(i, grad);
+    grad = s.slots[i];
+  }
+}
+
+void GradientPath::ReturnSlots() {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  for (auto& [i, grad] : lent_) state_->params[i].mutable_grad() = std::move(grad);
+  lent_.clear();
+}
+
 // Note [Graph reads]
 // ~~~~~~~~~~~~~~~~~~
 // A leaf's AccumulateGrad node is held by the graphs that read the leaf; the

@@ -94,6 +94,12 @@ class GradientPath {
   // detached alias that a NumPy array may keep), or -1 (Note [Hidden writes]
   // in lazy.py).
   int64_t FirstShared();
+  // p.grad = its slot for each of `indices`, so that the wrapped optimizer's
+  // step reads the reduced gradients past their watched aliases (Note
+  // [Gradient reads]); what p.grad held is kept until ReturnSlots puts it
+  // back. One C++ pass instead of two Python assignments per tensor.
+  void LendSlots(const std::vector<int64_t>& indices);
+  void ReturnSlots();
   // Note [Graph reads] (gradient_path.cc) for the parameters `indices`: drop
   // their links to their accumulators; the position in `indices` of the
   // first one a live graph made since has read, or -1.
@@ -109,6 +115,7 @@ class GradientPath {
   std::vector<NodePtr> accumulators_;
   bool installed_ = false;
   std::vector<uintptr_t> keys_;
+  std::vector<std::pair<int64_t, at::Tensor>> lent_;  // LendSlots: each tensor's p.grad before
   pybind11::object slow_;
   pybind11::object before_;
   pybind11::object failed_;

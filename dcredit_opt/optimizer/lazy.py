@@ -11,6 +11,7 @@ optimizer's core through a :class:`Keeper`.
 from __future__ import annotations
 
 import contextlib
+import operator
 import weakref
 
 import torch
@@ -47,10 +48,10 @@ class Stepper:
         groups = optimizer.param_groups
         self._group_of = [next(gi for gi, g in enumerate(groups) if any(q is p for q in g["params"]))
                           for p in params]
-        self._group_ids = group_ids(groups)  # what was wrapped (Note [Replaced gradients])
+        self._wrapped_groups = held_params(groups)  # what was wrapped (Note [Replaced gradients])
         # The groups hold exactly our parameters, in order (none frozen): a wrapped step over every update
         # can take them as they are.
-        self._whole_groups = [i for ids in self._group_ids for i in ids] == [id(p) for p in params]
+        self._whole_groups = same_objects([p for held in self._wrapped_groups for p in held], params)
 
     # ---- applying updates ------------------------------------------------------
 
@@ -136,12 +137,14 @@ class Stepper:
         saved_params = [g["params"] for g in groups]
         snapshot = self._lazy.snapshot
         saved_hyper = [{k: g[k] for k in snap} for g, snap in zip(groups, snapshot)]
-        saved_grads = [params[i].grad for i in todo]
+        # The slots as they are (the common case), lent in one C++ pass; else each tensor's as the step takes it.
+        path = None if unused or buffers.as_sparse or True in buffers.sparse else self._backward.path
+        saved_grads = None if path is not None else [params[i].grad for i in todo]
         # Every update at once (the common case where communication ends before the next forward): the
         # groups as they are, when they hold exactly our parameters, still (a parameter put in a group since
         # step() is not stepped here; the next step() refuses it).
         whole = (len(todo) == len(params) and self._whole_groups and len(groups) == len(snapshot)
-                 and group_ids(groups) == self._group_ids)
+                 and groups_hold(groups, self._wrapped_groups))
         members = None if whole else [[] for _ in groups]
         if not whole:
             for i in todo:
@@ -153,22 +156,23 @@ class Stepper:
                 g.update(snap)
             for g in groups[len(snapshot):]:  # added after wrapping: refused at the next step()
                 g["params"] = []
-            if unused or buffers.as_sparse or True in buffers.sparse:
+            if path is not None:
+                path.lend_slots(todo)
+            else:
                 for i in todo:
                     if i not in unused:
                         params[i].grad = buffers.for_step(i)
-            else:
-                slots = buffers.slots
-                for i in todo:
-                    params[i].grad = slots[i]
             self._step_outside_forward(optimizer)
         finally:
             for g, ps in zip(groups, saved_params):
                 g["params"] = ps
             for g, hyper in zip(groups, saved_hyper):
                 g.update(hyper)
-            for i, grad in zip(todo, saved_grads):
-                params[i].grad = grad
+            if path is not None:
+                path.return_slots()
+            else:
+                for i, grad in zip(todo, saved_grads):
+                    params[i].grad = grad
 
     def _step_outside_forward(self, optimizer) -> None:
         """The wrapped step of deferred updates, in the context ``step()`` gave them, not the forward's where
@@ -265,7 +269,7 @@ class Stepper:
         """Parameters added to (or removed from) the wrapped optimizer after wrapping: their gradients would
         not be reduced, or their updates not made. Refused at the next ``step()``, before anything is applied."""
         groups = self._optimizer().param_groups
-        if group_ids(groups) == self._group_ids:
+        if groups_hold(groups, self._wrapped_groups):
             return
         known = {id(p): name for name, p in zip(self.names, self.params)}
         known.update((id(p), name) for name, p in self._frozen)
@@ -361,9 +365,21 @@ class Stepper:
 _PLAIN = frozenset({float, int, bool, str, type(None)})  # hyperparameters that cannot change in place
 
 
-def group_ids(groups) -> list:
-    """The parameters of each group, by identity."""
-    return [list(map(id, g["params"])) for g in groups]
+def held_params(groups) -> list[tuple]:
+    """The parameters of each group, as they are now."""
+    return [tuple(g["params"]) for g in groups]
+
+
+def groups_hold(groups, held: list[tuple]) -> bool:
+    """Whether ``groups`` hold the parameters ``held`` (``held_params``), the same objects in the same order. Run
+    at every ``step()`` and apply: it compares the groups' lists of pointers only, touching no parameter."""
+    return len(groups) == len(held) and all(same_objects(g["params"], ps) for g, ps in zip(groups, held))
+
+
+def same_objects(a, b) -> bool:
+    """Whether sequences ``a`` and ``b`` hold the same objects in the same order (``is``, never ``==``: a
+    tensor's ``==`` is elementwise)."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 def copy_hyper(group: dict) -> dict:

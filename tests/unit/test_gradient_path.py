@@ -530,3 +530,25 @@ def test_parameters_over_one_buffer_step_lazily_until_another_tensor_holds_it():
     assert opt._dc.lazy.npending > 0
     opt.synchronize()
     assert_same(model, ref)
+
+
+def test_the_slots_lent_to_the_wrapped_step_go_back_as_they_came():
+    """GradientPath.lend_slots: p.grad is each tensor's slot for the wrapped step (past the watched alias), and
+    return_slots puts back whatever p.grad held, the watched alias or a tensor the script put there; a second
+    lend before the return is refused."""
+    model, opt, ref, ropt = pair(LAZY)
+    train(model, opt, range(3), ref, ropt)
+    opt.synchronize()
+    params, buffers, path = list(model.parameters()), opt._dc.buffers, opt._dc.backward.path
+    theirs = torch.zeros_like(params[1])
+    params[1].grad = theirs
+    before = [p.grad for p in params]
+    assert before[0] is buffers.watched[0]
+    path.lend_slots([0, 1, 3])
+    assert [p.grad is buffers.slots[i] for i, p in enumerate(params)] == [True, True, False, True, False, False]
+    with pytest.raises(RuntimeError, match="not returned"):
+        path.lend_slots([2])
+    path.return_slots()
+    assert all(p.grad is g for p, g in zip(params, before))
+    path.return_slots()  # nothing lent: nothing changes
+    assert all(p.grad is g for p, g in zip(params, before))

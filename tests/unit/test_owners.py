@@ -301,10 +301,23 @@ def test_the_buffers_find_a_non_finite_gradient_and_a_cast_model():
 
 
 class _Path:
-    def __init__(self, params=()):
+    def __init__(self, params=(), slots=()):
         self.refreshed = []
         self.forgotten = []
         self._params = params
+        self._slots = slots
+        self._lent = []
+
+    def lend_slots(self, indices):  # the C++ pass, as Python would write it
+        assert not self._lent, "slots lent twice"
+        self._lent = [(i, self._params[i].grad) for i in indices]
+        for i in indices:
+            self._params[i].grad = self._slots[i]
+
+    def return_slots(self):
+        for i, grad in self._lent:
+            self._params[i].grad = grad
+        self._lent = []
 
     def refresh(self, todo):
         self.refreshed.append(list(todo))
@@ -369,7 +382,7 @@ class _StepperParts:
         self.sparse = [False] * len(params)
         self.checked = []
         self.rows = {}
-        self.path = _Path(params)
+        self.path = _Path(params, reduced)
         self.waited = []
 
     # the buffers
