@@ -11,7 +11,13 @@ phases, each from a timed iteration on, with a rate and a batch per rank:
   about 1.16x slower than a fresh one where the compute doubles; a batch doubled on one core costs 1.5-1.9x
   the compute, not 2x, and there the old plan is 1.09-1.15x slower: wrong, but by less than 1.15x);
 - ``compute-x4``: the same, batch 16 then 64 per rank (the compute x2.1-2.9 as measured: the old plan
-  1.07-1.32x slower than a fresh one in the simulator, on the runs' own profiles).
+  1.07-1.32x slower than a fresh one in the simulator, on the runs' own profiles);
+- ``link-freed``: ResNet-18-like, 250 Mbit/s, then 1 Gbit/s (a neighbour's transfer on a shared link ends).
+  At 250 Mbit/s every plan sits on the link's floor, and the one the search returns holds most blocks back
+  to the end of backward; at 1 Gbit/s that forgoes the overlap: the simulator puts that plan at 1.39-1.41x
+  a fresh one, and a re-plan from the first profile rescaled to the new link and compute at 1.00-1.08x (the
+  rate-down-up runs' own 250 Mbit/s and 1 Gbit/s profiles, 2026-11-28). The other direction (1 Gbit/s ->
+  250 Mbit/s, 1.00x) and 250 Mbit/s -> 10 Gbit/s (1.01x) leave the old plan right.
 
 Schemes, interleaved per round (each launch a fresh job): ``adaptive`` (re-planning on, its defaults),
 ``once`` (``replan_every=0``: the plan made after profiling stays), both through the whole scenario; and
@@ -63,6 +69,7 @@ SCENARIOS = {
     "rate-up": ("resnet18", [(0, "1gbit", 8), (30, "10gbit", 8)], 60),
     "compute": ("vgg", [(0, "1gbit", 16), (30, "1gbit", 32)], 70),
     "compute-x4": ("vgg", [(0, "1gbit", 16), (30, "1gbit", 64)], 70),
+    "link-freed": ("resnet18", [(0, "250mbit", 8), (30, "1gbit", 8)], 80),
     "smoke": ("tiny", [(0, "1gbit", 32), (4, "250mbit", 32), (8, "1gbit", 64)], 12),  # the code paths, quickly
 }
 FRESH_ITERS = 15
