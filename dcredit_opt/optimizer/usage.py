@@ -78,6 +78,7 @@ before it broadcasts them.
 
 from __future__ import annotations
 
+import array
 import weakref
 
 import torch
@@ -130,19 +131,18 @@ def fingerprints(params) -> list[int]:
     return [_mix(t) for t in _word_sums(params).cpu().tolist()]
 
 
-def _agreement(values) -> torch.Tensor:
+def _agreement(values) -> list[int]:
     """What a rank adds to the tally so that every rank can tell whether all sent the same ``values`` (each below
     :data:`UPDATES_MODULO`): the values, then their squares (Note [Same updates])."""
-    v = torch.tensor(values, dtype=torch.int32)
-    return torch.cat([v, v * v])
+    return [*values, *(v * v for v in values)]
 
 
 def _disagreeing(summed: torch.Tensor, mine, world: int) -> list[int]:
     """Where ``summed`` (every rank's :func:`_agreement`, summed) shows some rank sent another value than ``mine``:
-    the same positions on every rank (Note [Same updates])."""
-    v = torch.tensor(mine, dtype=torch.int64)
-    sums, squares = summed.to(torch.int64).reshape(2, -1)
-    return ((sums != world * v) | (squares != world * v * v)).nonzero().reshape(-1).tolist()
+    the same positions on every rank (Note [Same updates]). In Python over one ``tolist()``: a few values, every
+    iteration, where each torch operation would cost more than the whole."""
+    got, k = summed.tolist(), len(mine)
+    return [j for j, v in enumerate(mine) if got[j] != world * v or got[k + j] != world * v * v]
 
 
 class _Fingerprinting:
@@ -361,32 +361,29 @@ class UsageTally:
         plan must be rebuilt without their blocks."""
         here = bytes(self.used)
         replan = False
-        if self._world_size == 1:
-            usage = _Usage(here, None)  # nothing to sum: what this rank had is what every rank had
-            usage.everywhere = here
-        else:
-            self._starts += 1
-            # Note [Same weights]: fingerprints taken at one check's flush travel in the next flush's tally
-            taken_at, self._fingerprinting = self._fingerprinting, None
-            weights = None if taken_at is None else taken_at.values()
-            if self._check_weights and not self._starts % self._check_weights:
-                self._fingerprinting = _Fingerprinting(self._params, self._starts)
-            usage = _Usage(here, self._counts(here, taken % UPDATES_MODULO, weights), taken, weights,
-                           0 if taken_at is None else taken_at.iteration)
-            last = self._usage
-            try:
-                self._backend.wait_tally(self._timeout())  # the last one, if nothing needed it
-            except (RuntimeError, TimeoutError) as e:
-                raise at_rank(e, "end of phase 1, summing which gradients each rank computed") from e
-            if last is not None:
-                self._check_updates(last)
-                self._check_weights_of(last)
-            try:
-                if last is not None and not self._agreed:
-                    replan = self._agree_on_rows(last.counts.tolist())
-                self._backend.start_tally(usage.counts)
-            except (RuntimeError, TimeoutError) as e:
-                raise at_rank(e, "end of phase 1, summing which gradients each rank computed") from e
+        # A world of one sums its tally too: the path every world runs, so that what it costs is measured there.
+        self._starts += 1
+        # Note [Same weights]: fingerprints taken at one check's flush travel in the next flush's tally
+        taken_at, self._fingerprinting = self._fingerprinting, None
+        weights = None if taken_at is None else taken_at.values()
+        if self._check_weights and not self._starts % self._check_weights:
+            self._fingerprinting = _Fingerprinting(self._params, self._starts)
+        usage = _Usage(here, self._counts(here, taken % UPDATES_MODULO, weights), taken, weights,
+                       0 if taken_at is None else taken_at.iteration)
+        last = self._usage
+        try:
+            self._backend.wait_tally(self._timeout())  # the last one, if nothing needed it
+        except (RuntimeError, TimeoutError) as e:
+            raise at_rank(e, "end of phase 1, summing which gradients each rank computed") from e
+        if last is not None:
+            self._check_updates(last)
+            self._check_weights_of(last)
+        try:
+            if last is not None and not self._agreed:
+                replan = self._agree_on_rows(last.counts.tolist())
+            self._backend.start_tally(usage.counts)
+        except (RuntimeError, TimeoutError) as e:
+            raise at_rank(e, "end of phase 1, summing which gradients each rank computed") from e
         self._usage = usage
         clear(self.used)
         replan, self._sparse_replan = replan or self._sparse_replan, False
@@ -436,19 +433,15 @@ class UsageTally:
         """What this rank adds to the tally: per tensor, whether it had a gradient here; then this rank's
         proposal for Note [Embedding rows] (rows wanted, rows only); then its count of updates, modulo
         :data:`UPDATES_MODULO`, and its square (Note [Same updates]); and, where given, the fingerprints of its
-        weights and their squares (Note [Same weights]). Built from the bytes and a per-proposal tail, not
-        element by element: this runs every iteration."""
+        weights and their squares (Note [Same weights]). One tensor made from one Python list (the bytes, a
+        per-proposal tail): this runs every iteration."""
         proposal = tuple(self._proposal)
-        T = len(here)
         if self._tail is None or self._tail[0] != proposal:
-            tail = torch.tensor([*(k > 0 for k in proposal), *(k == rows.ROWS_ONLY for k in proposal)],
-                                dtype=torch.int32)
-            self._tail = (proposal, tail)
-        parts = [torch.frombuffer(bytearray(here), dtype=torch.uint8).to(torch.int32) if T else
-                 torch.zeros(0, dtype=torch.int32), self._tail[1], _agreement([updates])]
+            self._tail = (proposal, [*(int(k > 0) for k in proposal), *(int(k == rows.ROWS_ONLY) for k in proposal)])
+        values = [*here, *self._tail[1], *_agreement([updates])]
         if weights is not None:
-            parts.append(_agreement(weights))
-        return torch.cat(parts)
+            values += _agreement(weights)
+        return torch.frombuffer(array.array("i", values), dtype=torch.int32)  # keeps the array alive
 
     def unused_everywhere(self, indices) -> list:
         """Of tensors ``indices``, those no rank computed a gradient for in the iteration being applied."""

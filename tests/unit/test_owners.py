@@ -169,12 +169,16 @@ def test_a_fingerprint_is_exact_whatever_the_summation_order():
     assert usage.fingerprints([w[::2]]) == usage.fingerprints([w[::2].contiguous()])  # a strided view reads alike
 
 
-def test_alone_the_update_count_is_not_exchanged():
+def test_alone_the_tally_is_summed_as_in_any_world():
+    """A world of one runs the path every world runs (and pays for it where its cost is measured): each flush
+    sums its tally, with the update count in it (Note [Same updates])."""
     tally = _tally([nn.Parameter(torch.zeros(2))])
     side = tally._backend
     tally.start(3)
     tally.start(7)
-    assert side.started == []
+    T = 1
+    assert [c[3 * T:3 * T + 2].tolist() for c in side.started] == [[3, 9], [7, 49]]
+    assert side.waits == 2
 
 
 def test_the_ranks_agree_on_embedding_rows_through_the_tally():
