@@ -473,6 +473,16 @@ def test_device_windows_change_nothing_for_cpu_blocks():
         opt._dc.close()
 
 
+def lazy_again_and_same(model, opt, ref, ropt, steps):
+    """Nothing but our parameters holds their storage: the steps ``steps`` are lazy again (Note [Hidden
+    writes]), and the model equals plain torch's."""
+    assert opt._dc.backward.path.first_shared() == -1
+    train(model, opt, steps, ref, ropt)
+    assert opt._dc.lazy.npending > 0
+    opt.synchronize()
+    assert_same(model, ref)
+
+
 @pytest.mark.parametrize("alias", ["numpy", "detached", "view", "state_dict", "storage"])
 def test_a_parameter_whose_storage_another_tensor_holds_steps_eagerly_and_equals_plain_torch(alias, caplog):
     """Note [Hidden writes]: while another tensor holds a parameter's storage (a NumPy array over it, a kept
@@ -502,11 +512,7 @@ def test_a_parameter_whose_storage_another_tensor_holds_steps_eagerly_and_equals
     assert sum("shares its memory" in r.getMessage() and f"'{name}'" in r.getMessage()
                for r in caplog.records) == 1
     del kept
-    assert path.first_shared() == -1
-    train(model, opt, range(6, 8), ref, ropt)
-    assert opt._dc.lazy.npending > 0
-    opt.synchronize()
-    assert_same(model, ref)
+    lazy_again_and_same(model, opt, ref, ropt, range(6, 8))
 
 
 def test_parameters_over_one_buffer_step_lazily_until_another_tensor_holds_it():
@@ -525,11 +531,7 @@ def test_parameters_over_one_buffer_step_lazily_until_another_tensor_holds_it():
     train(model, opt, range(3), ref, ropt)
     assert opt._dc.lazy.npending == 0
     del flat
-    assert path.first_shared() == -1
-    train(model, opt, range(3, 6), ref, ropt)
-    assert opt._dc.lazy.npending > 0
-    opt.synchronize()
-    assert_same(model, ref)
+    lazy_again_and_same(model, opt, ref, ropt, range(3, 6))
 
 
 def test_the_slots_lent_to_the_wrapped_step_go_back_as_they_came():
