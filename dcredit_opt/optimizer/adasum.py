@@ -84,8 +84,7 @@ def wrap(optimizer, names, params, frozen, wire, passes: int, process_set, confi
                                          if k not in ("__dict__", "__weakref__", "__module__", "__doc__")})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(checks.copied_fields(optimizer))
-    wrapped._dc = AdasumCore(base, names, params, frozen, wire, passes, plane)
-    wrapped._dc.note_steps_on(optimizer)
+    wrapped._dc = AdasumCore(base, names, params, frozen, wire, passes, plane, checks.StepNoted.of(optimizer))
     checks.LoadInPlace.install(wrapped)
     job.register_user(wrapped._dc)
     return wrapped
@@ -101,7 +100,7 @@ def _plane(process_set, config, device):
 class AdasumCore:
     """What a ``DistributedOptimizer(op=Adasum)`` does (Note [Adasum optimizer]): the wrapper's ``_dc``."""
 
-    def __init__(self, base: type, names, params, frozen, wire, passes: int, plane):
+    def __init__(self, base: type, names, params, frozen, wire, passes: int, plane, step_noted=None):
         self.base = base
         self.kind = base.__name__
         self.names, self.params, self.frozen = list(names), list(params), list(frozen)
@@ -110,15 +109,15 @@ class AdasumCore:
         self.plane = plane
         self.closed = False
         self.steps = 0
-        self.step_noted = None  # note_steps_on()
+        self._step_noted = step_noted  # checks.StepNoted, for an LR scheduler built before wrapping
         self._held = [id(p) for p in self.params] + [id(p) for _, p in self.frozen]
 
     # ---- the step ------------------------------------------------------------------------------
 
     def step(self, optimizer, closure, grad_scaler):
         self._check(optimizer)
-        if self.step_noted is not None:
-            self.step_noted()
+        if self._step_noted is not None:
+            self._step_noted()
         if grad_scaler is not None and self._skip_for_scaler(optimizer, grad_scaler):
             return None
         if self.plane.size == 1:
@@ -186,11 +185,6 @@ class AdasumCore:
         return True
 
     # ---- the rest of the surface ----------------------------------------------------------------
-
-    def note_steps_on(self, optimizer) -> None:
-        """Note every ``step()`` on ``optimizer`` too, for an LR scheduler built on it before wrapping
-        (checks.StepNoted)."""
-        self.step_noted = checks.StepNoted.of(optimizer)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:

@@ -56,7 +56,7 @@ class Core:
     the parts, read by the wrapper, the model's hooks and the runtime; only the core's methods assign them."""
 
     def __init__(self, optimizer, base: type, names, params, frozen, passes: int, op, predivide: float, config,
-                 sparse_as_dense: bool, wire, group_of, process_set=None):
+                 sparse_as_dense: bool, wire, group_of, process_set=None, step_noted=None):
         job.init(timeout_s=config.timeout_s, backend=config.backend)
         devices.check_world(names, params, config.backend)  # before any collective
         # Note [Process sets]: the ranks reduced over, their control plane and channels.
@@ -79,7 +79,7 @@ class Core:
                                               groups=group_of)
         self.told = Notices()
         self._optimizer = weakref.ref(optimizer)
-        self.step_noted = None  # note_steps_on()
+        self._step_noted = step_noted  # checks.StepNoted, for an LR scheduler built before wrapping
         self.skip = False  # inside optimizer.skip_synchronize()
         self._zeros: dict = {}  # tensor -> the zeros zero_grad(set_to_none=False) gave it in place of its slot
         self._replan = False  # this step() stages a plan: it must be eager
@@ -191,8 +191,8 @@ class Core:
 
     def step(self, closure, grad_scaler):
         self.require_open("step()")
-        if self.step_noted is not None:
-            self.step_noted()
+        if self._step_noted is not None:
+            self._step_noted()
         stepper, backward = self.stepper, self.backward
         stepper.check_groups()
         loss = None
@@ -276,11 +276,6 @@ class Core:
     # the tally and are compared at each flush (Note [Same updates] in
     # usage.py), so that mistake stops every rank with an error at the next
     # iteration's flush.
-
-    def note_steps_on(self, optimizer) -> None:
-        """Note every ``step()`` on ``optimizer`` too, for an LR scheduler built on it before wrapping
-        (checks.StepNoted)."""
-        self.step_noted = checks.StepNoted.of(optimizer)
 
     def zero_grad(self, set_to_none: bool) -> None:
         backward = self.backward

@@ -116,8 +116,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(checks.copied_fields(optimizer))
     wrapped._dc = Core(wrapped, base, names, params, frozen, backward_passes_per_step, op,
-                       float(gradient_predivide_factor), config, sparse_as_dense, wire, group_of, process_set)
-    wrapped._dc.note_steps_on(optimizer)
+                       float(gradient_predivide_factor), config, sparse_as_dense, wire, group_of, process_set,
+                       step_noted=checks.StepNoted.of(optimizer))
     checks.LoadInPlace.install(wrapped)
     return _marked(wrapped, params)
 
