@@ -1256,21 +1256,26 @@ def skipped_step(kind: str):
 
 
 def numpy_alias_written_after_step(job: Job) -> dict:
-    """A NumPy view of ``mid.weight`` taken after step 1's ``step()`` and used from step 2 on to clip the weight
-    right after ``step()``, then dropped before the last two steps: NumPy's writes are no torch operations, so
-    while the view lives every step is eager (Note [Hidden writes]) and the clip lands after the update, as in
-    synchronous training; once it is gone the lazy step comes back. Per step, the updates left pending."""
+    """On rank 0, a NumPy view of ``mid.weight`` taken after step 1's ``step()`` and used from step 2 on to clip
+    the weight right after ``step()``, then dropped before the last two steps: NumPy's writes are no torch
+    operations, so while the view lives every step of rank 0 is eager (Note [Hidden writes]) and the clip lands
+    after the update, as in synchronous training; once it is gone the lazy step comes back. Rank 1 makes the
+    same clip with a torch operation, which the read guard sees: it stays lazy, so the ranks step one eagerly,
+    one lazily, from their own decisions. Per step, the updates left pending."""
     model, ref, opt, ropt = job.make(Net, _sgd)
     alias = []
     pending = []
 
     def after_step(step):
         pending.append(int(opt._dc.lazy.npending))
-        if step == 1:
+        if step == 1 and job.rank == 0:
             alias.append(model.mid.weight.detach().numpy())
         elif 1 < step < STEPS - 2:
-            alias[0].clip(-0.05, 0.05, out=alias[0])
             with torch.no_grad():
+                if job.rank == 0:
+                    alias[0].clip(-0.05, 0.05, out=alias[0])
+                else:
+                    model.mid.weight.clamp_(-0.05, 0.05)
                 ref.mid.weight.clamp_(-0.05, 0.05)
         elif step == STEPS - 2:
             alias.clear()
