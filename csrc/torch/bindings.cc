@@ -202,7 +202,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<GradientPath>(m, "GradientPath")
       .def(py::init([](Engine& engine, std::vector<at::Tensor> params, const py::buffer& counts,
                        const py::buffer& marked, const py::buffer& used, const py::buffer& pending,
-                       const py::buffer& versions, py::object slow, py::object before, py::object failed) {
+                       const py::buffer& versions, py::object slow, py::object before, py::object failed,
+                       py::object opener) {
              const size_t n = params.size();
              auto pointer = [n](const py::buffer& b, ssize_t itemsize, const char* name) {
                py::buffer_info info = b.request(/*writable=*/true);
@@ -221,11 +222,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                  static_cast<uint8_t*>(pointer(marked, 1, "marked")), static_cast<uint8_t*>(pointer(used, 1, "used")),
                  static_cast<uint8_t*>(pointer(pending, 1, "pending")),
                  static_cast<int64_t*>(pointer(versions, 8, "versions")), std::move(slow), std::move(before),
-                 std::move(failed));
+                 std::move(failed), std::move(opener));
            }),
            py::arg("engine"), py::arg("params"), py::arg("counts"), py::arg("marked"), py::arg("used"),
            py::arg("pending"), py::arg("versions"), py::arg("slow"), py::arg("before"), py::arg("failed"),
-           py::keep_alive<1, 2>(), py::keep_alive<1, 4>(), py::keep_alive<1, 5>(), py::keep_alive<1, 6>(),
+           py::arg("opener") = py::none(), py::keep_alive<1, 2>(), py::keep_alive<1, 4>(), py::keep_alive<1, 5>(), py::keep_alive<1, 6>(),
            py::keep_alive<1, 7>(), py::keep_alive<1, 8>())
       .def("set_slots", &GradientPath::SetSlots, py::arg("slots"), py::arg("watched"))
       .def("set_open", &GradientPath::SetOpen, py::arg("open"))

@@ -33,6 +33,7 @@ struct GradientPath::State : std::enable_shared_from_this<GradientPath::State> {
   PyObject* slow = nullptr;    // borrowed: GradientPath holds the reference until Close()
   PyObject* before = nullptr;  // idem
   PyObject* failed = nullptr;  // idem
+  PyObject* opener = nullptr;  // idem; None: the Python path opens the iteration (and hands the gradient over)
   std::atomic<int64_t> slow_count{0};
   // Per tensor: the pre-hook saw a gradient that the post-hook has not taken yet.
   std::vector<uint8_t> pre_seen;
@@ -67,6 +68,14 @@ struct GradientPath::State : std::enable_shared_from_this<GradientPath::State> {
       CallPython(before, i, nullptr);
       CallPython(slow, i, nullptr);
       return;
+    }
+    if (!open && passes == 1 && counts[i] == 0 && opener != nullptr) {
+      // The iteration's first gradient: Python opens it (with its checks; it raises where the iteration may
+      // not open), then this gradient takes the fast path like every other.
+      lock.unlock();
+      CallPython(opener, i, nullptr);
+      lock.lock();
+      if (closed) return;
     }
     if (!(open && !flushed && passes == 1 && counts[i] == 0) || !Stage(i)) {
       slow_count.fetch_add(1, std::memory_order_relaxed);
@@ -187,11 +196,13 @@ void GradientPath::State::AddPreHook(int32_t i) {
 
 GradientPath::GradientPath(std::vector<at::Tensor> params, std::function<void(int32_t)> mark_ready,
                            int32_t* counts, uint8_t* marked, uint8_t* used, uint8_t* pending, int64_t* versions,
-                           pybind11::object slow, pybind11::object before, pybind11::object failed)
+                           pybind11::object slow, pybind11::object before, pybind11::object failed,
+                           pybind11::object opener)
     : state_(std::make_shared<State>()),
       slow_(std::move(slow)),
       before_(std::move(before)),
-      failed_(std::move(failed)) {
+      failed_(std::move(failed)),
+      opener_(std::move(opener)) {
   State& s = *state_;
   s.params = std::move(params);
   s.mark_ready = std::move(mark_ready);
@@ -203,6 +214,7 @@ GradientPath::GradientPath(std::vector<at::Tensor> params, std::function<void(in
   s.slow = slow_.ptr();
   s.before = before_.ptr();
   s.failed = failed_.ptr();
+  s.opener = opener_.is_none() ? nullptr : opener_.ptr();
   s.pre_seen.assign(s.params.size(), 0);
   accumulators_.resize(s.params.size());
   keys_.resize(s.params.size(), 0);
@@ -273,6 +285,7 @@ void GradientPath::Close() {
     state_->slow = nullptr;
     state_->before = nullptr;
     state_->failed = nullptr;
+    state_->opener = nullptr;
     state_->mark_ready = nullptr;
     state_->counts = nullptr;
     state_->marked = nullptr;
@@ -305,6 +318,7 @@ void GradientPath::Close() {
   slow_ = pybind11::object();
   before_ = pybind11::object();
   failed_ = pybind11::object();
+  opener_ = pybind11::object();
 }
 
 int64_t GradientPath::TakeSlowCount() { return state_->slow_count.exchange(0); }

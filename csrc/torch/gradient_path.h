@@ -25,10 +25,11 @@ namespace dcredit {
 // (pre-scaled), points p.grad at the watched alias of the slot (Note
 // [Gradient reads]), records the hand-over in the optimizer's per-tensor
 // state (Note [Gradient state]: arrays it shares with Python), and marks the
-// tensor ready in the scheduler. Python runs only where it must: the first
-// gradient of an iteration (which opens it), a second backward pass, sparse
-// or otherwise unusual gradients; there the hook calls the optimizer's
-// Python method, which does the same work with every check.
+// tensor ready in the scheduler. Python runs only where it must: to open an
+// iteration at its first gradient (the opener; that gradient then takes the
+// fast path too), a second backward pass, sparse or otherwise unusual
+// gradients; there the hook calls the optimizer's Python method, which does
+// the same work with every check.
 //
 // Before autograd adds a gradient to p.grad, a C++ tensor pre-hook on the
 // parameter checks the two refusals that must come first (the parameter's
@@ -59,10 +60,12 @@ class GradientPath {
   // by the caller until Close()). `slow(i)` runs the Python path for tensor i
   // (with the GIL); `before(i)` the Python checks before a gradient is added
   // (it raises where one is refused); `failed(i, message)` raises the Python
-  // error for a scheduler failure.
+  // error for a scheduler failure; `opener(i)`, where not None, opens the
+  // iteration at its first gradient, tensor i's (it raises where it may not
+  // open); None leaves that gradient to `slow`.
   GradientPath(std::vector<at::Tensor> params, std::function<void(int32_t)> mark_ready, int32_t* counts,
                uint8_t* marked, uint8_t* used, uint8_t* pending, int64_t* versions, pybind11::object slow,
-               pybind11::object before, pybind11::object failed);
+               pybind11::object before, pybind11::object failed, pybind11::object opener);
   ~GradientPath();
 
   // The slots and their watched aliases of the current plan.
@@ -119,6 +122,7 @@ class GradientPath {
   pybind11::object slow_;
   pybind11::object before_;
   pybind11::object failed_;
+  pybind11::object opener_;
 };
 
 }  // namespace dcredit

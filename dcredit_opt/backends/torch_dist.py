@@ -247,6 +247,10 @@ def _at_rank(collective, where: str):
     return call
 
 
+_SUM = dist.AllreduceOptions()
+_SUM.reduceOp = dist.ReduceOp.SUM
+
+
 class _SideSum:
     """One slot: at most one sum over ranks in flight on the side group (the tally, or DeFT's delayed sum)."""
 
@@ -259,9 +263,10 @@ class _SideSum:
         return self._work is not None
 
     def start(self, tensor, group) -> None:
-        """Start summing ``tensor`` over ``group``'s ranks, in place."""
+        """Start summing ``tensor`` over ``group``'s ranks (every rank is in it), in place: the group's own
+        all-reduce, without ``dist.all_reduce``'s checks and logging around it (this runs every iteration)."""
         assert self._work is None, f"{self._what} is already in flight"
-        self._work = dist.all_reduce(tensor, group=group, async_op=True)
+        self._work = group.allreduce([tensor], _SUM)
 
     def wait(self, timeout_s: float) -> None:
         """Wait for the sum in flight, if any; the slot is free afterwards, even if the wait raised."""

@@ -427,10 +427,10 @@ class Core:
         return dropped, replaced
 
     def _tell_python_path(self) -> None:
-        """Note [Gradient path]: once per optimizer, say so when more than the gradient that opened the
-        iteration went through Python (where it must: several backward passes per step, other layouts)."""
+        """Note [Gradient path]: once per optimizer, say so when gradients of the last iteration went through
+        Python (where they must: several backward passes per step, other layouts)."""
         slow = self.backward.take_slow_count()
-        if slow <= 1 or "python path" in self.told:
+        if not slow or "python path" in self.told:
             return
         passes = self.backward.passes
         if passes > 1:

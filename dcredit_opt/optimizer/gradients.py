@@ -71,7 +71,8 @@ class Backward:
         # Note [Gradient path]: each gradient's hand-over, in C++; Python where it must.
         self.path = _ext.load().GradientPath(engine, params, self.counts, self.marked, tally.used, lazy.pending,
                                              buffers.versions, WeakMethod(me, "hand_over"),
-                                             WeakMethod(me, "before_accumulate"), WeakMethod(me, "hook_failed"))
+                                             WeakMethod(me, "before_accumulate"), WeakMethod(me, "hook_failed"),
+                                             WeakMethod(me, "open_at"))
         buffers.use_path(self.path)
         self.path.set_passes_per_step(passes)
         self.path.set_prescale(prescale)
@@ -104,7 +105,8 @@ class Backward:
             raise self.too_many_passes(i)
 
     def hand_over(self, i: int) -> None:
-        """The C++ hook's Python path for tensor ``i`` (Note [Gradient path])."""
+        """The C++ hook's Python path for tensor ``i`` (Note [Gradient path]): where the fast path cannot take
+        it (several backward passes per step, a sparse or otherwise unusual gradient)."""
         count = self.counts[i] + 1
         if count > self.passes:
             raise self.too_many_passes(i)
@@ -128,6 +130,12 @@ class Backward:
             self._engine.mark_ready(i)
         except (RuntimeError, TimeoutError) as e:
             raise at_rank(e, f"phase 1 (backward), at the gradient of '{self.names[i]}' (tensor {i})") from e
+
+    def open_at(self, i: int) -> None:
+        """The C++ hook at an iteration's first gradient (tensor ``i``'s): open the iteration; the hook then hands
+        that gradient over itself, as every other (Note [Gradient path])."""
+        if not self.open:
+            self.begin()
 
     def hook_failed(self, i: int, message: str) -> None:
         """The C++ hook's scheduler failure at tensor ``i``, raised as the Python path raises it."""
@@ -311,7 +319,7 @@ class WeakMethod:
     """A method of a weakly held object, for the C++ hooks and the parts of the optimizer that call back into
     the one that owns them (Note [Gradient path]): the Python path of a gradient (``hand_over``), the checks
     before one is added (``before_accumulate``), a scheduler failure raised as Python raises it
-    (``hook_failed``). Does nothing once the object is gone, so no part keeps another alive."""
+    (``hook_failed``), the opening of an iteration at its first gradient (``open_at``). Does nothing once the object is gone, so no part keeps another alive."""
 
     __slots__ = ("_name", "_ref")
 

@@ -78,9 +78,9 @@ before it broadcasts them.
 
 from __future__ import annotations
 
-import array
 import weakref
 
+import numpy as np
 import torch
 
 from .. import timeline
@@ -193,7 +193,8 @@ class UsageTally:
         self._on_rows_grad = on_rows_grad  # opens an iteration whose only gradients are embedding rows
         self._usage = None  # the last flushed iteration's _Usage
         self._proposal = [0] * T  # what this rank learned: 0, rows.TIED or rows.ROWS_ONLY per tensor
-        self._tail = None  # (proposal, its part of the tally), rebuilt when the proposal changes
+        self._tail = np.zeros(2 * T, dtype=np.int32)  # the proposal's part of the tally (rows wanted, rows only)
+        self._counts_made = _TallyCounts()
         self._modules: dict[int, list] = {}  # tensor -> weak references to the embeddings that read it
         self._agreed = False
         self._starts = 0  # tallies started: the same on every rank (each is a collective)
@@ -368,8 +369,8 @@ class UsageTally:
         weights = None if taken_at is None else taken_at.values()
         if self._check_weights and not self._starts % self._check_weights:
             self._fingerprinting = _Fingerprinting(self._params, self._starts)
-        usage = _Usage(here, self._counts(here, taken % UPDATES_MODULO, weights), taken, weights,
-                       0 if taken_at is None else taken_at.iteration)
+        counts, values = self._counts(here, taken % UPDATES_MODULO, weights)
+        usage = _Usage(here, counts, values, taken, weights, 0 if taken_at is None else taken_at.iteration)
         last = self._usage
         try:
             self._backend.wait_tally(self._timeout())  # the last one, if nothing needed it
@@ -379,8 +380,9 @@ class UsageTally:
             self._check_updates(last)
             self._check_weights_of(last)
         try:
-            if last is not None and not self._agreed:
-                replan = self._agree_on_rows(last.counts.tolist())
+            # Rows are taken where every rank proposes them: nothing to agree on while this rank proposes none.
+            if last is not None and not self._agreed and self._tail.any():
+                replan = self._agree_on_rows(last.values.tolist())
             self._backend.start_tally(usage.counts)
         except (RuntimeError, TimeoutError) as e:
             raise at_rank(e, "end of phase 1, summing which gradients each rank computed") from e
@@ -393,7 +395,7 @@ class UsageTally:
         """Note [Same updates]: the summed tally ``last`` says every rank had taken as many updates as this
         one when it started, or this raises (on every rank alike)."""
         T = len(self._params)
-        if not _disagreeing(last.counts[3 * T:3 * T + 2], [last.taken % UPDATES_MODULO], self._world_size):
+        if not _disagreeing(last.values[3 * T:3 * T + 2], [last.taken % UPDATES_MODULO], self._world_size):
             return
         raise DCreditError(
             f"the ranks have not all applied the same number of optimizer updates: this rank had taken {last.taken} "
@@ -409,7 +411,7 @@ class UsageTally:
         this rank's on every rank, or this raises (on every rank alike, naming the same parameter)."""
         if last.weights is None:
             return
-        differ = _disagreeing(last.counts[3 * len(self._params) + 2:], last.weights, self._world_size)
+        differ = _disagreeing(last.values[3 * len(self._params) + 2:], last.weights, self._world_size)
         if not differ:
             self._weights_matched = last.weights_at
             return
@@ -429,19 +431,18 @@ class UsageTally:
             "after the change. The weights no longer equal synchronous training's; "
             "Config(check_weights_every=...) sets how often this is checked (Note [Same weights])")
 
-    def _counts(self, here: bytes, updates: int, weights: list | None = None) -> torch.Tensor:
-        """What this rank adds to the tally: per tensor, whether it had a gradient here; then this rank's
-        proposal for Note [Embedding rows] (rows wanted, rows only); then its count of updates, modulo
-        :data:`UPDATES_MODULO`, and its square (Note [Same updates]); and, where given, the fingerprints of its
-        weights and their squares (Note [Same weights]). One tensor made from one Python list (the bytes, a
-        per-proposal tail): this runs every iteration."""
-        proposal = tuple(self._proposal)
-        if self._tail is None or self._tail[0] != proposal:
-            self._tail = (proposal, [*(int(k > 0) for k in proposal), *(int(k == rows.ROWS_ONLY) for k in proposal)])
-        values = [*here, *self._tail[1], *_agreement([updates])]
-        if weights is not None:
-            values += _agreement(weights)
-        return torch.frombuffer(array.array("i", values), dtype=torch.int32)  # keeps the array alive
+    def _counts(self, here: bytes, updates: int, weights: list | None = None):
+        """What this rank adds to the tally, as a tensor and a NumPy array over it: per tensor, whether it had a
+        gradient here; then this rank's proposal for Note [Embedding rows] (rows wanted, rows only); then its
+        count of updates, modulo :data:`UPDATES_MODULO`, and its square (Note [Same updates]); and, where given,
+        the fingerprints of its weights and their squares (Note [Same weights]). Written into memory made
+        once (:class:`_TallyCounts`): this runs every iteration."""
+        T = len(self._params)
+        counts, values = self._counts_made.next(3 * T + 2 + (0 if weights is None else 2 * len(weights)))
+        values[:T] = np.frombuffer(here, dtype=np.uint8)
+        values[T:3 * T] = self._tail
+        values[3 * T:] = _agreement([updates]) + ([] if weights is None else _agreement(weights))
+        return counts, values
 
     def unused_everywhere(self, indices) -> list:
         """Of tensors ``indices``, those no rank computed a gradient for in the iteration being applied."""
@@ -458,7 +459,7 @@ class UsageTally:
             except (RuntimeError, TimeoutError) as e:
                 raise at_rank(e, f"phase 2, waiting to learn whether any rank computed a gradient of "
                                  f"'{self._names[maybe[0]]}' (tensor {maybe[0]})") from e
-            usage.everywhere = [bool(c) for c in usage.counts[:len(usage.here)].tolist()]
+            usage.everywhere = [bool(c) for c in usage.values[:len(usage.here)].tolist()]
         return [i for i in maybe if not usage.everywhere[i]]
 
     def drop_unused_grads(self, indices, watched, slots) -> list:
@@ -484,6 +485,9 @@ class UsageTally:
                     and not any(getattr(m, "sparse", False) for m in modules)):
                 self._proposal[i] = rows.TIED if i in tracer.read_otherwise else rows.ROWS_ONLY
                 self._modules[i] = [weakref.ref(m) for m in modules]
+        T = len(self._params)
+        self._tail[:T] = [int(k > 0) for k in self._proposal]
+        self._tail[T:] = [int(k == rows.ROWS_ONLY) for k in self._proposal]
 
     def _agree_on_rows(self, sums: list) -> bool:
         """Note [Embedding rows]: once the last tally shows every rank proposing the same tensors, they
@@ -517,14 +521,34 @@ class _Usage:
     summed over ranks, and, once that sum is known, whether it had one anywhere; and the updates this rank had
     taken (Note [Same updates])."""
 
-    __slots__ = ("counts", "everywhere", "here", "taken", "weights", "weights_at")
+    __slots__ = ("counts", "everywhere", "here", "taken", "values", "weights", "weights_at")
 
-    def __init__(self, here: bytes, counts: torch.Tensor | None, taken: int = 0, weights: list | None = None,
+    def __init__(self, here: bytes, counts: torch.Tensor | None, values, taken: int = 0, weights: list | None = None,
                  weights_at: int = 0):
         self.here = here
         self.counts = counts
+        self.values = values  # a NumPy array over ``counts``: read without a torch operation per read
         self.everywhere = None
         self.taken = taken
         self.weights = weights  # this rank's fingerprints (Note [Same weights]), where this tally carries them
         self.weights_at = weights_at  # where it carries fingerprints, the iteration (flush) whose weights they are
 
+
+
+class _TallyCounts:
+    """The tensors a tally is written into, made once per length (the length grows where fingerprints ride
+    along, Note [Same weights]) and taken in turn: two per length, because a tally is written while the last
+    one, summed, is still read (``UsageTally.start``); no third is alive by then."""
+
+    def __init__(self) -> None:
+        self._made: dict[int, list] = {}
+
+    def next(self, n: int):
+        """A zeroed-or-stale int32 tensor of ``n`` values and a NumPy array over it; every value is written by
+        the caller."""
+        pair = self._made.get(n)
+        if pair is None:
+            made = [torch.zeros(n, dtype=torch.int32) for _ in range(2)]
+            pair = self._made[n] = [(t, t.numpy()) for t in made]
+        pair.reverse()
+        return pair[0]
