@@ -52,6 +52,33 @@ c10d::ReduceOp::RedOpType ReduceOpNamed(const std::string& name) {
   throw std::invalid_argument("reduce must be \"sum\", \"min\", \"max\" or \"product\", got \"" + name + "\"");
 }
 
+// Note [Global usage] (usage.py): one rank's tally, written in one pass into `out` (int32, on the CPU,
+// contiguous): the flags `used` (uint8, one per tensor), then `tail` (int32: the rows proposal), then `rest`.
+// Every iteration, after backward: one call instead of a list or a few array operations per part.
+void FillTally(const at::Tensor& out, const pybind11::buffer& used, const pybind11::buffer& tail,
+               const std::vector<int32_t>& rest) {
+  pybind11::buffer_info flags = used.request();
+  pybind11::buffer_info proposal = tail.request();
+  if (flags.itemsize != 1 || flags.ndim != 1 || flags.strides[0] != 1) {
+    throw std::invalid_argument("fill_tally: used must be contiguous bytes");
+  }
+  if (proposal.itemsize != 4 || proposal.ndim != 1 || proposal.strides[0] != 4) {
+    throw std::invalid_argument("fill_tally: tail must be contiguous 32-bit integers");
+  }
+  const int64_t n = flags.shape[0] + proposal.shape[0] + static_cast<int64_t>(rest.size());
+  if (out.scalar_type() != at::kInt || !out.device().is_cpu() || !out.is_contiguous() || out.dim() != 1 ||
+      out.numel() != n) {
+    throw std::invalid_argument("fill_tally: out must be a contiguous int32 CPU tensor of " + std::to_string(n) +
+                                " values");
+  }
+  int32_t* to = out.data_ptr<int32_t>();
+  const auto* from = static_cast<const uint8_t*>(flags.ptr);
+  for (ssize_t i = 0; i < flags.shape[0]; ++i) *to++ = from[i];
+  const auto* wanted = static_cast<const int32_t*>(proposal.ptr);
+  for (ssize_t i = 0; i < proposal.shape[0]; ++i) *to++ = wanted[i];
+  for (int32_t v : rest) *to++ = v;
+}
+
 class Engine {
  public:
   static std::unique_ptr<Engine> Torch(std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups, double timeout_s,
@@ -196,6 +223,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("RELEASE_ALL") = kReleaseAll;
   // Whether this build can reduce blocks on CUDA devices (see cuda_sync.h).
   m.attr("WITH_CUDA") = kWithCuda;
+
+  m.def("fill_tally", &FillTally, py::arg("out"), py::arg("used"), py::arg("tail"), py::arg("rest"),
+        "One rank's tally in one pass: the used flags, the rows proposal, then the rest (Note [Global usage]).");
 
   // Note [Gradient path] in gradient_path.h. The per-tensor arrays are the optimizer's writable buffers
   // (kept alive with the path); `slow(i)` and `failed(i, message)` are its Python fallbacks.

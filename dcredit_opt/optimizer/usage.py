@@ -80,10 +80,9 @@ from __future__ import annotations
 
 import weakref
 
-import numpy as np
 import torch
 
-from .. import timeline
+from .. import _ext, timeline
 from ..errors import DCreditError
 from ..world.peers import at_rank
 from . import rows, sparse
@@ -193,8 +192,10 @@ class UsageTally:
         self._on_rows_grad = on_rows_grad  # opens an iteration whose only gradients are embedding rows
         self._usage = None  # the last flushed iteration's _Usage
         self._proposal = [0] * T  # what this rank learned: 0, rows.TIED or rows.ROWS_ONLY per tensor
-        self._tail = np.zeros(2 * T, dtype=np.int32)  # the proposal's part of the tally (rows wanted, rows only)
+        self._tail = per_tensor(2 * T, "i")  # the proposal's part of the tally (rows wanted, rows only)
+        self._proposing = False  # whether this rank proposes any tensor for rows
         self._counts_made = _TallyCounts()
+        self._fill = _ext.load().fill_tally
         self._modules: dict[int, list] = {}  # tensor -> weak references to the embeddings that read it
         self._agreed = False
         self._starts = 0  # tallies started: the same on every rank (each is a collective)
@@ -381,7 +382,7 @@ class UsageTally:
             self._check_weights_of(last)
         try:
             # Rows are taken where every rank proposes them: nothing to agree on while this rank proposes none.
-            if last is not None and not self._agreed and self._tail.any():
+            if last is not None and not self._agreed and self._proposing:
                 replan = self._agree_on_rows(last.values.tolist())
             self._backend.start_tally(usage.counts)
         except (RuntimeError, TimeoutError) as e:
@@ -432,16 +433,14 @@ class UsageTally:
             "Config(check_weights_every=...) sets how often this is checked (Note [Same weights])")
 
     def _counts(self, here: bytes, updates: int, weights: list | None = None):
-        """What this rank adds to the tally, as a tensor and a NumPy array over it: per tensor, whether it had a
+        """What this rank adds to the tally, as a tensor and a memoryview over it: per tensor, whether it had a
         gradient here; then this rank's proposal for Note [Embedding rows] (rows wanted, rows only); then its
         count of updates, modulo :data:`UPDATES_MODULO`, and its square (Note [Same updates]); and, where given,
-        the fingerprints of its weights and their squares (Note [Same weights]). Written into memory made
-        once (:class:`_TallyCounts`): this runs every iteration."""
-        T = len(self._params)
-        counts, values = self._counts_made.next(3 * T + 2 + (0 if weights is None else 2 * len(weights)))
-        values[:T] = np.frombuffer(here, dtype=np.uint8)
-        values[T:3 * T] = self._tail
-        values[3 * T:] = _agreement([updates]) + ([] if weights is None else _agreement(weights))
+        the fingerprints of its weights and their squares (Note [Same weights]). Written in one C++ pass into
+        memory made once (:class:`_TallyCounts`): this runs every iteration."""
+        rest = _agreement([updates]) + ([] if weights is None else _agreement(weights))
+        counts, values = self._counts_made.next(len(here) + len(self._tail) + len(rest))
+        self._fill(counts, here, self._tail, rest)
         return counts, values
 
     def unused_everywhere(self, indices) -> list:
@@ -486,8 +485,9 @@ class UsageTally:
                 self._proposal[i] = rows.TIED if i in tracer.read_otherwise else rows.ROWS_ONLY
                 self._modules[i] = [weakref.ref(m) for m in modules]
         T = len(self._params)
-        self._tail[:T] = [int(k > 0) for k in self._proposal]
-        self._tail[T:] = [int(k == rows.ROWS_ONLY) for k in self._proposal]
+        for i, k in enumerate(self._proposal):
+            self._tail[i], self._tail[T + i] = int(k > 0), int(k == rows.ROWS_ONLY)
+        self._proposing = any(self._proposal)
 
     def _agree_on_rows(self, sums: list) -> bool:
         """Note [Embedding rows]: once the last tally shows every rank proposing the same tensors, they
@@ -527,7 +527,7 @@ class _Usage:
                  weights_at: int = 0):
         self.here = here
         self.counts = counts
-        self.values = values  # a NumPy array over ``counts``: read without a torch operation per read
+        self.values = values  # a memoryview over ``counts``: read without a torch operation per read
         self.everywhere = None
         self.taken = taken
         self.weights = weights  # this rank's fingerprints (Note [Same weights]), where this tally carries them
@@ -544,11 +544,12 @@ class _TallyCounts:
         self._made: dict[int, list] = {}
 
     def next(self, n: int):
-        """A zeroed-or-stale int32 tensor of ``n`` values and a NumPy array over it; every value is written by
-        the caller."""
+        """An int32 tensor of ``n`` values (zeros, or a tally two turns old) and a memoryview over it; the
+        caller writes every value."""
         pair = self._made.get(n)
         if pair is None:
             made = [torch.zeros(n, dtype=torch.int32) for _ in range(2)]
-            pair = self._made[n] = [(t, t.numpy()) for t in made]
+            # Read through a memoryview: indexing it runs no NumPy or torch code, which is cold after a backward.
+            pair = self._made[n] = [(t, memoryview(t.numpy()).cast("B").cast("i")) for t in made]
         pair.reverse()
         return pair[0]

@@ -14,9 +14,11 @@ import pytest
 import torch
 from torch import nn
 
+from dcredit_opt import _ext
 from dcredit_opt.config import Config
 from dcredit_opt.errors import DCreditError
 from dcredit_opt.optimizer import rows, usage
+from dcredit_opt.optimizer.buffers import per_tensor
 from dcredit_opt.optimizer.notices import Notices
 from dcredit_opt.optimizer.usage import UsageTally
 
@@ -29,9 +31,11 @@ class _SideChannel:
         self.others = others
         self.world = world
         self.started = []
+        self.handed = []  # the tensors themselves (the tally's memory is made once and reused)
         self.waits = 0
 
     def start_tally(self, counts):
+        self.handed.append(counts)
         self.started.append(counts.clone())
         if self.others is not None:
             counts += torch.tensor(self.others, dtype=torch.int32) * (self.world - 1)
@@ -179,6 +183,44 @@ def test_alone_the_tally_is_summed_as_in_any_world():
     T = 1
     assert [c[3 * T:3 * T + 2].tolist() for c in side.started] == [[3, 9], [7, 49]]
     assert side.waits == 2
+
+
+def test_each_tally_is_written_whole_into_memory_made_once():
+    """Every start sends exactly this iteration's values (flags, rows proposal, update count and its square, the
+    fingerprints where due), written in one pass into tensors made once and taken in turn: the tally being
+    written is never the last one, which is still being read."""
+    emb = nn.Embedding(5, 2)
+    params = [emb.weight, nn.Parameter(torch.zeros(2))]
+    side = _SideChannel(world=1)  # a world of one: what this rank wrote is what it sent, and the sum
+    tally = _tally(params, world=1, backend=side, check_weights_every=2)
+    tally.propose_rows(types.SimpleNamespace(embedded_by={0: [weakref.ref(emb)]}, read_otherwise=set()), set())
+    tally.used[1] = True
+    tally.start(1)
+    tally.used[0] = True
+    tally.start(2)  # the weights are fingerprinted here, and travel in the next tally
+    tally.start(3)
+    tally.start(4)
+    f = usage.fingerprints(params)
+    assert [c.tolist() for c in side.started] == [
+        [0, 1, 1, 0, 1, 0, 1, 1],
+        [1, 0, 1, 0, 1, 0, 2, 4],
+        [0, 0, 1, 0, 1, 0, 3, 9, *f, *(v * v for v in f)],
+        [0, 0, 1, 0, 1, 0, 4, 16],
+    ]
+    assert side.handed[1] is not side.handed[0] and side.handed[3] is side.handed[0]
+    assert list(tally.rows) == [0]  # alone, this rank's proposal is every rank's: taken at the second tally
+    tally.close()
+
+
+def test_the_tally_is_written_only_into_memory_of_its_size():
+    fill = _ext.load().fill_tally
+    with pytest.raises(ValueError, match="out must be a contiguous int32 CPU tensor of 5 values"):
+        fill(torch.zeros(4, dtype=torch.int32), bytes(2), per_tensor(2, "i"), [1])
+    with pytest.raises(ValueError, match="tail must be contiguous 32-bit integers"):
+        fill(torch.zeros(5, dtype=torch.int32), bytes(2), bytes(2), [1])
+    out = torch.full((5,), 7, dtype=torch.int32)
+    fill(out, bytes([1, 0]), per_tensor(2, "i"), [3])
+    assert out.tolist() == [1, 0, 0, 0, 3]
 
 
 def test_the_ranks_agree_on_embedding_rows_through_the_tally():
