@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <exception>
 #include <string>
 #include <unordered_map>
@@ -116,13 +117,28 @@ struct GradientPath::State : std::enable_shared_from_this<GradientPath::State> {
           at::mul_out(const_cast<at::Tensor&>(slot), grad, prescale);
         }
       } else if (!aliases) {
-        const_cast<at::Tensor&>(slot).copy_(grad);
+        CopyInto(slot, grad);
       }
       grad = alias;  // Note [Gradient reads]
     }
     used[i] = 1;
     versions[i] = slot._version();  // from here on, only the collectives write the blocks
     return true;
+  }
+
+  // slot = grad, of the same dtype and shape. Two contiguous strided CPU tensors: one memcpy, without the
+  // dispatcher's and TensorIterator's set-up, which cost more than the copy for the many small gradients of
+  // a model; the slot's version moves as copy_ moves it (a graph that saved the slot still sees the write).
+  // Otherwise torch's copy_.
+  static void CopyInto(const at::Tensor& slot, const at::Tensor& grad) {
+    if (slot.device().is_cpu() && grad.device().is_cpu() && slot.layout() == at::kStrided &&
+        grad.layout() == at::kStrided && !grad.is_quantized() && slot.is_contiguous() && grad.is_contiguous() &&
+        !grad.is_conj() && !grad.is_neg()) {
+      std::memcpy(slot.data_ptr(), grad.data_ptr(), grad.nbytes());
+      torch::autograd::impl::bump_version(slot);
+      return;
+    }
+    const_cast<at::Tensor&>(slot).copy_(grad);
   }
 
   // Calls `fn(i)` or `fn(i, message)` with the GIL; a Python exception goes

@@ -111,7 +111,8 @@ class Stepper:
         """Wait for tensors ``indices`` and run the wrapped step on those still pending, with the
         hyperparameters of the ``step()`` that deferred them."""
         lazy, path = self._lazy, self._backward.path
-        todo = [i for i in dict.fromkeys(indices) if lazy.pending[i]]
+        pending = lazy.pending
+        todo = [i for i in dict.fromkeys(indices) if pending[i]]
         if not todo:
             return
         with lazy.guard.paused():  # the wrapped step reads the parameters it updates: not reads to guard

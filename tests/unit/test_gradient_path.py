@@ -556,3 +556,23 @@ def test_the_slots_lent_to_the_wrapped_step_go_back_as_they_came():
     assert all(p.grad is g for p, g in zip(params, before))
     path.return_slots()  # nothing lent: nothing changes
     assert all(p.grad is g for p, g in zip(params, before))
+
+
+@pytest.mark.parametrize("config", [LAZY, EAGER], ids=["lazy", "eager"])
+def test_staging_moves_the_slots_version_as_a_copy_does(config):
+    """The C++ hook copies a CPU gradient into its slot with one memcpy (Note [Gradient path]); the slot's version
+    still moves, so a graph that saved last iteration's p.grad refuses to run on the overwritten values, as it
+    would under plain torch, where the next backward writes that p.grad in place."""
+    model, opt, ref, ropt = pair(config)
+    try:
+        train(model, opt, range(4), ref, ropt)
+        opt.synchronize()
+        x = torch.ones(3, requires_grad=True)
+        kept = (x * model[4].bias.grad).sum()  # saves the gradient for its backward
+        train(model, opt, range(4, 5), ref, ropt)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            kept.backward()
+        opt.synchronize()
+        assert_same(model, ref)
+    finally:
+        opt._dc.close()
