@@ -289,6 +289,14 @@ void GradientPath::Refresh(const std::vector<int64_t>& indices) {
   if (state_->closed) return;
   for (int64_t i : indices) {
     CheckIndex(state_->params.size(), i, "refresh");
+    const at::Tensor& p = state_->params[i];
+    if (accumulators_[i] && torch::autograd::impl::get_autograd_meta(p) != nullptr &&
+        !torch::autograd::impl::try_get_grad_accumulator(p)) {
+      // No graph made since ForgetGraphReads read the parameter (Note [Graph reads]): the node we hook, which
+      // we hold, is the leaf's again; no new node, no new hook.
+      compat::RestoreGradAccumulator(p, accumulators_[i]);
+      continue;
+    }
     HookOnto(static_cast<int32_t>(i));
   }
 }

@@ -45,7 +45,9 @@ namespace dcredit {
 //
 // A lazy step makes a pending parameter's next graph use build a new
 // accumulator (Note [Graph reads]); once its update is applied, Refresh()
-// puts the hook on the accumulator that graphs will use from then on.
+// gives the leaf back the hooked accumulator we hold where no graph built a
+// new one (the common case: no allocation), and otherwise puts the hook on
+// the accumulator that graphs will use from then on.
 //
 // The hooks outlive nothing they touch: each holds the shared State, which
 // Close() (the optimizer's close, or the Python object's end) marks closed
@@ -75,7 +77,8 @@ class GradientPath {
   void SetPassesPerStep(int32_t passes);
   void SetPrescale(double prescale);
   // Hooks on every parameter's current accumulator (creating it where none
-  // exists yet); again for `indices` whose accumulator changed since.
+  // exists yet); for `indices`, after their updates were applied, the leaf's
+  // accumulator back to the hooked one, or the hook onto a new one.
   void Install();
   void Refresh(const std::vector<int64_t>& indices);
   // Hooks off, tensors and callables released; idempotent.

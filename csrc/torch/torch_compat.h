@@ -23,6 +23,9 @@ inline c10::intrusive_ptr<c10d::Work> ReduceScatterSingle(c10d::ProcessGroup& gr
 inline void DropGradAccumulator(const at::Tensor& leaf) {
   torch::autograd::impl::set_grad_accumulator(leaf, std::weak_ptr<torch::autograd::Node>());
 }
+inline void RestoreGradAccumulator(const at::Tensor& leaf, const std::shared_ptr<torch::autograd::Node>& node) {
+  torch::autograd::impl::set_grad_accumulator(leaf, std::weak_ptr<torch::autograd::Node>(node));
+}
 #else
 inline c10::intrusive_ptr<c10d::Work> AllGatherSingle(c10d::ProcessGroup& group, at::Tensor& out, at::Tensor& in,
                                                        const c10d::AllgatherOptions& opts) {
@@ -35,6 +38,9 @@ inline c10::intrusive_ptr<c10d::Work> ReduceScatterSingle(c10d::ProcessGroup& gr
 inline void DropGradAccumulator(const at::Tensor& leaf) {
   torch::autograd::impl::set_grad_accumulator(
       leaf, c10::weak_intrusive_ptr<torch::autograd::Node>(c10::intrusive_ptr<torch::autograd::Node>()));
+}
+inline void RestoreGradAccumulator(const at::Tensor& leaf, const c10::intrusive_ptr<torch::autograd::Node>& node) {
+  torch::autograd::impl::set_grad_accumulator(leaf, c10::weak_intrusive_ptr<torch::autograd::Node>(node));
 }
 #endif
 
