@@ -34,7 +34,9 @@ compared with that baseline. A ratio of two measurements taken the same way
 cancels the estimator's own bias, so an unchanged world reads 1.0. The
 compute is compared with the windows the profile's compute was last set to,
 across plan switches, so that a change between a re-plan and the new plan's
-baseline is not taken into it (Note [Compute across a switch]).
+baseline is not taken into it (Note [Compute across a switch]). Where the profile was
+measured while other jobs held the cores, its compute is brought down to within the threshold of its CPU time
+once, at the first baseline (Note [Profiled under load]).
 
 Every rank sends its window (:class:`Window`, a vector of numbers) to every rank; every rank
 computes the same :class:`Estimate` from the gathered lists
@@ -94,6 +96,38 @@ from .profile import Profile
 # compute was last set to (the first baseline, then each check that
 # re-planned, kept or switched), across plan switches, and already at a new
 # plan's baseline check, where the link has nothing to be compared with yet.
+
+# Note [Profiled under load]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The profile's compute is wall time (profiler.py: the gaps between ready
+# gradients), and every later estimate of the compute is a ratio against the
+# first baseline: a ratio cancels the estimator's bias, not the profile's. A
+# profile measured while other jobs held the cores kept their load in its
+# level for good: measured, one profile of 11 read the backward at 555 ms of
+# wall time where the quiet ones read 250-369 ms and the reference window 241
+# ms of CPU, and under that compute every plan hid the link, so the plan for a
+# 250 Mbit/s link was kept at 1 Gbit/s
+# (benchmarks/results/2026-11-28-p2-link-freed-analysis.md). So where the
+# compute is read in CPU time (Note [Compute in CPU time]), the profiled
+# iterations are read both ways: the wall-time span of their ready gradients,
+# which the profile's compute comes from, and the training thread's CPU time
+# over the same backward, as a window reads it. Where the wall time exceeds
+# the CPU time by more than the threshold, the thread waited for cores, and at
+# the first baseline rank 0 scales the profile's compute down to the
+# threshold's edge: by (1 + threshold) CPU over wall (:func:`profile_level`).
+# Not down to the CPU time itself: some wall time above it is the job's own
+# (its communication threads share the cores in every iteration, not only the
+# profile's: the quiet profiles above read up to 1.5x the reference window's
+# CPU time), the scale is continuous where the correction starts, and a
+# profile within the threshold stays as measured. Never up: the CPU time runs
+# on to step(), a little past the last gradient, so the correction errs small.
+# Only rank 0's planning input changes: every rank decides the same things at
+# the same steps, and the plan in force is judged on the corrected level at
+# the next decision to re-plan. On a device the span stays the estimate and
+# the profile as measured, and so it stays where the backward runs on several
+# intra-op threads: the training thread's CPU time is then its share of the
+# work, and it also waits for the other threads, so wall time beyond it is not
+# a wait for cores.
 
 SIZE_SPREAD = 2.0
 """A window's per-collective sizes must span at least this factor (largest over smallest) for a fit of both
@@ -370,6 +404,16 @@ def beta_scale(profile: Profile, estimate: Estimate) -> float:
     fixed = profile.alpha_s * collectives
     return _clamp(max(estimate.link * (fixed + profile.beta_s_per_byte * nbytes) - fixed, 0.0)
                   / (profile.beta_s_per_byte * nbytes))
+
+
+def profile_level(wall_s: float, cpu_s: float, threshold: float) -> float:
+    """The scale on the compute of a profile whose backward took ``wall_s`` of wall time for ``cpu_s`` of the
+    training thread's CPU time: ``(1 + threshold) * cpu_s / wall_s`` where the wall time exceeds the CPU time by
+    more than ``threshold`` (a share), so the profile stands at the threshold's edge; else 1.0, never above
+    (Note [Profiled under load])."""
+    if not (wall_s > 0 and cpu_s > 0 and threshold >= 0) or wall_s <= cpu_s * (1 + threshold):
+        return 1.0
+    return _clamp((1 + threshold) * cpu_s / wall_s)
 
 
 def rescale(profile: Profile, estimate: Estimate) -> Profile:

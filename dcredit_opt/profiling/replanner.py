@@ -1,7 +1,7 @@
 """Re-planning while training: the runtime's side of planner/adaptive.py.
 
 One :class:`Replanner` per optimizer, owner of its state (nothing else reads
-its private fields). The optimizer calls it at two points:
+its private fields). The optimizer calls it at three points:
 
 - :meth:`Replanner.observe` at the start of each iteration, where the last
   iteration's blocks have all finished: on the few iterations a window
@@ -9,6 +9,10 @@ its private fields). The optimizer calls it at two points:
   scheduler's trace and ready times; on the others it costs one ``if``
   (and, on a CPU, one read of the thread's CPU clock: the backward starts
   here, Note [Compute in CPU time] in planner/adaptive.py).
+- :meth:`Replanner.profiled` in each ``step()`` while the job profiles itself:
+  on a CPU, the backward's wall-time span and CPU time, from which rank 0
+  corrects the profile's compute at the first baseline where it was measured
+  under load (Note [Profiled under load] in planner/adaptive.py).
 - :meth:`Replanner.check` in each ``step()`` once the first plan is in force,
   before the step decides whether it may be lazy. Every ``Config.replan_every``
   steps of a plan, every rank starts sending its window to every rank (one
@@ -56,6 +60,7 @@ import functools
 import json
 import logging
 import math
+import statistics
 import threading
 import time
 
@@ -113,6 +118,8 @@ class Replanner:
         self._cpu_clock = cpu_clock
         self._opened: tuple[int, float] | None = None  # (thread, its CPU seconds) where this iteration opened
         self._cpu_s: float | None = None  # the CPU seconds of the iteration that just ended
+        # the profiled iterations' backward: (wall-time span, CPU seconds) each (Note [Profiled under load])
+        self._profiled: list[tuple[float, float]] = []
         # where its collectives run: a process set's ranks (Note [Process sets]), or every rank
         self._plane = process_sets.everyone() if plane is None else plane
         self._every = config.replan_every
@@ -149,6 +156,16 @@ class Replanner:
             self._window.add(engine.trace(), block_bytes, engine.ready_times(), self._cpu_s)
         if self._cpu_clock:
             self._opened = (threading.get_ident(), time.thread_time())
+
+    def profiled(self, ready_ns) -> None:
+        """In each profiling ``step()``: the backward's wall-time span (``ready_ns``, each tensor's ready time)
+        and its thread's CPU time, read as a window reads them, where that thread does all of the backward's
+        work (one intra-op thread: Note [Profiled under load])."""
+        if not self._cpu_clock or torch.get_num_threads() != 1:
+            return
+        cpu, span = self._backward_cpu_s(), adaptive.backward_span(ready_ns)
+        if cpu is not None and cpu > 0 and span is not None:
+            self._profiled.append((span, cpu))
 
     def _backward_cpu_s(self) -> float | None:
         """In ``step()``: this thread's CPU seconds since the iteration opened on it, or None (not read there)."""
@@ -233,6 +250,9 @@ class Replanner:
             self._base = windows
             if self._reference is None:
                 self._reference = windows
+                if all(w.cpu_s is not None for w in windows):  # Note [Profiled under load]
+                    self._level_profile()
+                self._profiled = []
                 return
         estimate = adaptive.combine(base, windows, self._reference)
         if not self._hysteresis.update(estimate):
@@ -243,6 +263,23 @@ class Replanner:
             numels_now = numels()
             work = functools.partial(self._plan_on_rank0, plan, estimate, numels_now)
         self._planning = _Planning(self._steps + PLAN_STEPS, estimate, windows, work)
+
+    def _level_profile(self) -> None:
+        """Rank 0 at the first baseline: the profile's compute scaled down to within the threshold of its CPU
+        time where it was measured under load, said once; nothing on the other ranks, nor where nothing was read
+        (Note [Profiled under load])."""
+        if self._profile is None or not self._profiled:
+            return
+        wall_s = statistics.median(s for s, _ in self._profiled)
+        cpu_s = statistics.median(c for _, c in self._profiled)
+        scale = adaptive.profile_level(wall_s, cpu_s, self._threshold)
+        if scale >= 1.0:
+            return
+        self._profile = adaptive.rescale(self._profile, adaptive.Estimate(
+            compute=scale, link=1.0, beta=1.0, link_rank=-1, span_s=(wall_s, cpu_s), cpu=True))
+        log.info("dcredit_opt: the profile's compute was measured under load: its backward took %.1f ms of wall "
+                 "time for %.1f ms of CPU time, beyond replan_threshold (%g), so re-planning takes its compute "
+                 "x%.2f, to within the threshold of its CPU time", wall_s * 1e3, cpu_s * 1e3, self._threshold, scale)
 
     def _conclude(self, iteration: int, plan: Plan, timeline, quiet) -> Plan | None:
         """At the step the verdict is due: rank 0's plan (or "keep", or its error) on every rank."""

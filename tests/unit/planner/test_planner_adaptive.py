@@ -199,12 +199,13 @@ class OneRank:
     of ``plan``, what each returns. With ``replan_every=2`` (Note [The check in flight]) a plan's odd steps start
     a gather, its even steps decide, and a verdict comes at the odd step after a decision to re-plan."""
 
-    def __init__(self, monkeypatch, plans, config=None, make_plan=None):
+    def __init__(self, monkeypatch, plans, config=None, make_plan=None, cpu_clock=False):
         from dcredit_opt.profiling import replanner
 
         self.feed: dict = {}
         self.waited: list = []
         self.made: list = []
+        self.planned_for: list = []  # the profile each planning was given
         fresh = iter(plans)
 
         def gathered(tensor, name):
@@ -212,6 +213,7 @@ class OneRank:
             return replanner.control.Gathering(lambda: self.waited.append(name) or rows)
 
         def planned(profile, policy, **kwargs):
+            self.planned_for.append(profile)
             self.made.append(next(fresh))
             return self.made[-1]
 
@@ -226,7 +228,8 @@ class OneRank:
         monkeypatch.setattr(replanner, "iteration_time",
                             lambda plan, profile, **kwargs: 2.0 if plan is self.in_force else 1.0)
         self.in_force = None
-        self.r = replanner.Replanner(config or dcredit_opt.Config(replan_every=2, replan_threshold=0.1), [])
+        self.r = replanner.Replanner(config or dcredit_opt.Config(replan_every=2, replan_threshold=0.1), [],
+                                     cpu_clock=cpu_clock)
         self.profile = model_like_profile(4, total_params=10_000)
 
     def steps(self, plan, busy_s, cpu_s, n):
@@ -361,6 +364,83 @@ def test_a_decision_near_a_condition_already_kept_for_is_kept_without_planning(m
         assert job.steps(a, 0.1, 0.148, 6) == [None] * 6  # x1.48 against the kept x1.0: near x1.5
     assert "a condition the plan in force was already kept for" in caplog.text and len(job.made) == 1
     assert job.steps(a, 0.1, 0.3, 6) == [None] * 6 and len(job.made) == 2  # x3: planned for
+
+
+def test_profile_level_scales_down_only_beyond_the_threshold():
+    """Note [Profiled under load]: to the threshold's edge where the wall time exceeds the CPU time by more than
+    the threshold (continuous there); 1.0 within it, never above 1, and 1.0 where either was not read."""
+    assert adaptive.profile_level(0.18, 0.10, 0.1) == pytest.approx(1.1 / 1.8)
+    assert adaptive.profile_level(0.18, 0.10, 0.0) == pytest.approx(1 / 1.8)
+    assert adaptive.profile_level(0.1101, 0.10, 0.1) == pytest.approx(1.0, abs=1e-3)
+    assert adaptive.profile_level(0.105, 0.10, 0.1) == 1.0 and adaptive.profile_level(0.09, 0.10, 0.1) == 1.0
+    assert adaptive.profile_level(0.0, 0.10, 0.1) == 1.0 and adaptive.profile_level(0.18, 0.0, 0.1) == 1.0
+
+
+def profiled_under(job, monkeypatch, wall_s: float, cpu_s: float, iterations: int = 4, threads: int = 1) -> None:
+    """``iterations`` profiling steps whose backward spans ``wall_s`` of wall time for ``cpu_s`` of the training
+    thread's CPU time, on ``threads`` intra-op threads."""
+    monkeypatch.setattr(job.r, "_backward_cpu_s", lambda: cpu_s)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    for _ in range(iterations):
+        job.r.profiled([MS, MS + round(wall_s * 1e9), MS + round(wall_s * 1e9 / 2)])
+
+
+def total_compute(profile: Profile) -> tuple[float, float]:
+    return sum(t.fwd_s for t in profile.tensors), sum(t.bwd_s for t in profile.tensors)
+
+
+def test_a_profile_measured_under_load_is_planned_on_near_its_cpu_time(monkeypatch, caplog):
+    """Note [Profiled under load]: profiled iterations whose backward took 1.8x its CPU time in wall time; at the
+    first baseline rank 0 says so once, and the next planning (here for a link that moved) sees the profile's
+    compute x1.1/1.8 (to the edge of the threshold, 0.1), forward and backward; the ranks decide as before."""
+    import logging
+
+    from dcredit_opt.optimizer.layout import fixed_plan
+
+    a, b = fixed_plan([4096], [4], 1024, 1, 1), fixed_plan([4096], [4], 2048, 1, 1)
+    job = OneRank(monkeypatch, [b], cpu_clock=True)
+    profiled_under(job, monkeypatch, 0.18, 0.10)
+    with caplog.at_level(logging.INFO, logger="dcredit_opt"):
+        assert job.steps(a, 0.1, 0.1, 4) == [None] * 4  # the first baseline
+        assert job.steps(a, 0.2, 0.1, 5) == [None] * 4 + [b]  # the link moved twice: re-planned
+    said = [m for m in caplog.messages if "measured under load" in m]
+    assert len(said) == 1 and "180.0 ms of wall time for 100.0 ms of CPU time" in said[0], caplog.messages
+    (profile,) = job.planned_for
+    fwd, bwd = total_compute(job.profile)
+    assert total_compute(profile) == pytest.approx((fwd * 1.1 / 1.8, bwd * 1.1 / 1.8))
+    assert job.r.replans[0].reason.startswith("moved: link x") and job.r.replans[0].compute == pytest.approx(1.0)
+
+
+def test_a_profile_measured_quiet_is_planned_on_as_measured(monkeypatch, caplog):
+    """Wall time within the threshold of the CPU time (x1.05 against 0.1): the job's own threads and noise, not
+    load: the profile's compute stays as measured, and nothing is said."""
+    import logging
+
+    from dcredit_opt.optimizer.layout import fixed_plan
+
+    a, b = fixed_plan([4096], [4], 1024, 1, 1), fixed_plan([4096], [4], 2048, 1, 1)
+    job = OneRank(monkeypatch, [b], cpu_clock=True)
+    profiled_under(job, monkeypatch, 0.105, 0.10)
+    with caplog.at_level(logging.INFO, logger="dcredit_opt"):
+        assert job.steps(a, 0.1, 0.1, 4) + job.steps(a, 0.2, 0.1, 5) == [None] * 8 + [b]
+    assert not [m for m in caplog.messages if "measured under load" in m]
+    (profile,) = job.planned_for
+    assert total_compute(profile) == pytest.approx(total_compute(job.profile))
+
+
+def test_a_profile_is_not_corrected_where_the_compute_is_read_as_a_span(monkeypatch):
+    """No CPU clock (a device: Note [Compute in CPU time]), windows without CPU time, or a backward on several
+    intra-op threads (the training thread's CPU time is then a share of the work): the profile's compute stays
+    as measured, whatever the profiling steps would have read."""
+    from dcredit_opt.optimizer.layout import fixed_plan
+
+    a, b = fixed_plan([4096], [4], 1024, 1, 1), fixed_plan([4096], [4], 2048, 1, 1)
+    for cpu_clock, cpu_s, threads in ((False, None, 1), (True, None, 1), (True, 0.1, 2)):
+        job = OneRank(monkeypatch, [b], cpu_clock=cpu_clock)
+        profiled_under(job, monkeypatch, 0.18, 0.10, threads=threads)
+        assert job.steps(a, 0.1, cpu_s, 4) + job.steps(a, 0.2, cpu_s, 5) == [None] * 8 + [b]
+        (profile,) = job.planned_for
+        assert total_compute(profile) == pytest.approx(total_compute(job.profile))
 
 
 def test_close_waits_for_a_gather_in_flight(monkeypatch):
