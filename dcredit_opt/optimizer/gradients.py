@@ -319,7 +319,8 @@ class WeakMethod:
     """A method of a weakly held object, for the C++ hooks and the parts of the optimizer that call back into
     the one that owns them (Note [Gradient path]): the Python path of a gradient (``hand_over``), the checks
     before one is added (``before_accumulate``), a scheduler failure raised as Python raises it
-    (``hook_failed``), the opening of an iteration at its first gradient (``open_at``). Does nothing once the object is gone, so no part keeps another alive."""
+    (``hook_failed``), the opening of an iteration at its first gradient (``open_at``). Does nothing once the
+    object is gone, so no part keeps another alive."""
 
     __slots__ = ("_name", "_ref")
 

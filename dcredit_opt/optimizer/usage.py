@@ -534,7 +534,6 @@ class _Usage:
         self.weights_at = weights_at  # where it carries fingerprints, the iteration (flush) whose weights they are
 
 
-
 class _TallyCounts:
     """The tensors a tally is written into, made once per length (the length grows where fingerprints ride
     along, Note [Same weights]) and taken in turn: two per length, because a tally is written while the last
