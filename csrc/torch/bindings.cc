@@ -256,8 +256,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }),
            py::arg("engine"), py::arg("params"), py::arg("counts"), py::arg("marked"), py::arg("used"),
            py::arg("pending"), py::arg("versions"), py::arg("slow"), py::arg("before"), py::arg("failed"),
-           py::arg("opener") = py::none(), py::keep_alive<1, 2>(), py::keep_alive<1, 4>(), py::keep_alive<1, 5>(), py::keep_alive<1, 6>(),
-           py::keep_alive<1, 7>(), py::keep_alive<1, 8>())
+           py::arg("opener"), py::keep_alive<1, 2>(), py::keep_alive<1, 4>(), py::keep_alive<1, 5>(),
+           py::keep_alive<1, 6>(), py::keep_alive<1, 7>(), py::keep_alive<1, 8>())
       .def("set_slots", &GradientPath::SetSlots, py::arg("slots"), py::arg("watched"))
       .def("set_open", &GradientPath::SetOpen, py::arg("open"))
       .def("set_flushed", &GradientPath::SetFlushed, py::arg("flushed"))

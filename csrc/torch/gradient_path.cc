@@ -34,7 +34,7 @@ struct GradientPath::State : std::enable_shared_from_this<GradientPath::State> {
   PyObject* slow = nullptr;    // borrowed: GradientPath holds the reference until Close()
   PyObject* before = nullptr;  // idem
   PyObject* failed = nullptr;  // idem
-  PyObject* opener = nullptr;  // idem; None: the Python path opens the iteration (and hands the gradient over)
+  PyObject* opener = nullptr;  // idem
   std::atomic<int64_t> slow_count{0};
   // Per tensor: the pre-hook saw a gradient that the post-hook has not taken yet.
   std::vector<uint8_t> pre_seen;
@@ -70,7 +70,7 @@ struct GradientPath::State : std::enable_shared_from_this<GradientPath::State> {
       CallPython(slow, i, nullptr);
       return;
     }
-    if (!open && passes == 1 && counts[i] == 0 && opener != nullptr) {
+    if (!open && passes == 1 && counts[i] == 0) {
       // The iteration's first gradient: Python opens it (with its checks; it raises where the iteration may
       // not open), then this gradient takes the fast path like every other.
       lock.unlock();
@@ -230,7 +230,7 @@ GradientPath::GradientPath(std::vector<at::Tensor> params, std::function<void(in
   s.slow = slow_.ptr();
   s.before = before_.ptr();
   s.failed = failed_.ptr();
-  s.opener = opener_.is_none() ? nullptr : opener_.ptr();
+  s.opener = opener_.ptr();
   s.pre_seen.assign(s.params.size(), 0);
   accumulators_.resize(s.params.size());
   keys_.resize(s.params.size(), 0);

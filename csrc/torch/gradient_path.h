@@ -62,9 +62,8 @@ class GradientPath {
   // by the caller until Close()). `slow(i)` runs the Python path for tensor i
   // (with the GIL); `before(i)` the Python checks before a gradient is added
   // (it raises where one is refused); `failed(i, message)` raises the Python
-  // error for a scheduler failure; `opener(i)`, where not None, opens the
-  // iteration at its first gradient, tensor i's (it raises where it may not
-  // open); None leaves that gradient to `slow`.
+  // error for a scheduler failure; `opener(i)` opens the iteration at its
+  // first gradient, tensor i's (it raises where it may not open).
   GradientPath(std::vector<at::Tensor> params, std::function<void(int32_t)> mark_ready, int32_t* counts,
                uint8_t* marked, uint8_t* used, uint8_t* pending, int64_t* versions, pybind11::object slow,
                pybind11::object before, pybind11::object failed, pybind11::object opener);

@@ -243,7 +243,7 @@ class Core:
             if fresh is not None:
                 self.staged_plan, self._replan = fresh, True
         elif self.replanner is not None:  # profiling: the profile's own wall and CPU time (replanner.py)
-            self.replanner.profiled(self.engine.ready_times())
+            self.replanner.profiled(self.engine.ready_times)
         # The user asked for every gradient now; or profiling, or a plan switch: nothing may wait.
         eager = backward.synchronized or self.recorder is not None or self._replan
         lazy = stepper.may_defer(self.buffers.plan, replaced, eager)

@@ -340,11 +340,9 @@ class LazyUpdates:
         if self._awake:
             return
         for hooks, key, hook in self._apply_hooks:
-            if hooks:  # after the module's own pre-hooks (registered since): ours goes first again
-                hooks[key] = hook
+            hooks[key] = hook
+            if len(hooks) > 1:  # after the module's own pre-hooks (registered since): ours goes first again
                 hooks.move_to_end(key, last=False)
-            else:
-                hooks[key] = hook
         self._awake = True
 
     def blocks_waited(self) -> None:

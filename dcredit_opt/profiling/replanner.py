@@ -158,12 +158,12 @@ class Replanner:
             self._opened = (threading.get_ident(), time.thread_time())
 
     def profiled(self, ready_ns) -> None:
-        """In each profiling ``step()``: the backward's wall-time span (``ready_ns``, each tensor's ready time)
-        and its thread's CPU time, read as a window reads them, where that thread does all of the backward's
+        """In each profiling ``step()``: the backward's wall-time span (``ready_ns()``, each tensor's ready
+        time, read only where it is used) and its thread's CPU time, read as a window reads them, where that thread does all of the backward's
         work (one intra-op thread: Note [Profiled under load])."""
         if not self._cpu_clock or torch.get_num_threads() != 1:
             return
-        cpu, span = self._backward_cpu_s(), adaptive.backward_span(ready_ns)
+        cpu, span = self._backward_cpu_s(), adaptive.backward_span(ready_ns())
         if cpu is not None and cpu > 0 and span is not None:
             self._profiled.append((span, cpu))
 

@@ -299,7 +299,7 @@ def test_path_rejects_state_arrays_of_the_wrong_size():
             _ext.load().GradientPath(opt._dc.engine, params, per_tensor(len(params) + 1, "i"),
                                      per_tensor(len(params), "B"), per_tensor(len(params), "B"),
                                      per_tensor(len(params), "B"), per_tensor(len(params), "q"), print, print,
-                                     print)
+                                     print, print)
     finally:
         opt._dc.close()
 
