@@ -41,7 +41,6 @@ class Stepper:
         self._frozen = frozen
         self._buffers, self._lazy, self._tally, self._backward, self._engine, self._backend = parts
         self._config = config
-        self.stepping = False  # inside the wrapped class's own step() (_base_step)
         self._device_type = params[0].device.type if params else "cpu"  # autocast's, for _step_outside_forward
         self._notices = notices
         self._horovod_groups = horovod_groups  # merged in every plan (grouping.py)
@@ -195,13 +194,14 @@ class Stepper:
             self._base_step(optimizer)
 
     def _base_step(self, optimizer) -> None:
-        """The wrapped class's own ``step()``; meanwhile ``opt.state`` is handed out as it is (for any other
-        reader the wrapper's ``state`` applies what is pending first)."""
-        self.stepping = True
+        """The wrapped class's own ``step()``; meanwhile ``opt.state`` is in place, read as it is (Note [Reading
+        the state])."""
+        aside = show_state(optimizer)
         try:
             self._base.step(optimizer)
         finally:
-            self.stepping = False
+            if aside:
+                hide_state(optimizer)
 
     def apply_on_read(self, indices) -> None:
         """A read of pending parameters before the place learned for them (Note [Guarded reads] in reads.py):
@@ -439,6 +439,74 @@ class Keeper:
     def __call__(self):
         """The optimizer's core (``core.py``), or None once the optimizer is gone."""
         return core_of(self.strong if self.strong is not None else self._ref())
+
+    def hold(self, optimizer) -> None:
+        """Updates wait: the hooks keep ``optimizer``, and its ``state`` is behind the wrapper's door (Note
+        [Reading the state])."""
+        self.strong = optimizer
+        hide_state(optimizer)
+
+    def let_go(self) -> None:
+        """Nothing waits (or the optimizer closes): its ``state`` is out in the open again, and the hooks hold
+        it only weakly."""
+        if self.strong is not None:
+            show_state(self.strong)
+            self.strong = None
+
+
+# Note [Reading the state]
+# ``opt.state`` (momentum, Adam's moments and step) must read as synchronous
+# training has it: between a lazy ``step()`` and the forward that applies its
+# updates, reading, resetting or clearing it applies what is pending first.
+# The wrapped class's own ``step()`` reads ``self.state[p]`` once per
+# parameter, and a property would run Python for each of those reads. So
+# ``state`` is a non-data descriptor (``PendingState``): while nothing is
+# pending the dict sits in the instance's ``__dict__`` and shadows it, and
+# a read costs what it costs on any optimizer. While updates wait (``Keeper
+# .hold``), the dict is moved aside, so a read reaches the descriptor, which
+# applies them (``Keeper.let_go`` puts it back). The wrapped step sees it in
+# place (``Stepper._base_step``). ``opt.state = d`` meanwhile applies them
+# first too (``_Wrapper.__setattr__``): in plain torch the step that came
+# before used the old dict, and so do they.
+_HIDDEN_STATE = "_dc_state_while_pending"
+
+
+class PendingState:
+    """The wrapper's ``state`` where the dict is aside: what is pending is applied, then the dict is read
+    (Note [Reading the state])."""
+
+    def __get__(self, optimizer, owner=None):
+        if optimizer is None:
+            return self
+        core = core_of(optimizer)  # None while the wrapper is being built
+        if core is not None and core.lazy.npending:
+            core.apply_pending()
+        d = optimizer.__dict__
+        if "state" in d:
+            return d["state"]
+        if _HIDDEN_STATE in d:  # not applied (the optimizer closed): the dict as it is
+            return d[_HIDDEN_STATE]
+        raise AttributeError(f"'{type(optimizer).__name__}' object has no attribute 'state'")
+
+
+def hide_state(optimizer) -> bool:
+    """``optimizer.state`` aside, so that reads reach ``PendingState``; False where it was aside already."""
+    d = optimizer.__dict__
+    if "state" not in d:
+        return False
+    d[_HIDDEN_STATE] = d.pop("state")
+    return True
+
+
+def show_state(optimizer) -> bool:
+    """``optimizer.state`` back in place; False where it was not aside. A dict put in place meanwhile (the
+    wrapped ``load_state_dict()`` sets ``__dict__`` directly) is the one that stays."""
+    d = optimizer.__dict__
+    if _HIDDEN_STATE not in d:
+        return False
+    hidden = d.pop(_HIDDEN_STATE)
+    d.setdefault("state", hidden)
+    return True
 
 
 def core_of(optimizer):

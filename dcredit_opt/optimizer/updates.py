@@ -160,7 +160,7 @@ class LazyUpdates:
         self.deferred = True
         self._ahead = 0
         if self.npending:
-            self.keeper.strong = optimizer  # the model's hooks keep it until the updates are applied
+            self.keeper.hold(optimizer)  # the model's hooks keep it until the updates are applied
 
     def applied(self, todo, path) -> None:
         """The updates of ``todo`` were applied; their accumulators were dropped if they were deferred (Note
@@ -175,13 +175,13 @@ class LazyUpdates:
             path.refresh(todo)
         if not self.npending:
             self.guard.remove()  # inside the guard's own handler it only disarms; it leaves at the next chance
-            self.keeper.strong = None  # nothing waits: a dropped optimizer may go
+            self.keeper.let_go()  # nothing waits: a dropped optimizer may go
 
     def all_applied(self) -> None:
         """An eager step applied every update."""
         clear(self.pending)
         self.npending = 0
-        self.keeper.strong = None
+        self.keeper.let_go()
 
     def apply_points(self) -> dict:
         """Module -> the tensors whose update its forward applies, as learned (Note [First read])."""
@@ -361,7 +361,7 @@ class LazyUpdates:
 
     def let_go(self) -> None:
         """At close: the model's hooks no longer keep the optimizer."""
-        self.keeper.strong = None
+        self.keeper.let_go()
 
     def watch_checkpoints(self, optimizer) -> None:
         """The optimizer object the script wrapped shares its hook dicts with the wrapper: a checkpoint saved or

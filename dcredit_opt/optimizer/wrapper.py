@@ -37,7 +37,7 @@ from ..world import process_sets
 from . import adasum, checks, devices, grouping
 from .compression import wire_dtype_of
 from .core import Core
-from .lazy import core_of
+from .lazy import PendingState, core_of
 
 log = logging.getLogger("dcredit_opt")
 
@@ -196,19 +196,14 @@ class _Wrapper:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._dc.zero_grad(set_to_none)
 
-    @property
-    def state(self):
-        """The per-parameter state (momentum, Adam's moments and step) as synchronous training has it: what is
-        pending is applied first, so that reading, resetting or clearing it between ``step()`` and the next
-        forward sees this step's update; the wrapped step's own reads get it as it is."""
-        core = core_of(self)  # None while the wrapper is being built
-        if core is not None and core.lazy.npending and not core.stepper.stepping:
-            core.apply_pending()
-        return self.__dict__["state"]
+    state = PendingState()
 
-    @state.setter
-    def state(self, value) -> None:
-        self.__dict__["state"] = value
+    def __setattr__(self, name, value) -> None:
+        if name == "state":  # Note [Reading the state]: the pending updates use the state they had, as in plain torch
+            core = core_of(self)
+            if core is not None and core.lazy.npending:
+                core.apply_pending()
+        super(type(self), self).__setattr__(name, value)
 
     def state_dict(self):
         self._dc.apply_pending()
