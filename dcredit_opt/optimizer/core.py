@@ -233,7 +233,7 @@ class Core:
         if self.config.check_finite:
             stepper.check_finite()
         updates = self.lazy
-        updates.take(self._optimizer().param_groups)
+        updates.take(self._optimizer().param_groups, self.records_forward())
         backward.end()
         if self.replanner is not None and self.recorder is None:  # a re-plan is staged as the first plan is
             buffers = self.buffers
@@ -315,14 +315,16 @@ class Core:
     # ---- what the model's hooks and the watched gradients call --------------------------------------
 
     def before_forward(self, module: torch.nn.Module) -> None:
-        """Forward pre-hook of a module that first reads some of our parameters."""
+        """Forward pre-hook of a module that first reads some of our parameters, or of the forward's leader
+        (Note [Resting hooks] in updates.py)."""
         lazy = self.lazy
         own = lazy.own(module)
-        if not own:
+        if own is None:
             return
-        if self.timeline is not None:
+        lazy.reached(module)
+        if own and self.timeline is not None:
             self.timeline.on_forward(own[0])
-        if self.recorder is not None:
+        if own and self.recorder is not None:
             self.recorder.on_forward(own)
         if lazy.npending:
             self.stepper.apply_at(own, self.engine.finals())
@@ -331,13 +333,15 @@ class Core:
                 lazy.rest()
             else:  # the hooks go on recording the forward
                 lazy.guard.leave_if_idle()
+        else:
+            lazy.wake_every_hook()  # the leader left some: the apply points take them as the forward reaches them
 
     def records_forward(self) -> bool:
         """Whether the apply points' hooks record the forward (profiling, the timeline): they stay then."""
         return self.timeline is not None or self.recorder is not None
 
     def apply_on_read(self, indices) -> None:
-        self.stepper.apply_on_read(indices)
+        self.stepper.apply_on_read(indices, self.engine.finals)
 
     def gradient_read(self, i: int) -> None:
         if not self.closed:

@@ -11,6 +11,7 @@ optimizer's core through a :class:`Keeper`.
 from __future__ import annotations
 
 import contextlib
+import logging
 import operator
 import weakref
 
@@ -22,6 +23,8 @@ from ..timeline import profiled
 from ..world import runtime
 from ..world.peers import at_rank
 from . import separable
+
+log = logging.getLogger("dcredit_opt")
 
 
 class Stepper:
@@ -203,9 +206,19 @@ class Stepper:
             if aside:
                 hide_state(optimizer)
 
-    def apply_on_read(self, indices) -> None:
+    def apply_on_read(self, indices, finals) -> None:
         """A read of pending parameters before the place learned for them (Note [Guarded reads] in reads.py):
-        their updates are applied now, before the read, so it sees what a synchronous step gives."""
+        their updates are applied now, before the read, so it sees what a synchronous step gives. ``finals()``:
+        the engine's, per tensor (where the leader's hook did not run: Note [Resting hooks])."""
+        lazy = self._lazy
+        if lazy.leader_missed():
+            # Before the leader's hook ran (Note [Resting hooks]): a forward that began elsewhere reads here what
+            # the asleep hook of its apply point would have applied, and that is applied (an early read shows
+            # again after the next step(), with every hook awake).
+            log.debug("dcredit_opt: a pending parameter was read before the module where the first iteration's "
+                      "forward began; every apply point's hook wakes at step() from now on")
+            self.apply_at(tuple(dict.fromkeys((*indices, *lazy.applied_with(indices[0])))), finals())
+            return
         i = indices[0]
         self._notices.tell("early read", f"dcredit_opt: parameter '{self.names[i]}' was read before the place "
                                          f"where the first iteration read it first ({self._lazy.reader_of(i)}), so "

@@ -93,6 +93,7 @@ see every call.
 from __future__ import annotations
 
 import bisect
+import threading
 import time
 import weakref
 
@@ -194,6 +195,11 @@ class FirstReadTracer(TorchFunctionMode):
         up (``F.embedding`` with the module's own weight; Note [Embedding rows] in ``rows.py``)."""
         self.read_otherwise: set[int] = set()
         """Tensors read by any other operation while we watched (a tied output layer, a regulariser)."""
+        self.entries: list[weakref.ref] = []
+        """The modules whose forward began at the top (no module's forward around it) on the watching thread,
+        in order, the first few: where the next forward is expected to begin (Note [Resting hooks] in
+        ``updates.py``)."""
+        self._thread = threading.get_ident()
         self.active = False
         self._hooks: list = []
 
@@ -239,6 +245,8 @@ class FirstReadTracer(TorchFunctionMode):
 
     def _enter_module(self, module, args) -> None:
         if self.active:
+            if not self._stack and len(self.entries) < 8 and threading.get_ident() == self._thread:
+                self.entries.append(weakref.ref(module))
             self._stack.append(module)
             self.modules.add(module)
 

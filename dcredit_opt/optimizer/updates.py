@@ -66,16 +66,33 @@ Note [Resting hooks]
 A module with a forward pre-hook leaves torch's fast call path: each of its
 forwards then costs a few microseconds more, hook or no hook (3.5 us per
 module measured on the GPT-shaped model, before our hook's own work). So
-the apply points' hooks are in their modules only while they may have work:
-``step()`` puts them back (first among the module's pre-hooks, where they
-were registered), and the first of them to run once nothing is pending
-takes them all out again, and the read guard off the mode stack (``rest``).
-Where communication ends before the next forward, the first module's hook
-applies every update and the rest of the forward runs as if we were not
-there. They stay while anything records the forward (profiling, the
-timeline), and for good once a hook ran inside compiled code: Dynamo guards
-on module hooks (Note [Compiled models] in ``lazy.py``), and hooks that come
-and go within a forward would recompile it.
+the apply points' hooks are in their modules only while they may have work,
+and ``step()`` wakes as few as it can:
+
+- The leader. While learning the apply points we also note the module
+  whose forward began first, at the top (the model itself, usually): the
+  forward's entry. Its hook applies, before the forward's first operation,
+  every pending update whose reduced gradient is final already, in
+  first-read order up to the first that is not (as every apply point does
+  for the updates ahead of its own). ``step()`` wakes only this hook. Where
+  communication has ended by then (one GPU, a fast network, a
+  compute-bound model), it applies everything, the read guard leaves the
+  stack before the forward's first operation, and no other module is
+  touched; else it wakes every apply point's hook (first among the
+  module's pre-hooks, where they were registered) and the forward goes on
+  as below.
+- Every apply point. Its module applies what it reads first, and the first
+  hook to run once nothing is pending takes them all out again, and the
+  read guard off the mode stack (``rest``).
+
+A forward that does not begin at the leader (a submodule called on its own,
+another model first) meets the guard at its first read of a pending
+parameter: the guard applies it, every apply point's hook wakes for the
+rest of that forward, and from then on ``step()`` wakes them all. The
+hooks stay while anything records the forward (profiling, the timeline),
+and for good once a hook ran inside compiled code: Dynamo guards on module
+hooks (Note [Compiled models] in ``lazy.py``), and hooks that come and go
+within a forward would recompile it.
 """
 
 from __future__ import annotations
@@ -122,19 +139,23 @@ class LazyUpdates:
         self._read_order: tuple[int, ...] = ()  # lazily applied tensors in first-read order (Note [Lazy step])
         self._ahead = 0  # where the next pre-hook's look for finished updates starts in _read_order
         self._hooks = []
-        # Note [Resting hooks]: the apply points' forward pre-hooks as (module's hook dict, key, hook), and
-        # whether they are in their dicts now; a compiled model keeps them in for good (Note [Compiled models]).
+        # Note [Resting hooks]: the apply points' forward pre-hooks as (module's hook dict, key, hook), the
+        # leader's among them (or None), and which are in their dicts now; a compiled model keeps them in for
+        # good (Note [Compiled models]).
         self._apply_hooks: list = []
-        self._awake = False
+        self._leader = None
+        self._missed = 0  # forwards in a row that did not begin at the leader
+        self._awake = _ASLEEP
         self.compiled = False
 
     # ---- a step's updates, from step() to their apply -------------------------------------
 
-    def take(self, groups) -> None:
-        """``step()``: every tensor's update waits, with the hyperparameters in force now (copied)."""
+    def take(self, groups, every_hook: bool) -> None:
+        """``step()``: every tensor's update waits, with the hyperparameters in force now (copied). ``every_hook``:
+        every apply point's hook wakes, not the leader's alone (something records the forward)."""
         self.taken += 1
         self.snapshot = [copy_hyper(g) for g in groups]
-        self.wake()
+        self.wake(every_hook)
         fill(self.pending, 1)
         self.npending = len(self._params)
         self.reduced = False
@@ -184,11 +205,13 @@ class LazyUpdates:
         self.keeper.let_go()
 
     def apply_points(self) -> dict:
-        """Module -> the tensors whose update its forward applies, as learned (Note [First read])."""
-        return dict(self._apply_at)
+        """Module -> the tensors whose update its forward applies, as learned (Note [First read]); the leader
+        alone applies none of its own (Note [Resting hooks]) and is not among them."""
+        return {module: own for module, own in self._apply_at.items() if own}
 
-    def own(self, module) -> tuple:
-        """The tensors whose update ``module``'s forward applies (Note [Lazy step])."""
+    def own(self, module) -> tuple | None:
+        """The tensors whose update ``module``'s forward applies (Note [Lazy step]); None where it is no apply
+        point, () for the leader alone (Note [Resting hooks])."""
         return self._apply_at.get(module)
 
     def done_ahead(self, own, rows_of, done: bytes) -> tuple[int, ...]:
@@ -241,6 +264,10 @@ class LazyUpdates:
             "optimizer.synchronize() after step() before such a forward, or pass Config(lazy_step='off') to apply "
             "every update in step()")
 
+    def applied_with(self, i: int) -> tuple:
+        """The tensors whose updates tensor ``i``'s apply point applies (``i`` among them), or () where it has none."""
+        return next((own for own in self._apply_at.values() if i in own), ())
+
     def reader_of(self, i: int) -> str:
         for module, own in self._apply_at.items():
             if i in own:
@@ -286,6 +313,11 @@ class LazyUpdates:
             else:
                 by_module.setdefault(module, []).append(i)
         me = self.keeper
+        ours = {id(p) for p in self._params}
+        # The leader (Note [Resting hooks]): the first module at the top of the forward that holds any of ours.
+        entry = next((m for m in (ref() for ref in tracer.entries) if m is not None and holds_any(m, ours)), None)
+        if entry is not None and by_module and entry not in by_module:
+            by_module = {entry: [], **by_module}  # the leader applies no update of its own
         for module, own in by_module.items():
             self._apply_at[module] = tuple(own)
             drop_inert_hooks(module)
@@ -295,12 +327,13 @@ class LazyUpdates:
             handle = module.register_forward_pre_hook(hook, prepend=True)
             self._hooks.append(handle)
             self._apply_hooks.append((module._forward_pre_hooks, handle.id, hook))
-        self._awake = True
+            if module is entry:
+                self._leader = self._apply_hooks[-1]
+        self._awake = _EVERY
         # model.state_dict()/load_state_dict() of any module the forward ran, or
         # below it, must see applied updates: of those, the ones that hold any
         # of our parameters (a teacher's forward ran too; its modules are not
         # ours to hook; a parent of both covers ours in its state_dict).
-        ours = {id(p) for p in self._params}
         hooked = set()
         for top in list(tracer.modules):
             for module in top.modules():
@@ -329,21 +362,50 @@ class LazyUpdates:
         """Nothing is pending and nothing records the forward: the guard leaves the mode stack and the apply
         points' hooks leave their modules until the next ``step()`` (Note [Resting hooks])."""
         self.guard.leave_if_idle()
-        if not self._awake or self.compiled:
+        if self._awake == _ASLEEP or self.compiled:
             return
-        for hooks, key, _ in self._apply_hooks:
+        for hooks, key, _ in (self._apply_hooks if self._awake == _EVERY else (self._leader,)):
             hooks.pop(key, None)
-        self._awake = False
+        self._awake = _ASLEEP
 
-    def wake(self) -> None:
-        """``step()``: the apply points' hooks back in their modules, first, as they were registered."""
-        if self._awake:
+    def wake(self, every_hook: bool) -> None:
+        """``step()``: the leader's hook back in its module, first, as it was registered; every apply point's
+        where ``every_hook``, or where the last forward did not begin at the leader."""
+        if self._awake == _EVERY:
+            return
+        if every_hook or self._leader is None:
+            self.wake_every_hook()
+            return
+        if self._awake == _ASLEEP:
+            _put_back(*self._leader)
+            self._awake = _LEADER
+
+    def wake_every_hook(self) -> None:
+        """Every apply point's hook back in its module: the leader left updates pending, or the forward did not
+        begin there."""
+        if self._awake == _EVERY:
             return
         for hooks, key, hook in self._apply_hooks:
-            hooks[key] = hook
-            if len(hooks) > 1:  # after the module's own pre-hooks (registered since): ours goes first again
-                hooks.move_to_end(key, last=False)
-        self._awake = True
+            _put_back(hooks, key, hook)
+        self._awake = _EVERY
+
+    def leader_missed(self) -> bool:
+        """A read of a pending parameter came before the leader's hook ran (Note [Resting hooks]). True where
+        only the leader was awake: every apply point's hook wakes now, and at every ``step()`` from here on
+        once two forwards in a row did not begin at the leader; False where they all were (an early read, Note
+        [Guarded reads] in ``reads.py``)."""
+        if self._awake != _LEADER:
+            return False
+        self._missed += 1
+        if self._missed >= 2:
+            self._leader = None
+        self.wake_every_hook()
+        return True
+
+    def reached(self, module) -> None:
+        """``module``'s forward begins with its apply point's hook: the leader's, the forward began there."""
+        if self._leader is not None and self._leader[0] is module._forward_pre_hooks:
+            self._missed = 0
 
     def blocks_waited(self) -> None:
         """A new iteration waited for every block: the pending updates' gradients are final, no wait needed."""
@@ -376,4 +438,16 @@ class LazyUpdates:
             h.remove()
         self._hooks = []
         self._apply_hooks = []
-        self._awake = False
+        self._leader = None
+        self._awake = _ASLEEP
+
+
+# Which apply points' hooks are in their modules (Note [Resting hooks]).
+_ASLEEP, _LEADER, _EVERY = 0, 1, 2
+
+
+def _put_back(hooks, key, hook) -> None:
+    """A forward pre-hook back in its module's dict, first, where it was registered."""
+    hooks[key] = hook
+    if len(hooks) > 1:  # after the module's own pre-hooks (registered since): ours goes first again
+        hooks.move_to_end(key, last=False)

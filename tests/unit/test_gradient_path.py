@@ -366,24 +366,145 @@ def _apply_hooks(module):
     return [h for h in module._forward_pre_hooks.values() if type(h).__name__ == "_ForwardHook"]
 
 
-def test_the_apply_hooks_rest_once_nothing_is_pending_and_come_back_first_at_step():
-    """Note [Resting hooks]: a lazy step() puts the apply points' hooks in their modules, first; once the forward has
-    applied every update they leave, so the rest of it takes torch's fast call path. Training equals plain torch."""
+def test_the_apply_hooks_rest_once_nothing_is_pending_and_step_wakes_the_leader_alone():
+    """Note [Resting hooks]: a lazy step() puts the leader's hook (the model's own: its forward began first) in
+    its module, first; with every reduction finished, it applies every update before the forward's first operation
+    and the hooks rest, so the whole forward takes torch's fast call path. Training equals plain torch."""
     model, opt, ref, ropt = pair(LAZY)
     users = []
-    model[2].register_forward_pre_hook(lambda m, args: users.append(_apply_hooks(m) == []))
+    model.register_forward_pre_hook(lambda m, args: users.append(_apply_hooks(m) == []))
     try:
         train(model, opt, range(3), ref, ropt)  # the plan and the first-read learning settle here
         for s in range(3, 6):
             train(model, opt, range(s, s + 1), ref, ropt)
             assert opt._dc.lazy.npending
-            hooked = [m for m in model if _apply_hooks(m)]
-            assert hooked == [model[0], model[2], model[4]]
-            assert all(next(iter(m._forward_pre_hooks.values())) is _apply_hooks(m)[0] for m in hooked)
+            assert [m for m in [model, *model] if _apply_hooks(m)] == [model]
+            assert next(iter(model._forward_pre_hooks.values())) is _apply_hooks(model)[0]
+        opt._dc.engine.wait_all(30.0)  # every reduction finished before the forward, however busy the machine
         with torch.no_grad():
             model(batch(99))
-        assert not opt._dc.lazy.npending and not any(_apply_hooks(m) for m in model)
+        assert not opt._dc.lazy.npending and not any(_apply_hooks(m) for m in [model, *model])
         assert users[-1], "the user's pre-hook ran while ours was still in the module"
+        opt.synchronize()
+        assert_same(model, ref)
+    finally:
+        opt._dc.close()
+
+
+class _Unfinished:
+    """The optimizer's engine, except that the tensors named report their reduction as unfinished."""
+
+    def __init__(self, engine, unfinished):
+        self._engine, self._unfinished = engine, set(unfinished)
+
+    def finals(self):
+        return bytes(0 if i in self._unfinished else f for i, f in enumerate(self._engine.finals()))
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+def test_a_leader_that_leaves_updates_pending_wakes_every_apply_point():
+    """Note [Resting hooks]: where a reduction has not finished when the forward begins, the leader applies those
+    before it and every apply point's hook wakes for the rest; the modules apply theirs as the forward reaches
+    them, and training equals plain torch."""
+    model, opt, ref, ropt = pair(LAZY)
+    try:
+        train(model, opt, range(4), ref, ropt)
+        engine = opt._dc.engine
+        engine.wait_all(30.0)
+        opt._dc.engine = _Unfinished(engine, [opt._dc.names.index("2.weight")])
+        seen = []
+        model[1].register_forward_pre_hook(lambda m, args: seen.append(
+            ([n for n, w in zip(opt._dc.names, opt._dc.lazy.pending) if w], bool(_apply_hooks(model[4])))))
+        with torch.no_grad():
+            model(batch(99))
+        opt._dc.engine = engine
+        assert seen == [(["2.weight", "2.bias", "4.weight", "4.bias"], True)]  # between model[0] and model[2]
+        assert not opt._dc.lazy.npending and not any(_apply_hooks(m) for m in [model, *model])
+        train(model, opt, range(4, 6), ref, ropt)
+        opt.synchronize()
+        assert_same(model, ref)
+    finally:
+        opt._dc.close()
+
+
+class _Positions(nn.Module):
+    """A forward that begins with operations of its own (positions added, as a GPT's does) before any layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = net()
+        self.modes = []  # torch function modes on the stack as each forward begins
+
+    def forward(self, x):
+        self.modes.append(torch._C._len_torch_function_stack())
+        return self.layers(x + torch.arange(x.shape[1], dtype=x.dtype))
+
+
+def test_the_leader_takes_the_read_guard_off_before_the_forwards_first_operation():
+    """Note [Resting hooks]: with every reduction finished when the next forward begins, the leader's hook applies
+    every update first, so the model's own operations ahead of its first layer run with no mode of ours on the
+    stack (no guard cost); training equals plain torch."""
+    model, ref = _Positions(), _Positions()
+    ref.load_state_dict(model.state_dict())
+    opt = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                  named_parameters=model.named_parameters(), config=LAZY)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    try:
+        for s in range(6):
+            for m, o in ((model, opt), (ref, ropt)):
+                o.zero_grad()
+                m(batch(s)).pow(2).mean().backward()
+                o.step()
+            assert s < 2 or opt._dc.lazy.npending  # lazy once the apply points are learned
+            opt._dc.engine.wait_all(30.0)  # every reduction finished before the next forward
+        assert model.modes[3:] == [0, 0, 0]
+        opt.synchronize()
+        assert_same(model, ref)
+    finally:
+        opt._dc.close()
+
+
+def test_a_forward_that_begins_elsewhere_than_the_leader_applies_as_the_apply_points_would():
+    """Note [Resting hooks]: a forward that does not begin at the leader (its layers called one by one) reaches
+    a pending parameter with the leader's hook unrun: the read guard applies what that parameter's apply point
+    would have, and every hook wakes. Two such forwards in a row, and step() wakes every hook from then on.
+    Training equals plain torch throughout."""
+    model, opt, ref, ropt = pair(LAZY)
+    try:
+        train(model, opt, range(3), ref, ropt)
+        for s in range(3, 6):
+            assert opt._dc.lazy.npending
+            asleep = not any(_apply_hooks(m) for m in model)
+            assert asleep == (s < 5), f"step {s}: the apply points' hooks should sleep for two missed forwards"
+            opt.zero_grad()
+            h = batch(s)
+            for layer in model:  # not model(h): the leader's hook does not run
+                h = layer(h)
+            h.pow(2).mean().backward()
+            opt.step()
+            plain(ref, ropt, s)
+        opt.synchronize()
+        assert_same(model, ref)
+    finally:
+        opt._dc.close()
+
+
+def test_another_model_that_runs_first_is_not_the_leader():
+    """The leader is the first module at the top of the forward that holds any of this optimizer's parameters: a
+    teacher run before the model gets no hook of ours."""
+    model, opt, ref, ropt = pair(LAZY)
+    teacher = net(seed=1)
+    try:
+        for s in range(4):
+            with torch.no_grad():
+                teacher(batch(s))
+            train(model, opt, range(s, s + 1), ref, ropt)
+        assert not _apply_hooks(teacher) and [m for m in [model, *model] if _apply_hooks(m)] == [model]
+        with torch.no_grad():
+            teacher(batch(9))
+        assert opt._dc.lazy.npending  # the teacher reads none of ours
         opt.synchronize()
         assert_same(model, ref)
     finally:
@@ -494,8 +615,9 @@ def test_a_parameter_whose_storage_another_tensor_holds_steps_eagerly_and_equals
     model, opt, ref, ropt = pair(LAZY)
     path = opt._dc.backward.path
     train(model, opt, range(3), ref, ropt)
-    model[0].weight.untyped_storage()  # torch keeps this Python object for the storage; nobody holds it
     assert path.first_shared() == -1 and opt._dc.lazy.npending > 0  # lazy, with no alias of ours
+    model[0].weight.untyped_storage()  # torch keeps this Python object for the storage; nobody holds it
+    assert path.first_shared() == -1
     weight = model[2].weight
     kept = {"numpy": lambda: weight.detach().numpy(), "detached": weight.detach, "view": lambda: weight.data[1:],
             "state_dict": model.state_dict, "storage": weight.untyped_storage}[alias]()

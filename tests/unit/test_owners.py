@@ -388,7 +388,7 @@ def test_a_lazy_step_keeps_the_optimizer_while_updates_wait():
     params = [nn.Parameter(torch.zeros(2)) for _ in range(3)]
     groups = [{"params": params, "lr": torch.tensor(0.1)}]
     updates = LazyUpdates(owner, ["a", "b", "c"], params, Notices())
-    updates.take(groups)
+    updates.take(groups, every_hook=False)
     groups[0]["lr"].fill_(0.5)  # a scheduler's in-place change after step(): not the step's
     assert updates.snapshot[0]["lr"].item() == pytest.approx(0.1)
     assert list(updates.pending) == [1] * 3 and updates.npending == 3
@@ -411,7 +411,7 @@ def test_updates_read_later_join_an_apply_only_up_to_the_first_not_final():
     params = [nn.Parameter(torch.zeros(2)) for _ in range(4)]
     updates = LazyUpdates(object.__new__(type("O", (), {})), list("abcd"), params, Notices())
     updates._read_order = (0, 1, 2, 3)  # as end_learning sets it: first-read order
-    updates.take([{"params": params}])
+    updates.take([{"params": params}], every_hook=False)
     assert updates.done_ahead((0,), rows_of={}, done=bytes([0, 1, 0, 1])) == (1,)  # 2 is not final: stop there
     assert updates.done_ahead((2,), rows_of={3: None}, done=bytes([0, 1, 1, 1])) == ()  # 3 waits for its rows
     assert "outside any module's forward" in str(updates.stale_read(0))
@@ -462,7 +462,7 @@ def test_the_stepper_applies_what_waits_with_the_deferring_steps_hyperparameters
     lazy = LazyUpdates(sgd, names, params, Notices())
     stepper = Stepper(sgd, torch.optim.SGD, names, params, [], (parts, lazy, parts, parts, parts, None), Config(),
                       Notices(), None)
-    lazy.take(sgd.param_groups)  # a lazy step(): every update waits, with lr 0.1 and 0.2
+    lazy.take(sgd.param_groups, every_hook=False)  # a lazy step(): every update waits, with lr 0.1 and 0.2
     lazy.skip([])  # no p.grad set to None
     lazy.defer(sgd, parts.path)
     sgd.param_groups[0]["lr"] = 5.0  # a scheduler after step(): the next step's, not this one's
