@@ -10,6 +10,7 @@ hooks that decide when a gradient is handed over are in ``gradients.py``.
 from __future__ import annotations
 
 import struct
+from itertools import compress
 
 import torch
 
@@ -260,6 +261,11 @@ class GradientBuffers:
 def per_tensor(n: int, fmt: str) -> memoryview:
     """``n`` zeros of struct format ``fmt`` in flat memory: indexed like a list, never resized, cleared in place."""
     return memoryview(bytearray(n * struct.calcsize(fmt))).cast(fmt)
+
+
+def indices_of(values: memoryview) -> list[int]:
+    """The indices of the nonzero values of a :func:`per_tensor` array, in order (one C pass)."""
+    return list(compress(range(len(values)), values))
 
 
 def clear(values: memoryview) -> None:

@@ -22,7 +22,7 @@ import torch
 from .. import _ext, timeline
 from ..errors import DCreditError
 from ..world.peers import at_rank
-from .buffers import clear, per_tensor
+from .buffers import clear, indices_of, per_tensor
 
 
 class Backward:
@@ -166,7 +166,7 @@ class Backward:
         if lazy.npending and lazy.deferred:
             # Before this rank launches anything of the new iteration, so that every rank
             # whose forward read the same stale parameter stops here, at the same point.
-            lazy.check_graph_reads([i for i, waits in enumerate(lazy.pending) if waits], self.path)
+            lazy.check_graph_reads(indices_of(lazy.pending), self.path)
         # Updates applied with a stream-ordered wait (Note [Stream-ordered waits]) may leave blocks
         # still running on the device: the new iteration's gradients go into the same slots.
         if (lazy.npending or not self._engine.idle()) and not lazy.reduced:
@@ -206,11 +206,12 @@ class Backward:
 
     def flush(self) -> None:
         """End of backward: unmarked tensors (unused here) join with what they have."""
-        buffers = self._buffers
-        for i in range(len(self.params)):
-            if not self.marked[i]:
-                self._stage(i)
-                self.marked[i] = True
+        buffers, marked = self._buffers, self.marked
+        if not all(marked):  # in C: where every gradient was handed over (the common case), no Python per tensor
+            for i in range(len(self.params)):
+                if not marked[i]:
+                    self._stage(i)
+                    marked[i] = True
         if self._tally.exchanging:  # before the flush releases the last blocks: less queued ahead of them
             self._tally.exchange_rows(buffers.slots, buffers.versions, buffers.postscale)
         if buffers.delayed is not None:  # Note [Delayed updates]: the previous step's sum in, this step's out

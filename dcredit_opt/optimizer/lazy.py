@@ -14,6 +14,7 @@ import contextlib
 import logging
 import operator
 import weakref
+from itertools import compress
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -23,6 +24,7 @@ from ..timeline import profiled
 from ..world import runtime
 from ..world.peers import at_rank
 from . import separable
+from .buffers import indices_of
 
 log = logging.getLogger("dcredit_opt")
 
@@ -114,7 +116,8 @@ class Stepper:
         hyperparameters of the ``step()`` that deferred them."""
         lazy, path = self._lazy, self._backward.path
         pending = lazy.pending
-        todo = [i for i in dict.fromkeys(indices) if pending[i]]
+        unique = dict.fromkeys(indices)
+        todo = list(compress(unique, map(pending.__getitem__, unique)))  # in C: no Python per tensor
         if not todo:
             return
         with lazy.guard.paused():  # the wrapped step reads the parameters it updates: not reads to guard
@@ -124,7 +127,7 @@ class Stepper:
             if lazy.first_apply():
                 # Every pending slot, so that a write between step() and the next forward stops us before
                 # any update.
-                self._buffers.check_writes([i for i, p in enumerate(lazy.pending) if p], "the lazy step")
+                self._buffers.check_writes(indices_of(pending), "the lazy step")
             else:
                 self._buffers.check_writes(todo, "the lazy step")
             with profiled("dcredit_opt::apply"):

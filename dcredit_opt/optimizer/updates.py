@@ -100,7 +100,7 @@ from __future__ import annotations
 import weakref
 
 from ..errors import DCreditError
-from .buffers import clear, fill, per_tensor
+from .buffers import clear, fill, indices_of, per_tensor
 from .lazy import Keeper, copy_hyper, drop_inert_hooks, holds_any, weak_apply_hook, weak_forward_hook
 from .reads import FirstReadTracer, PendingReadGuard
 
@@ -174,7 +174,7 @@ class LazyUpdates:
         applied shows in that parameter's gradient accumulator (Note [Graph reads] in csrc/torch/gradient_path.cc);
         while updates wait, the model's hooks hold ``optimizer``. ``path``: the gradient path, which does that
         in C++ and tells the parameters' addresses (the guard's table is rebuilt when one moved)."""
-        pending = [i for i, waits in enumerate(self.pending) if waits]
+        pending = indices_of(self.pending)
         if pending:
             path.forget_graph_reads(pending)
             self.guard.arm(self._params, path.addresses())
