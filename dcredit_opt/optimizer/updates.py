@@ -373,7 +373,7 @@ class LazyUpdates:
         where ``every_hook``, or where the last forward did not begin at the leader."""
         if self._awake == _EVERY:
             return
-        if every_hook or self._leader is None:
+        if every_hook or self._leader is None or self.compiled:  # compiled: the hook set Dynamo guards on stays
             self.wake_every_hook()
             return
         if self._awake == _ASLEEP:
