@@ -228,6 +228,10 @@ class OneRank:
         monkeypatch.setattr(replanner, "iteration_time",
                             lambda plan, profile, **kwargs: 2.0 if plan is self.in_force else 1.0)
         self.in_force = None
+        # The stand-in planner returns at once; its thread still needs the CPU, which a busy machine may not give
+        # it before the verdict's step. Each step waits for it, so that the verdict comes where the design puts
+        # it. A planner of the test's own (make_plan) runs as it would.
+        self._settle = make_plan is None
         self.r = replanner.Replanner(config or dcredit_opt.Config(replan_every=2, replan_threshold=0.1), [],
                                      cpu_clock=cpu_clock)
         self.profile = model_like_profile(4, total_params=10_000)
@@ -236,7 +240,13 @@ class OneRank:
         self.in_force = plan
         self.feed["w"] = Window(iterations=1, span_s=0.05, busy_s=busy_s, collectives=2, nbytes=1e6, alpha_s=None,
                                 beta_s_per_byte=None, cpu_s=cpu_s)
-        return [self.r.check(0, plan, self.profile, lambda: [4096]) for _ in range(n)]
+        return [self._step(plan) for _ in range(n)]
+
+    def _step(self, plan):
+        planning = self.r._planning
+        if self._settle and planning is not None and planning._thread is not None:
+            planning._thread.join(60.0)
+        return self.r.check(0, plan, self.profile, lambda: [4096])
 
 
 def test_a_compute_change_just_after_a_switch_is_seen_by_the_new_plan(monkeypatch):
