@@ -87,8 +87,9 @@ and ``step()`` wakes as few as it can:
 
 A forward that does not begin at the leader (a submodule called on its own,
 another model first) meets the guard at its first read of a pending
-parameter: the guard applies it, every apply point's hook wakes for the
-rest of that forward, and from then on ``step()`` wakes them all. The
+parameter: the guard applies what that parameter's apply point would have,
+and every apply point's hook wakes for the rest of that forward. After two
+such forwards in a row, ``step()`` wakes them all from then on. The
 hooks stay while anything records the forward (profiling, the timeline),
 and for good once a hook ran inside compiled code: Dynamo guards on module
 hooks (Note [Compiled models] in ``lazy.py``), and hooks that come and go
@@ -266,13 +267,15 @@ class LazyUpdates:
 
     def applied_with(self, i: int) -> tuple:
         """The tensors whose updates tensor ``i``'s apply point applies (``i`` among them), or () where it has none."""
-        return next((own for own in self._apply_at.values() if i in own), ())
+        return self._apply_point_of(i)[1]
 
     def reader_of(self, i: int) -> str:
-        for module, own in self._apply_at.items():
-            if i in own:
-                return f"by the forward of a {type(module).__name__}"
-        return "outside any module's forward"
+        module = self._apply_point_of(i)[0]
+        return "outside any module's forward" if module is None else f"by the forward of a {type(module).__name__}"
+
+    def _apply_point_of(self, i: int) -> tuple:
+        """(module, the tensors it applies) for tensor ``i``'s apply point, or (None, ())."""
+        return next(((module, own) for module, own in self._apply_at.items() if i in own), (None, ()))
 
     # ---- learning where parameters are first read (Note [First read]) ---------------------------
 
