@@ -277,6 +277,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("lend_slots", &GradientPath::LendSlots, py::arg("indices"),
            "p.grad = its slot for each of `indices`; what it held is kept for return_slots().")
       .def("return_slots", &GradientPath::ReturnSlots, "p.grad back to what lend_slots() found.")
+      .def("give_spares", &GradientPath::GiveSpares, py::arg("spares"),
+           "p.grad = spares[i] where the update is pending and p.grad is the slot or its alias; the misfits.")
       .def("first_shared", &GradientPath::FirstShared,
            "The first parameter whose storage another tensor holds too, or -1 (Note [Hidden writes]).")
       .def("forget_graph_reads", &GradientPath::ForgetGraphReads, py::arg("indices"),

@@ -438,6 +438,30 @@ void GradientPath::ReturnSlots() {
   lent_.clear();
 }
 
+std::vector<int64_t> GradientPath::GiveSpares(const std::vector<at::Tensor>& spares) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  const State& s = *state_;
+  if (spares.size() != s.params.size()) throw std::invalid_argument("give_spares: one spare per parameter");
+  std::vector<int64_t> misfits;
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    if (!s.pending[i]) continue;
+    const at::Tensor& p = s.params[i];
+    at::Tensor& grad = p.mutable_grad();
+    if (!grad.defined()) continue;
+    const c10::TensorImpl* held = grad.unsafeGetTensorImpl();
+    if (held != s.watched[i].unsafeGetTensorImpl() && held != s.slots[i].unsafeGetTensorImpl()) continue;
+    const at::Tensor& spare = spares[i];
+    // What the Python setter of p.grad would refuse, this refuses too.
+    if (!spare.defined() || spare.scalar_type() != p.scalar_type() || spare.device() != p.device() ||
+        !spare.sizes().equals(p.sizes()) || spare.layout() != p.layout()) {
+      misfits.push_back(static_cast<int64_t>(i));
+      continue;
+    }
+    grad = spare;
+  }
+  return misfits;
+}
+
 // Note [Graph reads]
 // ~~~~~~~~~~~~~~~~~~
 // A leaf's AccumulateGrad node is held by the graphs that read the leaf; the

@@ -105,6 +105,12 @@ class GradientPath {
   // back. One C++ pass instead of two Python assignments per tensor.
   void LendSlots(const std::vector<int64_t>& indices);
   void ReturnSlots();
+  // zero_grad(set_to_none=False) while updates wait (Note [Zeroed while
+  // pending] in core.py): p.grad = spares[i] for each parameter whose update
+  // is pending and whose p.grad is its slot or the slot's watched alias,
+  // where spares[i] has the parameter's shape, dtype and device. Returns the
+  // pending ones whose spare does not (Python gives them a new one).
+  std::vector<int64_t> GiveSpares(const std::vector<at::Tensor>& spares);
   // Note [Graph reads] (gradient_path.cc) for the parameters `indices`: drop
   // their links to their accumulators; the position in `indices` of the
   // first one a live graph made since has read, or -1.

@@ -81,7 +81,7 @@ class Core:
         self._optimizer = weakref.ref(optimizer)
         self._step_noted = step_noted  # checks.StepNoted, for an LR scheduler built before wrapping
         self.skip = False  # inside optimizer.skip_synchronize()
-        self._zeros: dict = {}  # tensor -> the zeros zero_grad(set_to_none=False) gave it in place of its slot
+        self._spares: list | None = None  # Note [Zeroed while pending]: what p.grad is in place of a slot still needed
         self._replan = False  # this step() stages a plan: it must be eager
         me = weakref.ref(self)
         # Note [Lazy step]: the updates that wait for their first read, and where each is applied.
@@ -299,15 +299,37 @@ class Core:
         # would examine every call here while updates are pending; Note [Guard cost] in reads.py).
         lazy = self.lazy
         with lazy.guard.paused():
-            self._zeros.clear()
-            if lazy.npending and not set_to_none:  # set to None, as the wrapped zero_grad sets every p.grad
-                pending, buffers = lazy.pending, self.buffers
-                for i, p in enumerate(self.params):
-                    if pending[i] and buffers.is_ours(i, p.grad):
-                        # The slot holds the reduced gradient a pending update still needs.
-                        p.grad = self._zeros[i] = torch.zeros_like(p)
+            if set_to_none:
+                self._spares = None  # as the wrapped zero_grad sets every p.grad to None
+            elif lazy.npending:
+                self._give_spares()
             # Reads and writes gradients only, never a parameter's values: the guard need not see it.
             self.stepper.zero_grad_base(set_to_none)
+
+    def _give_spares(self) -> None:
+        """Note [Zeroed while pending]: p.grad becomes zeros apart from the slot, where the slot holds a reduced
+        gradient that a pending update still needs."""
+        spares = self._spares
+        if spares is None:
+            self._spares = spares = [torch.zeros_like(p) for p in self.params]
+        else:
+            torch._foreach_zero_(spares)  # one call; the wrapped zero_grad may leave some p.grad as it is
+        for i in self.backward.path.give_spares(spares):  # a parameter reshaped since: rare
+            p = self.params[i]
+            p.grad = spares[i] = torch.zeros_like(p)
+
+    # Note [Zeroed while pending]
+    # ``zero_grad(set_to_none=False)`` between a lazy step() and the forward
+    # that applies its updates: plain torch zeroes each p.grad in place, but
+    # here p.grad is the slot (through its watched alias), which holds the
+    # reduced gradient the pending update has yet to use. So p.grad becomes a
+    # spare instead, a tensor of zeros of the parameter's shape, and the next
+    # backward accumulates into it as plain torch's accumulates into its
+    # zeroed p.grad; the hook then copies it into the slot. The spares are made
+    # once and zeroed here at each call (one foreach call: the wrapped
+    # zero_grad zeroes them too, unless a subclass's leaves some gradient as it
+    # is), and the swap is one C++ pass (``GradientPath.give_spares``), not a
+    # Python assignment per parameter. A zero_grad that sets to None drops them.
 
     def apply_pending(self) -> None:
         self.stepper.apply_pending()
@@ -388,7 +410,8 @@ class Core:
         here]), which another rank's backward may have started.
         """
         grads = [(i, p.grad) for i, p in enumerate(self.params) if p.grad is not None]
-        if not grads or any(self.buffers.is_ours(i, g) or g is self._zeros.get(i) for i, g in grads):
+        spares = self._spares or (None,) * len(self.params)
+        if not grads or any(self.buffers.is_ours(i, g) or g is spares[i] for i, g in grads):
             return False
         for _, g in grads:
             values = g.coalesce().values() if g.is_sparse else g
