@@ -82,6 +82,8 @@ class Core:
         self._step_noted = step_noted  # checks.StepNoted, for an LR scheduler built before wrapping
         self.skip = False  # inside optimizer.skip_synchronize()
         self._spares: list | None = None  # Note [Zeroed while pending]: what p.grad is in place of a slot still needed
+        # Note [Zeroed while pending]: torch's own zero_grad zeroes every p.grad of the groups in place
+        self._base_zeroes_all = base.zero_grad is torch.optim.Optimizer.zero_grad
         self._replan = False  # this step() stages a plan: it must be eager
         me = weakref.ref(self)
         # Note [Lazy step]: the updates that wait for their first read, and where each is applied.
@@ -301,8 +303,14 @@ class Core:
         with lazy.guard.paused():
             if set_to_none:
                 self._spares = None  # as the wrapped zero_grad sets every p.grad to None
-            elif lazy.npending:
+            elif lazy.npending and self._base_zeroes_all:
                 self._give_spares()
+            elif lazy.npending:  # Note [Zeroed while pending]: a zero_grad of the wrapped class's own
+                self.told.tell("own zero_grad", f"dcredit_opt: {self.kind} has a zero_grad of its own, so "
+                                                "zero_grad(set_to_none=False) applies the pending updates first, and "
+                                                "it finds the reduced gradients in p.grad as plain torch has them; "
+                                                "those updates did not overlap the forward. Said once.")
+                self.apply_pending()
             # Reads and writes gradients only, never a parameter's values: the guard need not see it.
             self.stepper.zero_grad_base(set_to_none)
 
@@ -312,8 +320,6 @@ class Core:
         spares = self._spares
         if spares is None:
             self._spares = spares = [torch.zeros_like(p) for p in self.params]
-        else:
-            torch._foreach_zero_(spares)  # one call; the wrapped zero_grad may leave some p.grad as it is
         for i in self.backward.path.give_spares(spares):  # a parameter reshaped since: rare
             p = self.params[i]
             p.grad = spares[i] = torch.zeros_like(p)
@@ -326,10 +332,14 @@ class Core:
     # spare instead, a tensor of zeros of the parameter's shape, and the next
     # backward accumulates into it as plain torch's accumulates into its
     # zeroed p.grad; the hook then copies it into the slot. The spares are made
-    # once and zeroed here at each call (one foreach call: the wrapped
-    # zero_grad zeroes them too, unless a subclass's leaves some gradient as it
-    # is), and the swap is one C++ pass (``GradientPath.give_spares``), not a
-    # Python assignment per parameter. A zero_grad that sets to None drops them.
+    # once, and torch's own ``Optimizer.zero_grad`` zeroes them in place as it
+    # zeroes any p.grad of its groups. The swap is one C++ pass
+    # (``GradientPath.give_spares``), not a Python assignment per parameter. A
+    # zero_grad to None drops them. Where the wrapped class has a zero_grad of
+    # its own, it may keep some gradients (plain torch then accumulates into
+    # the reduced gradient of the step before): there the pending updates are
+    # applied first, and that zero_grad gets p.grad as plain torch has it
+    # after step(), the reduced gradient in the slot (a notice says so once).
 
     def apply_pending(self) -> None:
         self.stepper.apply_pending()

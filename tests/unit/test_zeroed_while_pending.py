@@ -5,20 +5,21 @@ torch does, with spares made once and swapped in by one C++ pass."""
 import pytest
 import torch
 
-from tests.unit.test_gradient_path import LAZY, assert_same, loss, pair
+import dcredit_opt as dc
+from tests.unit.test_gradient_path import LAZY, assert_same, loss, net, pair
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def kept(model, opt, ref, ropt, steps):
-    """Training with ``zero_grad(set_to_none=False)``, both sides; after each zero_grad every p.grad reads zeros
-    (None before the first backward, as in plain torch)."""
+    """Training with ``zero_grad(set_to_none=False)``, both sides; after each zero_grad every p.grad reads as plain
+    torch's: zeros (None before the first backward), or what a zero_grad of the class's own kept."""
     for s in steps:
         opt.zero_grad(set_to_none=False)
         ropt.zero_grad(set_to_none=False)
         for p, q in zip(model.parameters(), ref.parameters()):
-            assert (p.grad is None) == (q.grad is None)  # None before the first backward, in both
-            assert p.grad is None or not p.grad.any()
+            assert (p.grad is None) == (q.grad is None)
+            assert p.grad is None or torch.allclose(p.grad, q.grad, atol=1e-6)
         loss(model, s).backward()
         opt.step()
         loss(ref, s).backward()
@@ -100,3 +101,35 @@ def test_give_spares_refuses_a_spare_of_another_shape_and_changes_nothing_for_it
             core.backward.path.give_spares(spares[:-1])
     finally:
         core.close()
+
+
+class KeepsGradients(torch.optim.SGD):
+    """A zero_grad of its own, which zeroes only the first layer's gradients when asked to keep them."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if set_to_none:
+            super().zero_grad(set_to_none=True)
+            return
+        for p in self.param_groups[0]["params"][:2]:
+            if p.grad is not None:
+                p.grad.zero_()
+
+
+def test_a_zero_grad_of_the_wrapped_class_own_finds_the_reduced_gradients(caplog):
+    """Plain torch's p.grad after step() is the reduced gradient; a zero_grad of the class's own that keeps some
+    lets the next backward add to it. The pending updates are applied first, so that it finds them there."""
+    model, ref = net(), net()
+    opt = dc.DistributedOptimizer(KeepsGradients(model.parameters(), lr=0.1, momentum=0.9),
+                                  named_parameters=model.named_parameters(), config=LAZY)
+    ropt = KeepsGradients(ref.parameters(), lr=0.1, momentum=0.9)
+    try:
+        with caplog.at_level("WARNING"):
+            kept(model, opt, ref, ropt, range(6))
+        assert "has a zero_grad of its own" in caplog.text
+        assert opt._dc._spares is None
+        opt.synchronize()
+        assert_same(model, ref)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.allclose(p.grad, q.grad, atol=1e-6)
+    finally:
+        opt._dc.close()
