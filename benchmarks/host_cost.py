@@ -104,9 +104,12 @@ def _build(way: str, model_name: str, optimizer: str = "sgd"):
     return net, opt, x, y, len(list(model.parameters()))
 
 
-def _timed(net, opt, x, y, iters: int, set_to_none: bool = True) -> tuple[list[float], float]:
+def _timed(net, opt, x, y, iters: int, set_to_none: bool = True, clip: bool = False) -> tuple[list[float], float]:
     """``iters`` training iterations: each one's wall time, and the training thread's CPU per iteration.
-    ``set_to_none``: what each iteration's ``zero_grad`` does with the last gradients (False: zeroes them)."""
+    ``set_to_none``: what each iteration's ``zero_grad`` does with the last gradients (False: zeroes them);
+    ``clip``: ``clip_grad_norm_`` between backward and step."""
+    import torch
+
     from benchmarks.models import loss_fn
 
     walls = []
@@ -115,6 +118,8 @@ def _timed(net, opt, x, y, iters: int, set_to_none: bool = True) -> tuple[list[f
         t = time.perf_counter()
         opt.zero_grad(set_to_none=set_to_none)
         loss_fn(net(x), y).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         opt.step()
         walls.append(time.perf_counter() - t)
     return walls, (time.thread_time() - cpu0) / iters
@@ -127,7 +132,8 @@ def _collectives(opt) -> int | None:
     return len(stages_of(opt.plan)) if hasattr(opt, "plan") else None
 
 
-def run_one(way: str, iters: int, model_name: str = "gpt", optimizer: str = "sgd", set_to_none: bool = True) -> dict:
+def run_one(way: str, iters: int, model_name: str = "gpt", optimizer: str = "sgd", set_to_none: bool = True,
+            clip: bool = False) -> dict:
     """In this process: train the small model ``model_name`` the way ``way`` and return its timings."""
     import torch
     import torch.distributed as dist
@@ -140,8 +146,8 @@ def run_one(way: str, iters: int, model_name: str = "gpt", optimizer: str = "sgd
 
         dc.init()
     net, opt, x, y, params = _build(way, model_name, optimizer)
-    _timed(net, opt, x, y, WARMUP, set_to_none)
-    walls, cpu = _timed(net, opt, x, y, iters, set_to_none)
+    _timed(net, opt, x, y, WARMUP, set_to_none, clip)
+    walls, cpu = _timed(net, opt, x, y, iters, set_to_none, clip)
     collectives = _collectives(opt)
     if way in ("dc", "dc-link"):
         dc.shutdown()
@@ -151,7 +157,7 @@ def run_one(way: str, iters: int, model_name: str = "gpt", optimizer: str = "sgd
 
 
 def run_together(ways: list[str], rounds: int, block: int, model_name: str, optimizer: str = "sgd",
-                 set_to_none: bool = True) -> dict:
+                 set_to_none: bool = True, clip: bool = False) -> dict:
     """In this process: every way on its own copy of the model, taking turns in blocks of ``block``
     iterations (the first of each block, after the switch, not counted), ``rounds`` blocks each, so that
     whatever else the machine runs weighs on every way alike. Our optimizers apply what is pending before
@@ -170,7 +176,7 @@ def run_together(ways: list[str], rounds: int, block: int, model_name: str, opti
 
     def turn(way: str, iters: int, keep: bool) -> None:
         net, opt, x, y, _ = runners[way]
-        block_walls, cpu = _timed(net, opt, x, y, iters, set_to_none)
+        block_walls, cpu = _timed(net, opt, x, y, iters, set_to_none, clip)
         if keep:
             walls[way].append(block_walls[1:])
             cpus[way].append(cpu)
@@ -232,16 +238,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--zero-grad", choices=("none", "zeros"), default="none",
                    help="each iteration's optimizer.zero_grad(): to None (torch's default) or zeros in place "
                         "(set_to_none=False)")
+    p.add_argument("--clip", action="store_true", help="clip_grad_norm_ between backward and step, as most "
+                                                       "transformer training does")
     p.add_argument("--one", choices=WAYS, help=argparse.SUPPRESS)  # a child process
     p.add_argument("--child-together", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     set_to_none = args.zero_grad == "none"
     if args.one:
-        print(json.dumps(run_one(args.one, args.iters, args.model, args.optimizer, set_to_none)))
+        print(json.dumps(run_one(args.one, args.iters, args.model, args.optimizer, set_to_none, args.clip)))
         return
     if args.child_together:
         print(json.dumps(run_together(args.ways.split(","), args.rounds, args.block, args.model, args.optimizer,
-                                      set_to_none)))
+                                      set_to_none, args.clip)))
         return
 
     ways = args.ways.split(",")
@@ -250,11 +258,13 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--ways must include dc and name only {', '.join(WAYS)}; got {args.ways!r}")
     net = LoopbackNetwork(1)
     machine = f"# host cost, {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    model = f"a world of one, {args.model}-shaped model, {args.optimizer}" + ("" if set_to_none else ", zero_grad to zeros")
+    model = (f"a world of one, {args.model}-shaped model, {args.optimizer}" + ("" if set_to_none else ", zero_grad to zeros")
+             + (", clip_grad_norm_" if args.clip else ""))
+    extra = ["--zero-grad", args.zero_grad] + (["--clip"] if args.clip else [])
     if args.together:
         r = _child(net, 1800, "--child-together", "--ways", ",".join(ways), "--rounds", str(args.rounds),
                    "--block", str(args.block), "--model", args.model, "--optimizer", args.optimizer,
-                   "--zero-grad", args.zero_grad)
+                   *extra)
         print(f"{machine}, one process, {args.rounds} turns of {args.block} iterations per way, {model} "
               f"({r['params']} parameter tensors)")
         plans = {w: "" if r["collectives"][w] is None else f"   collectives per iteration: {r['collectives'][w]}"
@@ -265,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(args.rounds):
         for way in ways:
             runs[way].append(_child(net, 600, "--one", way, "--iters", str(args.iters), "--model", args.model,
-                                       "--optimizer", args.optimizer, "--zero-grad", args.zero_grad))
+                                       "--optimizer", args.optimizer, *extra))
     params = runs["dc"][0]["params"]
     print(f"{machine}, {args.rounds} rounds x {args.iters} iterations, {model} ({params} parameter tensors)")
     plans = {}

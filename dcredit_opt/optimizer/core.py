@@ -375,9 +375,9 @@ class Core:
     def apply_on_read(self, indices) -> None:
         self.stepper.apply_on_read(indices, self.engine.finals)
 
-    def gradient_read(self, i: int) -> None:
+    def gradients_read(self, indices) -> None:
         if not self.closed:
-            self.backward.gradient_read(i)
+            self.backward.gradients_read(indices)
 
     def rows_arrived(self) -> None:
         self.backward.rows_arrived()

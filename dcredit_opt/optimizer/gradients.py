@@ -244,35 +244,47 @@ class Backward:
 
     # ---- waiting for reduced gradients -------------------------------------------------
 
-    def gradient_read(self, i: int) -> None:
-        """Note [Gradient reads]: user code is about to read or change ``p.grad`` of tensor ``i``; if its
-        reduction may still run, wait for it, so that the code sees (and changes) the averaged gradient."""
-        if self.final[i]:
+    def gradients_read(self, indices) -> None:
+        """Note [Gradient reads]: user code is about to read or change ``p.grad`` of tensors ``indices`` (one
+        operation on them all, as ``clip_grad_norm_``'s foreach calls are); where their reduction may still run,
+        wait for it, so that the code sees (and changes) the averaged gradients. One wait and one check for all
+        of them, not one per tensor."""
+        final = self.final
+        todo = [i for i in indices if not final[i]]
+        if not todo:
             return
         if self.open:
-            if not self.marked[i]:
-                return  # not handed over in this iteration: the local gradient, still accumulating
+            marked = self.marked
+            todo = [i for i in todo if marked[i]]  # the others: not handed over yet, the local gradient
+            if not todo:
+                return
             if not self.flushed:
                 if torch._C._current_graph_task_id() != -1:
                     raise DCreditError(
-                        f"p.grad of parameter '{self.names[i]}' was read during a backward, after dcredit_opt "
+                        f"p.grad of parameter '{self.names[todo[0]]}' was read during a backward, after dcredit_opt "
                         "had taken it for reduction (a hook that runs after ours): its value is neither this "
                         "rank's gradient nor the average then. Read gradients after loss.backward() returns, or "
                         "in a hook registered before the DistributedOptimizer was built")
                 with self._lazy.guard.paused():
                     self.release()
-        elif not self._lazy.pending[i]:
-            self.final[i] = True  # applied: nothing of ours writes it any more
-            return
-        where = f"reading p.grad of '{self.names[i]}' (tensor {i}), waiting for its reduction"
+        else:
+            pending = self._lazy.pending
+            for i in todo:
+                if not pending[i]:
+                    final[i] = True  # applied: nothing of ours writes it any more
+            todo = [i for i in todo if pending[i]]
+            if not todo:
+                return
         try:
             with timeline.profiled("dcredit_opt::wait"):
-                self._engine.wait_tensor(i, float(self._config.timeout_s))
+                self._engine.wait_tensors(todo, float(self._config.timeout_s))
         except (RuntimeError, TimeoutError) as e:
-            raise at_rank(e, where) from e
-        self.add_rows((i,))
-        self._buffers.check_writes((i,), "a read of p.grad")
-        self.final[i] = True
+            i = next((i for i in todo if not self._engine.tensor_done(i)), todo[0])
+            raise at_rank(e, f"reading p.grad of '{self.names[i]}' (tensor {i}), waiting for its reduction") from e
+        self.add_rows(todo)
+        self._buffers.check_writes(todo, "a read of p.grad")
+        for i in todo:
+            final[i] = True
 
     def accept_final_writes(self) -> None:
         """At ``step()``: a gradient that user code read after its reduction had ended (Note [Gradient

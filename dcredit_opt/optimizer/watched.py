@@ -12,7 +12,7 @@ operation that user code applies to it, on any thread, with no mode on any
 stack. An operation that reads values or makes an alias (anything but
 metadata: ``.shape``, ``.dtype``, ``size()``, ``.grad``...) first waits for
 that gradient's reduction, releasing the rest of the iteration's blocks
-first as ``step()`` would (``Backward.gradient_read`` in ``gradients.py``);
+first as ``step()`` would (``Backward.gradients_read`` in ``gradients.py``);
 then it runs on the plain tensor and returns plain tensors. So
 ``p.grad.norm()``, ``clip_grad_norm_``, ``scaler.unscale_`` and
 ``p.grad = p.grad * 0.5`` see the averaged gradient, and an in-place
@@ -22,7 +22,10 @@ parameter (Note [Replaced gradients] in ``wrapper.py``).
 
 Our own code hands the plain slot to the collectives and to the wrapped
 optimizer's step, so neither pays for the subclass; a watched gradient's
-only cost is one Python call per operation that user code applies to it.
+only cost is one Python call per operation that user code applies to it,
+and one per foreach operation over many (``clip_grad_norm_`` takes torch's
+foreach path with them, as with plain tensors: ``_take_foreach_paths``),
+whose tensors wait together.
 Inside a backward (a user's hook that runs after ours), a read of a
 gradient already handed to the scheduler cannot wait (the rest of the
 iteration's blocks are not released yet): it raises a ``DCreditError``.
@@ -34,6 +37,7 @@ gradient itself (``model.to()`` to the device and dtype it already has).
 from __future__ import annotations
 
 import torch
+import torch.utils._foreach_utils
 
 from ..errors import DCreditError
 from .reads import GRAPH_ALIAS_ATTRIBUTES, attribute_of
@@ -83,6 +87,20 @@ class WatchedGradient(torch.Tensor):
             return func(*args, **kwargs)
 
 
+def _take_foreach_paths() -> None:
+    """torch's own foreach paths (``clip_grad_norm_``, ``clip_grad_value_``...) take only tensors of the types in
+    this list, and run one operation per tensor otherwise, each through our ``__torch_function__``. A watched
+    gradient is a dense tensor, and one foreach operation over many of them waits for them all in one call
+    (``_wait_for``), so it joins the list. Where a torch has no such list, those paths stay per tensor: slower,
+    the same result."""
+    supported = getattr(torch.utils._foreach_utils, "_foreach_supported_types", None)
+    if isinstance(supported, list) and WatchedGradient not in supported:
+        supported.append(WatchedGradient)
+
+
+_take_foreach_paths()
+
+
 def plain(t: torch.Tensor) -> torch.Tensor:
     """A plain ``torch.Tensor`` alias of ``t`` (``t`` itself when it is one)."""
     if type(t) is torch.Tensor:
@@ -92,20 +110,26 @@ def plain(t: torch.Tensor) -> torch.Tensor:
 
 
 def _wait_for(args, kwargs) -> None:
+    """Every watched gradient among the operation's arguments (in lists too: foreach calls) waits, one call per
+    optimizer for all of its own."""
+    reads = {}  # keeper -> the indices of its tensors read here
     for a in (*args, *kwargs.values()):
         if isinstance(a, WatchedGradient):
-            _read(a)
+            _note(reads, a)
         elif isinstance(a, (list, tuple)):
             for b in a:
                 if isinstance(b, WatchedGradient):
-                    _read(b)
+                    _note(reads, b)
+    for keeper, indices in reads.items():
+        core = keeper()
+        if core is not None:
+            core.gradients_read(indices)
 
 
-def _read(watched: WatchedGradient) -> None:
+def _note(reads: dict, watched: WatchedGradient) -> None:
     keeper = getattr(watched, "_dc_keeper", None)
-    core = keeper() if keeper is not None else None
-    if core is not None:
-        core.gradient_read(watched._dc_index)
+    if keeper is not None:
+        reads.setdefault(keeper, []).append(watched._dc_index)
 
 
 def _refuse_data_assignment(args) -> None:

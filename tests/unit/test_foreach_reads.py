@@ -1,0 +1,82 @@
+"""Note [Gradient reads] (optimizer/watched.py), foreach operations, in a world of one: ``clip_grad_norm_`` and other
+foreach calls over watched gradients take torch's foreach path, as over plain tensors, and wait for all of their
+gradients in one call per optimizer."""
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._foreach_utils import _has_foreach_support
+
+import dcredit_opt as dc
+from dcredit_opt.optimizer import gradients
+from tests.unit.test_gradient_path import LAZY, assert_same, batch, loss, net, pair
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def clipped(model, opt, ref, ropt, steps):
+    for s in steps:
+        for m, o in ((model, opt), (ref, ropt)):
+            o.zero_grad()
+            loss(m, s).backward()
+            nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            o.step()
+
+
+def test_clip_grad_norm_takes_the_foreach_path_and_reads_once_per_operation(monkeypatch):
+    model, opt, ref, ropt = pair(LAZY)
+    calls = []
+    read = gradients.Backward.gradients_read
+
+    def counted(self, indices):
+        calls.append(list(indices))
+        return read(self, indices)
+
+    try:
+        clipped(model, opt, ref, ropt, range(3))
+        opt.zero_grad()
+        loss(model, 3).backward()
+        grads = [p.grad for p in model.parameters()]
+        assert all(type(g).__name__ == "WatchedGradient" for g in grads)
+        assert _has_foreach_support(grads, torch.device("cpu"))
+        monkeypatch.setattr(gradients.Backward, "gradients_read", counted)
+        nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        everything = list(range(len(grads)))
+        assert calls == [everything, everything]  # the norms, then the scaling: one call each, every tensor
+        opt.step()
+        ropt.zero_grad()
+        loss(ref, 3).backward()
+        nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ropt.step()
+        monkeypatch.undo()
+        clipped(model, opt, ref, ropt, range(4, 7))
+        opt.synchronize()
+        assert_same(model, ref)
+    finally:
+        opt._dc.close()
+
+
+def test_one_foreach_operation_over_two_optimizers_gradients_waits_for_each():
+    """Each optimizer's watched gradients in one list: each optimizer waits for its own (and releases its
+    iteration's blocks first), and the values are the averaged gradients, here plain torch's."""
+    models = [net(0), net(1)]
+    refs = [net(0), net(1)]
+    opts = [dc.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(),
+                                    config=LAZY) for m in models]
+    try:
+        for m, r in zip(models, refs):
+            m(batch(0)).pow(2).mean().backward()
+            r(batch(0)).pow(2).mean().backward()
+        assert all(o._dc.backward.open and not o._dc.backward.flushed for o in opts)
+        grads = [p.grad for m in models for p in m.parameters()]
+        norms = torch._foreach_norm(grads)
+        assert all(o._dc.backward.flushed and all(o._dc.backward.final) for o in opts)
+        expected = torch._foreach_norm([p.grad for r in refs for p in r.parameters()])
+        assert all(type(n) is torch.Tensor for n in norms)
+        for n, e in zip(norms, expected):
+            assert torch.allclose(n, e, atol=1e-6)
+        for o in opts:
+            o.step()
+    finally:
+        for o in opts:
+            o._dc.close()
