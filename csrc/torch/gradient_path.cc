@@ -441,9 +441,10 @@ void GradientPath::ReturnSlots() {
 std::vector<int64_t> GradientPath::GiveSpares(const std::vector<at::Tensor>& spares) {
   std::lock_guard<std::mutex> lock(state_->mu);
   const State& s = *state_;
-  if (spares.size() != s.params.size()) throw std::invalid_argument("give_spares: one spare per parameter");
   std::vector<int64_t> misfits;
-  for (size_t i = 0; i < s.params.size(); ++i) {
+  if (s.closed) return misfits;  // nothing pending any more
+  if (spares.size() != s.params.size()) throw std::invalid_argument("give_spares: one spare per parameter");
+  for (size_t i = 0; i < s.params.size() && i < s.watched.size(); ++i) {
     if (!s.pending[i]) continue;
     const at::Tensor& p = s.params[i];
     at::Tensor& grad = p.mutable_grad();

@@ -99,6 +99,8 @@ def test_give_spares_refuses_a_spare_of_another_shape_and_changes_nothing_for_it
         assert all(params[i].grad is spares[i] for i in range(len(params)) if i not in (1, 2))
         with pytest.raises(ValueError, match="one spare per parameter"):
             core.backward.path.give_spares(spares[:-1])
+        core.close()
+        assert core.backward.path.give_spares(spares) == []  # closed: nothing pending, nothing given
     finally:
         core.close()
 
