@@ -37,7 +37,8 @@ cuda)
     $PY -c "from dcredit_opt import _ext; print('WITH_CUDA', _ext.load().WITH_CUDA)"
     # -rs lists every skip with its reason; -s prints the dispatch rates.
     timeout 180 $PY -m pytest -q -p no:cacheprovider -rs -s tests/distributed/test_nccl.py \
-        tests/unit/test_cuda_guards.py tests/unit/test_gradient_path.py tests/unit/test_final_gate.py 2>&1 | tee "$out/tests.log" | grep -v "^\.*$" | tail -25
+        tests/unit/test_cuda_guards.py tests/unit/test_gradient_path.py tests/unit/test_final_gate.py \
+        tests/unit/test_foreach_reads.py 2>&1 | tee "$out/tests.log" | grep -v "^\.*$" | tail -25
     # One GPU: one rank (NCCL), so the difference between schemes is what each
     # costs around the same compute: DDP's hooks and buckets, our scheduler.
     # dc-dcredit-devwin: the credit window kept on the device (Config(device_windows=True), Note [Device

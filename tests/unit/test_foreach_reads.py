@@ -80,3 +80,26 @@ def test_one_foreach_operation_over_two_optimizers_gradients_waits_for_each():
     finally:
         for o in opts:
             o._dc.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the waits there are for the device's "
+                                                           "blocks, and the spares are device memory)")
+def test_on_a_gpu_kept_gradients_and_clipping_equal_plain_torch():
+    """``zero_grad(set_to_none=False)`` and ``clip_grad_norm_`` every iteration, on a GPU: the spares swapped in,
+    the clip's foreach calls over watched gradients, the same weights as plain torch."""
+    model, ref = net().cuda(), net().cuda()
+    opt = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                  named_parameters=model.named_parameters(), config=LAZY)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    try:
+        for s in range(8):
+            for m, o in ((model, opt), (ref, ropt)):
+                o.zero_grad(set_to_none=False)
+                m(batch(s).cuda()).pow(2).mean().backward()
+                nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+                o.step()
+        assert opt._dc._spares is not None and opt._dc._spares[0].is_cuda
+        opt.synchronize()
+        assert_same(model, ref)
+    finally:
+        opt._dc.close()

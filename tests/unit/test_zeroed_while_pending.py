@@ -26,83 +26,78 @@ def kept(model, opt, ref, ropt, steps):
         ropt.step()
 
 
-def test_kept_gradients_train_as_plain_torch_on_the_fast_path():
+@pytest.fixture
+def settled():
+    """A wrapped model and its plain copy after four iterations with kept gradients (the plan, the first-read
+    learning and the lazy step settled); closed afterwards."""
     model, opt, ref, ropt = pair(LAZY)
-    core = opt._dc
     try:
         kept(model, opt, ref, ropt, range(4))
-        before = core.backward.python_handovers
-        kept(model, opt, ref, ropt, range(4, 9))
-        assert core.lazy.npending  # lazy all along: each zero_grad met pending updates
-        assert core.backward.python_handovers == before  # every gradient handed over in C++
-        opt.synchronize()
-        assert_same(model, ref)
-        for p, q in zip(model.parameters(), ref.parameters()):
-            assert torch.allclose(p.grad, q.grad, atol=1e-6)  # the reduced gradient of a world of one
+        yield model, opt, ref, ropt
     finally:
-        core.close()
+        opt._dc.close()
 
 
-def test_the_spares_are_made_once_and_zeroed_at_each_call():
-    model, opt, ref, ropt = pair(LAZY)
+def test_kept_gradients_train_as_plain_torch_on_the_fast_path(settled):
+    model, opt, ref, ropt = settled
     core = opt._dc
-    try:
-        kept(model, opt, ref, ropt, range(4))
-        opt.zero_grad(set_to_none=False)
-        first = [p.grad for p in model.parameters()]
-        assert all(g is s for g, s in zip(first, core._spares))
-        loss(model, 4).backward()
-        opt.step()
-        assert all(p.grad is not s for p, s in zip(model.parameters(), first))  # the slots' aliases again
-        first[0].fill_(7.0)  # a held reference written by user code: zeroed at the next call all the same
-        opt.zero_grad(set_to_none=False)
-        assert all(p.grad is s for p, s in zip(model.parameters(), first))
-        assert not any(s.any() for s in first)
-        opt.zero_grad()  # to None: the spares go
-        assert core._spares is None and all(p.grad is None for p in model.parameters())
-    finally:
-        core.close()
+    before = core.backward.python_handovers
+    kept(model, opt, ref, ropt, range(4, 9))
+    assert core.lazy.npending  # lazy all along: each zero_grad met pending updates
+    assert core.backward.python_handovers == before  # every gradient handed over in C++
+    opt.synchronize()
+    assert_same(model, ref)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6)  # the reduced gradient of a world of one
 
 
-def test_a_step_without_backward_after_kept_zeros_steps_as_plain_torch():
+def test_the_spares_are_made_once_and_zeroed_at_each_call(settled):
+    model, opt, _, _ = settled
+    core = opt._dc
+    opt.zero_grad(set_to_none=False)
+    first = [p.grad for p in model.parameters()]
+    assert all(g is s for g, s in zip(first, core._spares))
+    loss(model, 4).backward()
+    opt.step()
+    assert all(p.grad is not s for p, s in zip(model.parameters(), first))  # the slots' aliases again
+    first[0].fill_(7.0)  # a held reference written by user code: zeroed at the next call all the same
+    opt.zero_grad(set_to_none=False)
+    assert all(p.grad is s for p, s in zip(model.parameters(), first))
+    assert not any(s.any() for s in first)
+    opt.zero_grad()  # to None: the spares go
+    assert core._spares is None and all(p.grad is None for p in model.parameters())
+
+
+def test_a_step_without_backward_after_kept_zeros_steps_as_plain_torch(settled):
     """Zeros put in place of a slot are this rank's gradient of zero, not a replaced gradient: a step() with no
     backward since (as ``hvd.broadcast_optimizer_state`` makes one) steps on them as plain torch does."""
-    model, opt, ref, ropt = pair(LAZY)
-    core = opt._dc
-    try:
-        kept(model, opt, ref, ropt, range(4))
-        opt.zero_grad(set_to_none=False)
-        ropt.zero_grad(set_to_none=False)
-        opt.step()
-        ropt.step()
-        kept(model, opt, ref, ropt, range(4, 6))
-        opt.synchronize()
-        assert_same(model, ref)
-    finally:
-        core.close()
+    model, opt, ref, ropt = settled
+    opt.zero_grad(set_to_none=False)
+    ropt.zero_grad(set_to_none=False)
+    opt.step()
+    ropt.step()
+    kept(model, opt, ref, ropt, range(4, 6))
+    opt.synchronize()
+    assert_same(model, ref)
 
 
-def test_give_spares_refuses_a_spare_of_another_shape_and_changes_nothing_for_it():
-    model, opt, ref, ropt = pair(LAZY)
+def test_give_spares_refuses_a_spare_of_another_shape_and_changes_nothing_for_it(settled):
+    model, opt, ref, _ = settled
     core = opt._dc
-    try:
-        kept(model, opt, ref, ropt, range(4))
-        params = list(model.parameters())
-        assert all(core.lazy.pending)
-        held = [p.grad for p in params]
-        # Made from the plain copy: a torch call on a pending parameter would apply its update first.
-        spares = [torch.zeros_like(q) for q in ref.parameters()]
-        spares[1] = torch.zeros(spares[1].numel() + 1)
-        spares[2] = spares[2].double()
-        assert core.backward.path.give_spares(spares) == [1, 2]
-        assert params[1].grad is held[1] and params[2].grad is held[2]
-        assert all(params[i].grad is spares[i] for i in range(len(params)) if i not in (1, 2))
-        with pytest.raises(ValueError, match="one spare per parameter"):
-            core.backward.path.give_spares(spares[:-1])
-        core.close()
-        assert core.backward.path.give_spares(spares) == []  # closed: nothing pending, nothing given
-    finally:
-        core.close()
+    params = list(model.parameters())
+    assert all(core.lazy.pending)
+    held = [p.grad for p in params]
+    # Made from the plain copy: a torch call on a pending parameter would apply its update first.
+    spares = [torch.zeros_like(q) for q in ref.parameters()]
+    spares[1] = torch.zeros(spares[1].numel() + 1)
+    spares[2] = spares[2].double()
+    assert core.backward.path.give_spares(spares) == [1, 2]
+    assert params[1].grad is held[1] and params[2].grad is held[2]
+    assert all(params[i].grad is spares[i] for i in range(len(params)) if i not in (1, 2))
+    with pytest.raises(ValueError, match="one spare per parameter"):
+        core.backward.path.give_spares(spares[:-1])
+    core.close()
+    assert core.backward.path.give_spares(spares) == []  # closed: nothing pending, nothing given
 
 
 class KeepsGradients(torch.optim.SGD):
