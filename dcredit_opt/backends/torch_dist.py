@@ -79,7 +79,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import datetime
 import logging
 
 import torch
@@ -103,8 +102,10 @@ class TorchDistBackend:
         self._members = members if members is not None else _Everyone()
         self._groups = self._members.channel_groups(channels)  # this backend's own (see the module docstring)
         self._tally_group = self._members.channel_groups(1, backend="gloo")[0]  # Note [Global usage] in usage.py
-        self._tally = _SideSum("a tally")
-        self._delayed = _SideSum("a delayed sum")  # the background sum of delayed gradients (planner/deft.py)
+        # Note [Side sums] in csrc/torch/side_sums.h: a thread of ours starts the side group's sums, in order.
+        self._side = _ext.load().SideSums(self._tally_group)
+        self._tally = _SideSum(self._side, "a tally")
+        self._delayed = _SideSum(self._side, "a delayed sum")  # the background sum of delayed gradients (deft.py)
         self._timeout_s = float(timeout_s)
         self.engine = _ext.load().Engine.torch(self._groups, float(timeout_s), reduction)  # Note [Reduce ops]
         # Note [Device windows] in csrc/core/scheduler.cc: only CUDA blocks can be ordered on the device.
@@ -149,17 +150,27 @@ class TorchDistBackend:
         return (_at_rank(reduce_scatter, "profiling, the reduce-scatter sweep"),
                 _at_rank(all_gather, "profiling, the all-gather sweep"))
 
-    def _side_group(self):
-        """The side group (Note [Global usage] in usage.py); after ``close()``, an error, never the default group
-        that ``group=None`` would name."""
+    def _open(self) -> None:
+        """After ``close()``, an error: never the default group that ``group=None`` would name."""
         if self._tally_group is None:
             raise DCreditError("this optimizer's channels are closed (dc.shutdown() or the optimizer's close)")
+
+    def _side_group(self):
+        """The side group (Note [Global usage] in usage.py), for a collective the training thread starts itself:
+        after every queued sum has been started (Note [Side sums] in csrc/torch/side_sums.h)."""
+        self._open()
+        try:
+            self._side.drain(self._timeout_s)
+        except (RuntimeError, TimeoutError) as e:
+            raise peers.at_rank(e, "starting the sums queued on the side group") from e
         return self._tally_group
 
     def start_tally(self, counts) -> None:
         """Start summing the CPU tensor ``counts`` over ranks, in place, on a Gloo group of its own (Note
-        [Global usage] in usage.py). One at a time: ``wait_tally`` before the next."""
-        self._tally.start(counts, self._side_group())
+        [Global usage] in usage.py), off this thread (Note [Side sums]). One at a time: ``wait_tally`` before
+        the next."""
+        self._open()
+        self._tally.start(counts)
 
     def wait_tally(self, timeout_s: float) -> None:
         """Wait for the tally in flight, if any."""
@@ -198,7 +209,8 @@ class TorchDistBackend:
     def start_delayed(self, flat) -> None:
         """Start summing the CPU tensor ``flat`` over ranks, in place, on the side group, after whatever is
         queued there (Note [Delayed updates] in planner/deft.py). One at a time: ``wait_delayed`` first."""
-        self._delayed.start(flat, self._side_group())
+        self._open()
+        self._delayed.start(flat)
 
     def wait_delayed(self, timeout_s: float) -> None:
         """Wait for the delayed sum in flight, if any."""
@@ -214,6 +226,7 @@ class TorchDistBackend:
             # A slower peer may start its last tally well after our blocks are done: destroying the group
             # first would fail that peer's tally.
             self._wait_at_close(self.wait_tally, "the last sum of which gradients each rank computed")
+        self._side.close()  # its thread has started every queued sum, and the waits above saw them finish
         groups, self._groups = self._groups + [self._tally_group], []
         self._tally_group = None  # the engine let go of its groups (Engine.shutdown): now they can really go
         self._members.destroy_channel_groups(groups)
@@ -247,32 +260,30 @@ def _at_rank(collective, where: str):
     return call
 
 
-_SUM = dist.AllreduceOptions()
-_SUM.reduceOp = dist.ReduceOp.SUM
-
 
 class _SideSum:
-    """One slot: at most one sum over ranks in flight on the side group (the tally, or DeFT's delayed sum)."""
+    """One slot: at most one sum over ranks in flight on the side group (the tally, or DeFT's delayed sum),
+    started by the side group's thread (Note [Side sums] in csrc/torch/side_sums.h)."""
 
-    def __init__(self, what: str):
+    def __init__(self, sums, what: str):
+        self._sums = sums
         self._what = what
-        self._work = None
+        self._ticket = None
 
     @property
     def in_flight(self) -> bool:
-        return self._work is not None
+        return self._ticket is not None
 
-    def start(self, tensor, group) -> None:
-        """Start summing ``tensor`` over ``group``'s ranks (every rank is in it), in place: the group's own
-        all-reduce, without ``dist.all_reduce``'s checks and logging around it (this runs every iteration)."""
-        assert self._work is None, f"{self._what} is already in flight"
-        self._work = group.allreduce([tensor], _SUM)
+    def start(self, tensor) -> None:
+        """Queue the sum of ``tensor`` over the side group's ranks (every rank is in it), in place."""
+        assert self._ticket is None, f"{self._what} is already in flight"
+        self._ticket = self._sums.start(tensor)
 
     def wait(self, timeout_s: float) -> None:
         """Wait for the sum in flight, if any; the slot is free afterwards, even if the wait raised."""
-        work, self._work = self._work, None
-        if work is not None:
-            work.wait(datetime.timedelta(seconds=timeout_s))
+        ticket, self._ticket = self._ticket, None
+        if ticket is not None:
+            self._sums.wait(ticket, timeout_s)
 
 
 def _abort_failed_horovod_mpi_job(engine, hvd) -> None:

@@ -1,0 +1,145 @@
+"""Note [Side sums] (csrc/torch/side_sums.h): the side group's sums are queued by the training thread and started,
+in the order queued, by a thread of ours; anything the training thread starts itself on that group comes after
+``drain()``. Two ranks here are two threads of this process, each with its own Gloo group over one store."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dcredit_opt import _ext
+from dcredit_opt.errors import CollectiveError, CollectiveTimeout
+
+C = _ext.load()
+
+
+def _groups(world: int = 2):
+    """``world`` process groups over one in-memory store, made at once (each waits for the others)."""
+    store = dist.HashStore()
+    groups = [None] * world
+
+    def make(rank: int) -> None:
+        gloo = dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=30))
+        group = dist.ProcessGroup(store, rank, world)
+        group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+        groups[rank] = group
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(g is not None for g in groups), "the groups did not form"
+    return groups
+
+
+def _on_ranks(work, world: int = 2):
+    """``work(rank)`` on one thread per rank; the first exception raised is raised here."""
+    errors = []
+
+    def run(rank: int) -> None:
+        try:
+            work(rank)
+        except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    if errors:
+        raise errors[0]
+
+
+def test_sums_start_in_the_order_queued_and_come_back_through_their_tickets():
+    groups = _groups()
+    sums = [C.SideSums(g) for g in groups]
+    tensors = [[torch.tensor([1 + r, 2], dtype=torch.int32), torch.full((5,), 0.5 * (r + 1)),
+                torch.arange(3, dtype=torch.int64) * (r + 1)] for r in range(2)]
+
+    def rank(r: int) -> None:
+        tickets = [sums[r].start(t) for t in tensors[r]]  # three in flight at once, of three dtypes
+        for ticket in reversed(tickets):
+            sums[r].wait(ticket, 20.0)
+        sums[r].wait(tickets[0], 0.001)  # a ticket waited for already: at once
+
+    _on_ranks(rank)
+    for r in range(2):
+        assert tensors[r][0].tolist() == [3, 4]
+        assert tensors[r][1].tolist() == [1.5] * 5
+        assert tensors[r][2].tolist() == [0, 3, 6]
+    for s in sums:
+        s.close()
+
+
+def test_a_wait_times_out_while_the_peer_has_not_started_and_the_sum_still_finishes():
+    groups = _groups()
+    s0, s1 = C.SideSums(groups[0]), C.SideSums(groups[1])
+    a0, a1 = torch.ones(4), torch.full((4,), 2.0)
+    ticket = s0.start(a0)
+    with pytest.raises(CollectiveTimeout, match="did not finish within 200 ms"):
+        s0.wait(ticket, 0.2)
+    assert isinstance(CollectiveTimeout("x"), TimeoutError)
+    other = s1.start(a1)
+    s0.wait(ticket, 20.0)  # the same ticket, waited for again once the peer has started
+    s1.wait(other, 20.0)
+    assert a0.tolist() == a1.tolist() == [3.0] * 4
+    s0.close()
+    s1.close()
+
+
+def test_what_the_training_thread_starts_itself_after_drain_pairs_with_the_peers_in_order():
+    groups = _groups()
+    sums = [C.SideSums(g) for g in groups]
+    queued = [torch.full((8,), float(r + 1)) for r in range(2)]
+    direct = [torch.full((2,), 10.0 * (r + 1)) for r in range(2)]
+
+    def rank(r: int) -> None:
+        ticket = sums[r].start(queued[r])
+        sums[r].drain(20.0)  # the queued sum started: a collective started here now comes after it
+        groups[r].allreduce([direct[r]]).wait(datetime.timedelta(seconds=20))
+        sums[r].wait(ticket, 20.0)
+
+    _on_ranks(rank)
+    for r in range(2):
+        assert queued[r].tolist() == [3.0] * 8
+        assert direct[r].tolist() == [30.0, 30.0]
+    for s in sums:
+        s.close()
+
+
+def test_close_starts_what_is_queued_and_then_refuses_more():
+    groups = _groups()
+    s0, s1 = C.SideSums(groups[0]), C.SideSums(groups[1])
+    a0, a1 = torch.ones(3), torch.ones(3)
+    t0 = s0.start(a0)
+    s0.close()  # its thread starts the queued sum before it goes
+    s0.close()  # idempotent
+    t1 = s1.start(a1)
+    s1.wait(t1, 20.0)
+    s0.wait(t0, 20.0)  # a sum in flight at close finishes, and can be waited for
+    assert a0.tolist() == a1.tolist() == [2.0] * 3
+    with pytest.raises(CollectiveError, match="the side group is closed"):
+        s0.start(torch.ones(3))
+    s1.close()
+
+
+def test_a_tensor_it_cannot_sum_is_refused_at_once():
+    (group,) = _groups(1)
+    sums = C.SideSums(group)
+    for bad in (torch.ones(4, 4).t(), torch.ones(2).to_sparse()):
+        with pytest.raises(ValueError, match="a dense contiguous CPU tensor"):
+            sums.start(bad)
+    with pytest.raises(ValueError, match="timeout_s must be positive"):
+        sums.wait(0, 0.0)
+    ok = torch.ones(2)
+    sums.wait(sums.start(ok), 20.0)  # nothing queued by the refusals: the next ticket is the next sum
+    assert ok.tolist() == [1.0, 1.0]
+    sums.close()
