@@ -120,7 +120,7 @@ class Stepper:
         todo = list(compress(unique, map(pending.__getitem__, unique)))  # in C: no Python per tensor
         if not todo:
             return
-        with lazy.guard.paused():  # the wrapped step reads the parameters it updates: not reads to guard
+        with lazy.guard.paused() as paused:  # the wrapped step reads the parameters it updates: not reads to guard
             if lazy.deferred:
                 lazy.check_graph_reads(todo, path)
             self._wait(todo, on_stream=True)  # the wrapped step's kernels go on the current stream
@@ -132,6 +132,8 @@ class Stepper:
                 self._buffers.check_writes(todo, "the lazy step")
             with profiled("dcredit_opt::apply"):
                 self._run_wrapped_step(todo)
+            if len(todo) == lazy.npending:
+                paused.stay_off()  # nothing left to guard (the common case: all at the forward's leader)
         lazy.applied(todo, path)
 
     def _run_wrapped_step(self, todo) -> None:

@@ -338,8 +338,7 @@ class PendingReadGuard(TorchFunctionMode):
         # comparing the addresses costs far less than sorting them again at every step().
         if where != self._where:
             self._addresses, self._where = Addresses(params), where
-        stack = torch.overrides._get_current_function_mode_stack()
-        if self not in stack:
+        if not _on_stack(self):
             _drop_inert_guards()
             _insert_at_bottom(self)
         self.armed = True
@@ -395,10 +394,17 @@ class _Paused:
     def __init__(self, guard: PendingReadGuard):
         self._guard = guard
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> _Paused:
         guard = self._guard
         self._armed, guard.armed = guard.armed, False
         self._lifted = _remove_from_stack(guard)
+        return self
+
+    def stay_off(self) -> None:
+        """The work inside applies every update still pending: the guard stays off the stack and disarmed
+        at the end, rather than going back to the bottom only to leave again (the caller then marks the
+        updates applied, whose ``remove()`` finds nothing to do)."""
+        self._armed = self._lifted = False
 
     def __exit__(self, *exc) -> None:
         if self._lifted:
@@ -415,12 +421,24 @@ def _insert_at_bottom(mode: TorchFunctionMode) -> None:
         torch._C._push_on_torch_function_stack(m)
 
 
+_stack_len = torch._C._len_torch_function_stack
+_stack_at = torch._C._get_function_stack_at
+
+
+def _on_stack(mode: TorchFunctionMode) -> bool:
+    """Whether ``mode`` is on this thread's stack (without building torch's list of the stack)."""
+    return any(_stack_at(k) is mode for k in range(_stack_len()))
+
+
 def _remove_from_stack(mode: TorchFunctionMode) -> bool:
     """Take ``mode`` off this thread's stack, the modes above it staying in order; False if it was not there."""
-    if not torch._C._len_torch_function_stack():
+    n = _stack_len()
+    if not n:
         return False  # the common case once nothing is pending: every module's forward asks
-    stack = torch.overrides._get_current_function_mode_stack()
-    if mode not in stack:
+    if _stack_at(n - 1) is mode:  # on top: the guard alone, the common case while updates wait
+        torch._C._pop_torch_function_stack()
+        return True
+    if not any(_stack_at(k) is mode for k in range(n - 1)):
         return False
     above = []
     while True:
@@ -435,7 +453,7 @@ def _remove_from_stack(mode: TorchFunctionMode) -> bool:
 
 def _drop_inert_guards() -> None:
     """Guards of optimizers closed or dropped elsewhere (another thread, a finalizer) leave this stack."""
-    for m in torch.overrides._get_current_function_mode_stack():
+    for m in [_stack_at(k) for k in range(_stack_len())]:
         if isinstance(m, PendingReadGuard) and m.inert():
             _remove_from_stack(m)
 
