@@ -221,9 +221,9 @@ class GradientBuffers:
         if i >= 0:
             raise DCreditError(
                 f"the gradient of '{self._names[i]}' was changed in place while dcredit_opt was still "
-                f"reducing it or its update still waited for it (seen in {where}): by "
-                "model.zero_grad(set_to_none=False) or other code writing p.grad between step() and the next "
-                "forward, or by code that wrote it through another tensor than p.grad. No pending update was "
+                f"reducing it or its update still waited for it (seen in {where}): by code that wrote it "
+                "through another tensor than p.grad (a view or .data taken earlier), which dcredit_opt cannot "
+                "see coming. No pending update was "
                 "applied. Change gradients between loss.backward() and step() through p.grad, or reduce first: "
                 "optimizer.synchronize(); <change>; `with optimizer.skip_synchronize(): optimizer.step()` (the "
                 "Horovod recipe). To clear gradients use optimizer.zero_grad() or model.zero_grad() with "

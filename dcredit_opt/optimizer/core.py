@@ -375,9 +375,23 @@ class Core:
     def apply_on_read(self, indices) -> None:
         self.stepper.apply_on_read(indices, self.engine.finals)
 
-    def gradients_read(self, indices) -> None:
-        if not self.closed:
-            self.backward.gradients_read(indices)
+    def gradients_read(self, indices, writes: bool = False) -> None:
+        """Note [Gradient reads] in watched.py: user code reads ``p.grad`` of ``indices``, or (``writes``) may
+        change it in place."""
+        if self.closed:
+            return
+        lazy = self.lazy
+        if writes and lazy.npending and not self.backward.open and any(lazy.pending[i] for i in indices):
+            # Between a lazy step() and the next backward the slot still holds the reduced gradient that a
+            # pending update needs: the updates first, then the change lands where plain torch's would.
+            name = self.names[next(i for i in indices if lazy.pending[i])]
+            self.told.tell("written while pending", (
+                f"dcredit_opt: p.grad of '{name}' was changed in place after step() while its update waited for the "
+                "next forward (model.zero_grad(set_to_none=False) after step() does that): the pending updates "
+                "are applied first, so the change lands on the gradient as in plain torch, but they do not overlap "
+                "the forward then. optimizer.zero_grad() before backward keeps the overlap. Said once."))
+            self.apply_pending()
+        self.backward.gradients_read(indices)
 
     def rows_arrived(self) -> None:
         self.backward.rows_arrived()

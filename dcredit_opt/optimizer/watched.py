@@ -16,7 +16,12 @@ first as ``step()`` would (``Backward.gradients_read`` in ``gradients.py``);
 then it runs on the plain tensor and returns plain tensors. So
 ``p.grad.norm()``, ``clip_grad_norm_``, ``scaler.unscale_`` and
 ``p.grad = p.grad * 0.5`` see the averaged gradient, and an in-place
-change lands on it and is what ``step()`` uses. A ``p.grad`` replaced after
+change lands on it and is what ``step()`` uses. An in-place change between a
+lazy ``step()`` and the next backward (``model.zero_grad(set_to_none=False)``
+after ``step()``, as older scripts do) lands on a gradient whose update still
+waits for it: the pending updates are applied first (``Core.gradients_read``
+with ``writes``), so the change lands on the gradient as plain torch has it
+after ``step()``. A ``p.grad`` replaced after
 ``backward()`` (a new tensor, or ``None``) is what ``step()`` uses for that
 parameter (Note [Replaced gradients] in ``wrapper.py``).
 
@@ -51,6 +56,11 @@ _METADATA = frozenset({
 # Attributes whose getter reads values or makes an alias; every other attribute (shape, dtype, device,
 # grad, is_sparse, _version...) is metadata.
 _ALIAS_ATTRIBUTES = GRAPH_ALIAS_ATTRIBUTES | {"data"}
+# In-place operators that do not end with an underscore (``p.grad += x``, ``p.grad[k] = 0``).
+_INPLACE_OPERATORS = frozenset({
+    "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__", "__imatmul__",
+    "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__setitem__",
+})
 # Copies and pickles of a watched gradient are plain tensors: what they carry is values, not our watch.
 _PLAIN_COPIES = frozenset({"__deepcopy__", "__reduce_ex__", "__reduce__", "__getstate__"})
 
@@ -80,7 +90,7 @@ class WatchedGradient(torch.Tensor):
         else:
             reads = name not in _METADATA
         if reads:
-            _wait_for(args, kwargs)
+            _wait_for(args, kwargs, _writes(name, kwargs))
         if name in _PLAIN_COPIES and args and isinstance(args[0], WatchedGradient):
             args = (plain(args[0]), *args[1:])
         with torch._C.DisableTorchFunctionSubclass():
@@ -109,9 +119,15 @@ def plain(t: torch.Tensor) -> torch.Tensor:
         return t.as_subclass(torch.Tensor)
 
 
-def _wait_for(args, kwargs) -> None:
+def _writes(name: str, kwargs) -> bool:
+    """Whether an operation that reads its tensors may also change them in place: ``zero_``, ``mul_``,
+    ``_foreach_mul_``, ``+=``, ``[k] =``, or anything with ``out=``."""
+    return (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_OPERATORS or "out" in kwargs
+
+
+def _wait_for(args, kwargs, writes: bool) -> None:
     """Every watched gradient among the operation's arguments (in lists too: foreach calls) waits, one call per
-    optimizer for all of its own."""
+    optimizer for all of its own; ``writes``: the operation may change them in place."""
     reads = {}  # keeper -> the indices of its tensors read here
     for a in (*args, *kwargs.values()):
         if isinstance(a, WatchedGradient):
@@ -123,7 +139,7 @@ def _wait_for(args, kwargs) -> None:
     for keeper, indices in reads.items():
         core = keeper()
         if core is not None:
-            core.gradients_read(indices)
+            core.gradients_read(indices, writes)
 
 
 def _note(reads: dict, watched: WatchedGradient) -> None:

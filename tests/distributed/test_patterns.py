@@ -174,7 +174,6 @@ NET_PARAMS = ("inp.weight", "inp.bias", "mid.weight", "mid.bias", "norm.weight",
 
 # name -> (parameter names one of which the message must quote, phrases of the fix it must contain)
 RAISES = {
-    "P11_model_zero_grad_set_to_none_false": (NET_PARAMS, ["set_to_none=True"]),
     "P13_unscale_without_synchronize": (NET_PARAMS + ("",), ["synchronize()"]),
     "P14_frozen_at_wrap_unfrozen_later": (("mid.weight",), ["after unfreezing"]),
     "P3e_stale_read_on_thread": (("a.weight",), ["synchronize()"]),
