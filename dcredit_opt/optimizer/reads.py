@@ -394,7 +394,7 @@ class _Paused:
     def __init__(self, guard: PendingReadGuard):
         self._guard = guard
 
-    def __enter__(self) -> _Paused:
+    def __enter__(self):  # the pause itself, for stay_off()
         guard = self._guard
         self._armed, guard.armed = guard.armed, False
         self._lifted = _remove_from_stack(guard)
