@@ -1,14 +1,15 @@
 #include "side_sums.h"
 
+#include <algorithm>
 #include <exception>
+#include <stdexcept>
 #include <vector>
 
 #include "../core/scheduler.h"
 
 namespace dcredit {
 
-SideSums::SideSums(c10::intrusive_ptr<c10d::ProcessGroup> group)
-    : state_(std::make_shared<State>()), group_(std::move(group)) {
+SideSums::SideSums(c10::intrusive_ptr<c10d::ProcessGroup> group) : group_(std::move(group)) {
   if (!group_) throw std::invalid_argument("SideSums needs a process group");
 }
 
@@ -19,94 +20,83 @@ int64_t SideSums::Start(at::Tensor tensor) {
     throw std::invalid_argument("SideSums.start: a dense contiguous CPU tensor is summed, got another");
   }
   std::lock_guard<std::mutex> closing(close_mu_);
-  std::lock_guard<std::mutex> lock(state_->mu);
-  if (state_->stop) throw SchedulerError(Status{StatusCode::kShutdown, "the side group is closed"});
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stop_) throw SchedulerError(Status{StatusCode::kShutdown, "the side group is closed"});
   if (!thread_.joinable()) thread_ = std::thread([this] { Loop(); });
-  const int64_t ticket = state_->next++;
-  state_->entries.emplace(ticket, Entry{});
-  state_->queue.emplace_back(ticket, std::move(tensor));
-  state_->queued.notify_one();
+  const int64_t ticket = next_++;
+  entries_[ticket].tensor = std::move(tensor);
+  queue_.push_back(ticket);
+  queued_.notify_one();
   return ticket;
-}
-
-void SideSums::Finish(State& state, int64_t ticket, const std::string* error) {
-  std::lock_guard<std::mutex> lock(state.mu);
-  auto it = state.entries.find(ticket);
-  if (it != state.entries.end()) {
-    it->second.done = true;
-    if (error != nullptr) it->second.error = error->empty() ? "the collective failed" : *error;
-  }
-  state.changed.notify_all();
 }
 
 void SideSums::Loop() {
   NameThisThread("dc_side");
-  State& state = *state_;
-  std::unique_lock<std::mutex> lock(state.mu);
+  std::unique_lock<std::mutex> lock(mu_);
   while (true) {
-    state.queued.wait(lock, [&state] { return state.stop || !state.queue.empty(); });
-    if (state.queue.empty()) return;  // stopped, and every queued sum started
-    auto [ticket, tensor] = std::move(state.queue.front());
-    state.queue.pop_front();
-    state.starting = true;
+    queued_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stopped, and every queued sum started
+    const int64_t ticket = queue_.front();
+    queue_.pop_front();
+    std::vector<at::Tensor> tensors{entries_.at(ticket).tensor};
+    starting_ = true;
     lock.unlock();
     c10::intrusive_ptr<c10d::Work> work;
-    c10::intrusive_ptr<c10::ivalue::Future> future;
     std::string error;
-    bool failed = false;
     try {
-      std::vector<at::Tensor> tensors{tensor};
       c10d::AllreduceOptions opts;
       opts.reduceOp = c10d::ReduceOp::SUM;
       work = group_->allreduce(tensors, opts);
-      try {
-        future = work->getFuture();
-      } catch (const c10::Error&) {  // Note [Works without a future] in torch_backend.cc: wait here
-        work->wait();
-      }
     } catch (const std::exception& e) {
-      error = e.what();
-      failed = true;
+      error = std::string("starting a sum on the side group failed: ") + e.what();
     }
-    if (future) {
-      // Runs at once, on this thread, where the sum is already done (no lock held here).
-      future->addCallback([state = state_, ticket = ticket, tensor = tensor](c10::ivalue::Future& fut) {
-        if (fut.hasError()) {
-          const std::string message = fut.tryRetrieveErrorMessage();
-          Finish(*state, ticket, &message);
-        } else {
-          Finish(*state, ticket, nullptr);
-        }
-      });
-    } else {
-      Finish(state, ticket, failed ? &error : nullptr);
-    }
-    work.reset();
-    future.reset();
     lock.lock();
-    state.starting = false;
-    state.changed.notify_all();
+    Entry& entry = entries_.at(ticket);  // only Wait erases, and only a started entry
+    entry.started = true;
+    entry.work = std::move(work);
+    entry.error = std::move(error);
+    starting_ = false;
+    changed_.notify_all();
   }
 }
 
 void SideSums::Wait(int64_t ticket, std::chrono::milliseconds timeout) {
-  State& state = *state_;
-  std::unique_lock<std::mutex> lock(state.mu);
-  auto it = state.entries.find(ticket);
-  if (it == state.entries.end()) return;
-  if (!state.changed.wait_for(lock, timeout, [&] { return it->second.done; })) {
-    throw SchedulerError(Status{StatusCode::kTimeout, "a sum on the side group did not finish within " +
-                                                          std::to_string(timeout.count()) + " ms"});
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  c10::intrusive_ptr<c10d::Work> work;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto it = entries_.find(ticket);
+    if (it == entries_.end()) return;
+    if (!changed_.wait_until(lock, deadline, [&] { return it->second.started; })) {
+      throw SchedulerError(Status{StatusCode::kTimeout, "a sum on the side group was not started within " +
+                                                            std::to_string(timeout.count()) + " ms"});
+    }
+    if (!it->second.error.empty()) {
+      std::string error = std::move(it->second.error);
+      entries_.erase(it);
+      throw SchedulerError(Status::Error(error));
+    }
+    work = it->second.work;
   }
-  std::string error = std::move(it->second.error);
-  state.entries.erase(it);
-  if (!error.empty()) throw SchedulerError(Status::Error(error));
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+  try {
+    work->wait(std::max(left, std::chrono::milliseconds(1)));
+  } catch (const std::exception& e) {
+    if (!work->isCompleted()) {  // timed out: still in flight, and the ticket can be waited for again
+      throw SchedulerError(Status{StatusCode::kTimeout, "a sum on the side group did not finish within " +
+                                                            std::to_string(timeout.count()) + " ms: " + e.what()});
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    entries_.erase(ticket);
+    throw SchedulerError(Status::Error(e.what()));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  entries_.erase(ticket);
 }
 
 void SideSums::Drain(std::chrono::milliseconds timeout) {
-  State& state = *state_;
-  std::unique_lock<std::mutex> lock(state.mu);
-  if (!state.changed.wait_for(lock, timeout, [&] { return state.queue.empty() && !state.starting; })) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!changed_.wait_for(lock, timeout, [this] { return queue_.empty() && !starting_; })) {
     throw SchedulerError(Status{StatusCode::kTimeout, "the side group's queued sums were not started within " +
                                                           std::to_string(timeout.count()) + " ms"});
   }
@@ -115,11 +105,11 @@ void SideSums::Drain(std::chrono::milliseconds timeout) {
 void SideSums::Close() {
   std::lock_guard<std::mutex> closing(close_mu_);
   {
-    std::lock_guard<std::mutex> lock(state_->mu);
-    state_->stop = true;
-    state_->queued.notify_one();
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+    queued_.notify_one();
   }
-  if (thread_.joinable()) thread_.join();  // it starts what is queued, never waits on the network for long
+  if (thread_.joinable()) thread_.join();  // it only starts sums, each at once: it is never held up long
   group_.reset();
 }
 
