@@ -21,7 +21,25 @@ lazy ``step()`` and the next backward (``model.zero_grad(set_to_none=False)``
 after ``step()``, as older scripts do) lands on a gradient whose update still
 waits for it: the pending updates are applied first (``Core.gradients_read``
 with ``writes``), so the change lands on the gradient as plain torch has it
-after ``step()``. A ``p.grad`` replaced after
+after ``step()``.
+
+Note [Unseen writes]
+--------------------
+``p.grad.data`` is an alias of the slot with a version counter of its own
+(so is a NumPy array over it): ``p.grad.data.zero_()`` after a lazy
+``step()`` would zero the reduced gradient that a pending update still
+needs, and neither the watch (the write is an operation on a plain tensor)
+nor the slot's version counter would see it: the update would be applied
+with zeros, silently. So taking such an alias (``.data``, ``detach()``,
+``numpy()``) counts as a write: between ``step()`` and the next backward the
+pending updates are applied first. ``p.grad.data`` taken while the iteration
+is open waits for the reduction, as any read does, and a write through it
+lands on the averaged gradient that ``step()`` uses. An alias taken earlier
+and kept (``g = p.grad.data`` once, written every iteration) is beyond any
+watch: the optimizer's read guard cannot see it either; Note [Hidden
+writes] in ``lazy.py`` covers the parameters' side of it.
+
+A ``p.grad`` replaced after
 ``backward()`` (a new tensor, or ``None``) is what ``step()`` uses for that
 parameter (Note [Replaced gradients] in ``wrapper.py``).
 
@@ -61,6 +79,10 @@ _INPLACE_OPERATORS = frozenset({
     "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__", "__imatmul__",
     "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__setitem__",
 })
+# Note [Unseen writes]: aliases that older scripts write gradients through (``p.grad.data.zero_()``,
+# ``p.grad.detach().mul_(s)``, NumPy): the write itself is an operation on a plain tensor, which we never see,
+# and through ``.data`` or NumPy not even the slot's version counter moves. So taking the alias counts as a write.
+_WRITABLE_ALIASES = frozenset({"detach", "numpy", "__array__"})
 # Copies and pickles of a watched gradient are plain tensors: what they carry is values, not our watch.
 _PLAIN_COPIES = frozenset({"__deepcopy__", "__reduce_ex__", "__reduce__", "__getstate__"})
 
@@ -82,15 +104,18 @@ class WatchedGradient(torch.Tensor):
             kwargs = {}
         name = getattr(func, "__name__", "")
         if name == "__get__":
-            reads = attribute_of(func) in _ALIAS_ATTRIBUTES
+            attribute = attribute_of(func)
+            reads = attribute in _ALIAS_ATTRIBUTES
+            writes = attribute == "data"  # Note [Unseen writes]
         elif name == "__set__":
             if attribute_of(func) == "data":
                 _refuse_data_assignment(args)
-            reads = False
+            reads = writes = False
         else:
             reads = name not in _METADATA
+            writes = _writes(name, kwargs)
         if reads:
-            _wait_for(args, kwargs, _writes(name, kwargs))
+            _wait_for(args, kwargs, writes)
         if name in _PLAIN_COPIES and args and isinstance(args[0], WatchedGradient):
             args = (plain(args[0]), *args[1:])
         with torch._C.DisableTorchFunctionSubclass():
@@ -121,8 +146,10 @@ def plain(t: torch.Tensor) -> torch.Tensor:
 
 def _writes(name: str, kwargs) -> bool:
     """Whether an operation that reads its tensors may also change them in place: ``zero_``, ``mul_``,
-    ``_foreach_mul_``, ``+=``, ``[k] =``, or anything with ``out=``."""
-    return (name.endswith("_") and not name.endswith("__")) or name in _INPLACE_OPERATORS or "out" in kwargs
+    ``_foreach_mul_``, ``+=``, ``[k] =``, anything with ``out=``, or an alias to write through (Note [Unseen
+    writes])."""
+    return ((name.endswith("_") and not name.endswith("__")) or name in _INPLACE_OPERATORS or "out" in kwargs
+            or name in _WRITABLE_ALIASES)
 
 
 def _wait_for(args, kwargs, writes: bool) -> None:

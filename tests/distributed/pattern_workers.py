@@ -1284,10 +1284,17 @@ def numpy_alias_written_after_step(job: Job) -> dict:
     return job.result(model, ref, opt, pending=pending)
 
 
-def p11_model_zero_grad_keep(job: Job) -> dict:
-    """Older scripts' loop: backward, step(), then model.zero_grad(set_to_none=False), with no optimizer.zero_grad()
-    before backward. The zeroing writes gradients whose updates wait for the next forward (Note [Gradient reads]
-    in watched.py): they are applied first, and the next backward adds to the zeros, as in plain torch."""
+def _zero_through_data(model) -> None:
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.data.zero_()
+
+
+def p11_model_zero_grad_keep(job: Job, zero=lambda model: model.zero_grad(set_to_none=False)) -> dict:
+    """Older scripts' loop: backward, step(), then model.zero_grad(set_to_none=False) (or ``zero``), with no
+    optimizer.zero_grad() before backward. The zeroing writes gradients whose updates wait for the next forward
+    (Note [Gradient reads] and Note [Unseen writes] in watched.py): they are applied first, and the next backward
+    adds to the zeros, as in plain torch."""
     records = []
 
     class Capture(logging.Handler):
@@ -1303,7 +1310,7 @@ def p11_model_zero_grad_keep(job: Job) -> dict:
         for step in range(STEPS):
             mse(model, step, job.rank).backward()
             job.step(opt)
-            model.zero_grad(set_to_none=False)
+            zero(model)
             zeroed.append(all(not p.grad.any() for p in model.parameters()))
             reference_grads(ref, lambda r, step=step: mse(ref, step, r), job.world)
             ropt.step()
@@ -1315,6 +1322,7 @@ def p11_model_zero_grad_keep(job: Job) -> dict:
 
 WORK = {
     "P11_model_zero_grad_set_to_none_false": p11_model_zero_grad_keep,
+    "P11b_grad_data_zeroed_after_step": lambda job: p11_model_zero_grad_keep(job, _zero_through_data),
     "P3a_parameterlist_in_parent": _module_pattern(ParamListNet),
     "P3b_child_weight_via_F_linear": _module_pattern(FunctionalChildNet),
     "P3c_bare_weight_via_F_linear": _module_pattern(FunctionalBareNet),

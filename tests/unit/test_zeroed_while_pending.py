@@ -151,13 +151,32 @@ def _add_one(model):
         p.grad += 1.0  # an in-place operator: a write, as zero_() is
 
 
+def _through_data(model):
+    for p in model.parameters():
+        p.grad.data.zero_()  # .data: a version counter of its own (Note [Unseen writes])
+
+
+def _through_detach(model):
+    for p in model.parameters():
+        p.grad.detach().mul_(0.5)
+
+
+def _through_numpy(model):
+    for p in model.parameters():
+        p.grad.numpy()[...] = 0.25  # NumPy's write moves no version counter
+
+
 @pytest.mark.parametrize("write", [lambda m: m.zero_grad(set_to_none=False), _add_one,
-                                   lambda m: torch._foreach_mul_([p.grad for p in m.parameters()], 0.5)],
-                         ids=["model.zero_grad(set_to_none=False)", "p.grad += 1", "_foreach_mul_"])
+                                   lambda m: torch._foreach_mul_([p.grad for p in m.parameters()], 0.5),
+                                   _through_data, _through_detach, _through_numpy],
+                         ids=["model.zero_grad(set_to_none=False)", "p.grad += 1", "_foreach_mul_",
+                              "p.grad.data.zero_()", "p.grad.detach().mul_()", "p.grad.numpy()"])
 def test_a_write_to_p_grad_after_a_lazy_step_applies_the_pending_updates_first(settled, caplog, write):
     """Plain torch's p.grad after step() is the reduced gradient, and an in-place write after step() changes
     what the next backward adds to. Ours still waits for the next forward's updates there: they are applied
-    first, then the write lands on the gradient (it used to stop at the next apply with a DCreditError)."""
+    first, then the write lands on the gradient. Before, a write through p.grad stopped at the next apply with a
+    DCreditError, and one through p.grad.data or NumPy (which move no version counter) was lost: the pending update
+    was applied with what the write left, silently."""
     model, opt, ref, ropt = settled
     core = opt._dc
     with caplog.at_level("WARNING"):
