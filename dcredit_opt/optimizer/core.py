@@ -387,9 +387,10 @@ class Core:
             name = self.names[next(i for i in indices if lazy.pending[i])]
             self.told.tell("written while pending", (
                 f"dcredit_opt: p.grad of '{name}' was changed in place after step() while its update waited for the "
-                "next forward (model.zero_grad(set_to_none=False) after step() does that): the pending updates "
-                "are applied first, so the change lands on the gradient as in plain torch, but they do not overlap "
-                "the forward then. optimizer.zero_grad() before backward keeps the overlap. Said once."))
+                "next forward (model.zero_grad(set_to_none=False) after step() does that), or taken as .data, "
+                "detach() or NumPy, which can change it unseen: the pending updates are applied first, so the "
+                "change lands on the gradient as in plain torch, but they do not overlap the forward then. "
+                "optimizer.zero_grad() before backward keeps the overlap. Said once."))
             self.apply_pending()
         self.backward.gradients_read(indices)
 

@@ -113,7 +113,7 @@ class WatchedGradient(torch.Tensor):
             reads = writes = False
         else:
             reads = name not in _METADATA
-            writes = _writes(name, kwargs)
+            writes = _writes(name, args, kwargs)
         if reads:
             _wait_for(args, kwargs, writes)
         if name in _PLAIN_COPIES and args and isinstance(args[0], WatchedGradient):
@@ -144,12 +144,22 @@ def plain(t: torch.Tensor) -> torch.Tensor:
         return t.as_subclass(torch.Tensor)
 
 
-def _writes(name: str, kwargs) -> bool:
-    """Whether an operation that reads its tensors may also change them in place: ``zero_``, ``mul_``,
-    ``_foreach_mul_``, ``+=``, ``[k] =``, anything with ``out=``, or an alias to write through (Note [Unseen
-    writes])."""
-    return ((name.endswith("_") and not name.endswith("__")) or name in _INPLACE_OPERATORS or "out" in kwargs
-            or name in _WRITABLE_ALIASES)
+def _writes(name: str, args, kwargs) -> bool:
+    """Whether an operation may change a watched gradient in place: ``zero_``, ``mul_``, ``_foreach_mul_``,
+    ``+=`` or ``[k] =`` on one (its first argument), ``out=`` one, or an alias of one to write through (Note
+    [Unseen writes]). ``buf.copy_(p.grad)`` reads the gradient only."""
+    if "out" in kwargs and _has_watched(kwargs["out"]):
+        return True
+    target = args[0] if args else None
+    return ((name.endswith("_") and not name.endswith("__")) or name in _INPLACE_OPERATORS
+            or name in _WRITABLE_ALIASES) and _has_watched(target)
+
+
+def _has_watched(t) -> bool:
+    """``t`` is a watched gradient, or a list or tuple holding one."""
+    if isinstance(t, WatchedGradient):
+        return True
+    return isinstance(t, (list, tuple)) and any(isinstance(x, WatchedGradient) for x in t)
 
 
 def _wait_for(args, kwargs, writes: bool) -> None:

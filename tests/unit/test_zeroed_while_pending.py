@@ -192,8 +192,9 @@ def test_a_write_to_p_grad_after_a_lazy_step_applies_the_pending_updates_first(s
 
 
 def test_a_read_of_p_grad_after_a_lazy_step_leaves_the_updates_pending(settled):
-    """Only writes apply early: logging a gradient after step() keeps the overlap."""
-    model, opt, _, _ = settled
+    """Only writes apply early: logging a gradient after step(), or copying it into a buffer of one's own (an
+    in-place operation on the buffer, not on the gradient), keeps the overlap."""
+    model, opt, ref, _ = settled
     core = opt._dc
     loss(model, 4).backward()
     opt.step()
@@ -201,4 +202,10 @@ def test_a_read_of_p_grad_after_a_lazy_step_leaves_the_updates_pending(settled):
     assert npending
     norms = [float(p.grad.norm()) for p in model.parameters()]
     assert all(n > 0 for n in norms)
+    # Buffers made from the plain copy: a torch call on a pending parameter would apply its update first.
+    kept = [torch.zeros_like(q) for q in ref.parameters()]
+    for buf, p in zip(kept, model.parameters()):
+        buf.copy_(p.grad)
+    torch._foreach_add_(kept, [p.grad for p in model.parameters()])
     assert core.lazy.npending == npending
+    assert all(torch.allclose(buf, 2 * p.grad) for buf, p in zip(kept, model.parameters()))
