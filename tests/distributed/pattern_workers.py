@@ -1081,7 +1081,9 @@ def optimizer_per_head(by_rank: bool, set_to_none: bool = True):
     return run
 
 
-def p6_custom_global_clip(job: Job) -> dict:
+@contextlib.contextmanager
+def logged():
+    """The messages logged on logger 'dcredit_opt' inside the block, as a list that fills as they come."""
     records = []
 
     class Capture(logging.Handler):
@@ -1092,10 +1094,15 @@ def p6_custom_global_clip(job: Job) -> dict:
     logger = logging.getLogger("dcredit_opt")
     logger.addHandler(handler)
     try:
-        model, ref, opt, ropt = job.make(Net, ClipSGD)
-        job.train(model, ref, opt, ropt)
+        yield records
     finally:
         logger.removeHandler(handler)
+
+
+def p6_custom_global_clip(job: Job) -> dict:
+    with logged() as records:
+        model, ref, opt, ropt = job.make(Net, ClipSGD)
+        job.train(model, ref, opt, ropt)
     lazy_notices = [m for m in records if "lazy_step" in m]
     return job.result(model, ref, opt, lazy_step_notices=lazy_notices, log_records=records)
 
@@ -1295,16 +1302,7 @@ def p11_model_zero_grad_keep(job: Job, zero=lambda model: model.zero_grad(set_to
     optimizer.zero_grad() before backward. The zeroing writes gradients whose updates wait for the next forward
     (Note [Gradient reads] and Note [Unseen writes] in watched.py): they are applied first, and the next backward
     adds to the zeros, as in plain torch."""
-    records = []
-
-    class Capture(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    handler = Capture()
-    logger = logging.getLogger("dcredit_opt")
-    logger.addHandler(handler)
-    try:
+    with logged() as records:
         model, ref, opt, ropt = job.make(Net, _sgd)
         zeroed = []
         for step in range(STEPS):
@@ -1314,8 +1312,6 @@ def p11_model_zero_grad_keep(job: Job, zero=lambda model: model.zero_grad(set_to
             zeroed.append(all(not p.grad.any() for p in model.parameters()))
             reference_grads(ref, lambda r, step=step: mse(ref, step, r), job.world)
             ropt.step()
-    finally:
-        logger.removeHandler(handler)
     notices = [m for m in records if "was changed in place after step()" in m]
     return job.result(model, ref, opt, zeroed=all(zeroed), told_once=len(notices) == 1)
 
