@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import threading
 import warnings
 import weakref
 
@@ -82,6 +83,7 @@ class Core:
         self._step_noted = step_noted  # checks.StepNoted, for an LR scheduler built before wrapping
         self.skip = False  # inside optimizer.skip_synchronize()
         self._spares: list | None = None  # Note [Zeroed while pending]: what p.grad is in place of a slot still needed
+        self._step_thread: int | None = None  # the thread of the last step()
         # Note [Zeroed while pending]: torch's own zero_grad zeroes every p.grad of the groups in place
         self._base_zeroes_all = base.zero_grad is torch.optim.Optimizer.zero_grad
         self._replan = False  # this step() stages a plan: it must be eager
@@ -193,6 +195,7 @@ class Core:
 
     def step(self, closure, grad_scaler):
         self.require_open("step()")
+        self._step_thread = threading.get_ident()  # where updates it defers may be applied ahead of a forward
         if self._step_noted is not None:
             self._step_noted()
         stepper, backward = self.stepper, self.backward
@@ -385,6 +388,12 @@ class Core:
             # Between a lazy step() and the next backward the slot still holds the reduced gradient that a
             # pending update needs: the updates first, then the change lands where plain torch's would.
             name = self.names[next(i for i in indices if lazy.pending[i])]
+            if threading.get_ident() != self._step_thread:
+                raise DCreditError(
+                    f"p.grad of '{name}' was changed in place, or taken as .data, detach() or NumPy, on another "
+                    "thread than the one that called step(), while its update waited for the next forward: applying "
+                    "it there would race that forward. Change gradients after step() on the thread that calls "
+                    "step() (or clear them with optimizer.zero_grad() there)")
             self.told.tell("written while pending", (
                 f"dcredit_opt: p.grad of '{name}' was changed in place after step() while its update waited for the "
                 "next forward (model.zero_grad(set_to_none=False) after step() does that), or taken as .data, "

@@ -209,3 +209,35 @@ def test_a_read_of_p_grad_after_a_lazy_step_leaves_the_updates_pending(settled):
     torch._foreach_add_(kept, [p.grad for p in model.parameters()])
     assert core.lazy.npending == npending
     assert all(torch.allclose(buf, 2 * p.grad) for buf, p in zip(kept, model.parameters()))
+
+
+def test_a_write_after_a_lazy_step_on_another_thread_is_refused_and_changes_nothing(settled):
+    """Applying the pending updates there would race the training thread's next forward: refused, naming the
+    parameter, before anything is applied or written."""
+    import threading
+
+    model, opt, ref, ropt = settled
+    core = opt._dc
+    loss(model, 4).backward()
+    opt.step()
+    loss(ref, 4).backward()
+    ropt.step()
+    npending = core.lazy.npending
+    grads = [q.grad.clone() for q in ref.parameters()]
+    seen = []
+
+    def other():
+        try:
+            next(model.parameters()).grad.data.zero_()
+        except dc.DCreditError as e:
+            seen.append(str(e))
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join(30)
+    assert len(seen) == 1 and "'0.weight'" in seen[0] and "another thread" in seen[0]
+    assert core.lazy.npending == npending  # nothing applied
+    for p, g in zip(model.parameters(), grads):
+        assert torch.allclose(p.grad, g, atol=1e-6)  # nothing written
+    opt.synchronize()
+    assert_same(model, ref)
