@@ -21,7 +21,8 @@ lazy ``step()`` and the next backward (``model.zero_grad(set_to_none=False)``
 after ``step()``, as older scripts do) lands on a gradient whose update still
 waits for it: the pending updates are applied first (``Core.gradients_read``
 with ``writes``), so the change lands on the gradient as plain torch has it
-after ``step()``.
+after ``step()``; on another thread than the one that called ``step()`` it
+is refused (applying there would race the next forward).
 
 Note [Unseen writes]
 --------------------
