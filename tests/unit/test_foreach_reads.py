@@ -87,10 +87,7 @@ def test_one_foreach_operation_over_two_optimizers_gradients_waits_for_each():
 def test_on_a_gpu_kept_gradients_and_clipping_equal_plain_torch():
     """``zero_grad(set_to_none=False)`` and ``clip_grad_norm_`` every iteration, on a GPU: the spares swapped in,
     the clip's foreach calls over watched gradients, the same weights as plain torch."""
-    model, ref = net().cuda(), net().cuda()
-    opt = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                  named_parameters=model.named_parameters(), config=LAZY)
-    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    model, opt, ref, ropt = pair(LAZY, models=(net().cuda(), net().cuda()))
     try:
         for s in range(8):
             for m, o in ((model, opt), (ref, ropt)):

@@ -29,9 +29,10 @@ def loss(model, s):
     return model(batch(s)).pow(2).mean()
 
 
-def pair(config, **wrap):
-    """A wrapped model and a plain copy with its own plain SGD."""
-    model, ref = net(), net()
+def pair(config, models=None, **wrap):
+    """A wrapped model and a plain copy with its own plain SGD: ``models`` (the model and its copy), or two
+    ``net()``."""
+    model, ref = models if models is not None else (net(), net())
     opt = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                   named_parameters=model.named_parameters(), config=config, **wrap)
     return model, opt, ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
@@ -84,10 +85,7 @@ def test_steady_state_hands_every_gradient_over_in_cpp(config):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the hook runs on autograd's device "
                                                            "thread there, and marks blocks ready on its stream)")
 def test_steady_state_on_a_gpu_hands_every_gradient_over_in_cpp_and_equals_plain_torch():
-    model, ref = net().cuda(), net().cuda()
-    opt = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                  named_parameters=model.named_parameters(), config=LAZY)
-    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    model, opt, ref, ropt = pair(LAZY, models=(net().cuda(), net().cuda()))
 
     def gpu_loss(m, s):
         return m(batch(s).cuda()).pow(2).mean()
@@ -117,11 +115,8 @@ def test_device_windows_on_a_gpu_equal_plain_torch(lazy_step):
     the one before it on the device; training equals plain torch, lazy or eager, and the launches did not
     wait for the device: with the device held up in the last backward, every block of that iteration was
     launched before the first had finished."""
-    model, ref = net().cuda(), net().cuda()
     config = dc.Config(block_bytes=64, window=1, policy="fixed", lazy_step=lazy_step, device_windows=True)
-    opt = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                  named_parameters=model.named_parameters(), config=config)
-    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    model, opt, ref, ropt = pair(config, models=(net().cuda(), net().cuda()))
     inputs = [batch(s).cuda() for s in range(8)]
     try:
         for s in range(8):
@@ -153,11 +148,8 @@ def test_on_a_gpu_the_lazy_step_waits_on_the_stream_not_on_the_host():
     that: when it returns, the device has not yet passed the sleep. The updates still land after the reduced
     gradients, as plain torch's do. No credit window here: a block waiting for a slot in one waits for the
     device to finish an earlier block (the window counts device completion), and the host with it."""
-    model, ref = net().cuda(), net().cuda()
     config = dc.Config(block_bytes=64, window=-1, policy="fixed", lazy_step="on")
-    opt = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                  named_parameters=model.named_parameters(), config=config)
-    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    model, opt, ref, ropt = pair(config, models=(net().cuda(), net().cuda()))
     # On the GPU beforehand: a copy from pageable host memory would wait, on the host, behind the sleep.
     inputs = [batch(s).cuda() for s in range(8)] + [batch(100 + s).cuda() for s in range(8)]
     torch.cuda.synchronize()
@@ -448,9 +440,7 @@ def test_the_leader_takes_the_read_guard_off_before_the_forwards_first_operation
     stack (no guard cost); training equals plain torch."""
     model, ref = _Positions(), _Positions()
     ref.load_state_dict(model.state_dict())
-    opt = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                  named_parameters=model.named_parameters(), config=LAZY)
-    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    model, opt, ref, ropt = pair(LAZY, models=(model, ref))
     try:
         for s in range(6):
             for m, o in ((model, opt), (ref, ropt)):
