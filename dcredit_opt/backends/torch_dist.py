@@ -260,7 +260,6 @@ def _at_rank(collective, where: str):
     return call
 
 
-
 class _SideSum:
     """One slot: at most one sum over ranks in flight on the side group (the tally, or DeFT's delayed sum),
     started by the side group's thread (Note [Side sums] in csrc/torch/side_sums.h)."""

@@ -438,7 +438,7 @@ def _remove_from_stack(mode: TorchFunctionMode) -> bool:
     if _stack_at(n - 1) is mode:  # on top: the guard alone, the common case while updates wait
         torch._C._pop_torch_function_stack()
         return True
-    if not any(_stack_at(k) is mode for k in range(n - 1)):
+    if not _on_stack(mode):
         return False
     above = []
     while True:
