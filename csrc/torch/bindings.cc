@@ -312,17 +312,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("tensors"), py::arg("timeout_s"), release(),
           "The blocks to wait on once every block of `tensors` is final; None if a block failed or the gate closed.");
 
-  // Note [Side sums] in side_sums.h: the side group's sums, started by a thread of ours in the order queued.
+  // Note [Side sums] in side_sums.h: the side group's sums, started from C++ on the calling thread.
   py::class_<SideSums>(m, "SideSums")
       .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>>(), py::arg("group"))
       .def("start", &SideSums::Start, py::arg("tensor"), release(),
-           "Queue an in-place sum of the CPU tensor over the group's ranks; its ticket.")
+           "Start an in-place sum of the CPU tensor over the group's ranks, now; its ticket.")
       .def(
           "wait", [](SideSums& s, int64_t ticket, double timeout_s) { Rethrow([&] { s.Wait(ticket, ToMs(timeout_s)); }); },
           py::arg("ticket"), py::arg("timeout_s"), release(), "Until sum `ticket` is done.")
-      .def(
-          "drain", [](SideSums& s, double timeout_s) { Rethrow([&] { s.Drain(ToMs(timeout_s)); }); },
-          py::arg("timeout_s"), release(), "Until every queued sum has been started.")
       .def("close", &SideSums::Close, release());
 
   py::class_<Engine>(m, "Engine")

@@ -102,7 +102,7 @@ class TorchDistBackend:
         self._members = members if members is not None else _Everyone()
         self._groups = self._members.channel_groups(channels)  # this backend's own (see the module docstring)
         self._tally_group = self._members.channel_groups(1, backend="gloo")[0]  # Note [Global usage] in usage.py
-        # Note [Side sums] in csrc/torch/side_sums.h: a thread of ours starts the side group's sums, in order.
+        # Note [Side sums] in csrc/torch/side_sums.h: the side group's sums, started from C++ on this thread.
         self._side = _ext.load().SideSums(self._tally_group)
         self._tally = _SideSum(self._side, "a tally")
         self._delayed = _SideSum(self._side, "a delayed sum")  # the background sum of delayed gradients (deft.py)
@@ -156,18 +156,14 @@ class TorchDistBackend:
             raise DCreditError("this optimizer's channels are closed (dc.shutdown() or the optimizer's close)")
 
     def _side_group(self):
-        """The side group (Note [Global usage] in usage.py), for a collective the training thread starts itself:
-        after every queued sum has been started (Note [Side sums] in csrc/torch/side_sums.h)."""
+        """The side group (Note [Global usage] in usage.py), for a collective the training thread starts itself;
+        the sums it started before are on the group already (Note [Side sums] in csrc/torch/side_sums.h)."""
         self._open()
-        try:
-            self._side.drain(self._timeout_s)
-        except (RuntimeError, TimeoutError) as e:
-            raise peers.at_rank(e, "starting the sums queued on the side group") from e
         return self._tally_group
 
     def start_tally(self, counts) -> None:
         """Start summing the CPU tensor ``counts`` over ranks, in place, on a Gloo group of its own (Note
-        [Global usage] in usage.py), off this thread (Note [Side sums]). One at a time: ``wait_tally`` before
+        [Global usage] in usage.py), from C++ (Note [Side sums]). One at a time: ``wait_tally`` before
         the next."""
         self._open()
         self._tally.start(counts)
@@ -207,8 +203,8 @@ class TorchDistBackend:
             tensor.copy_(host)
 
     def start_delayed(self, flat) -> None:
-        """Start summing the CPU tensor ``flat`` over ranks, in place, on the side group, after whatever is
-        queued there (Note [Delayed updates] in planner/deft.py). One at a time: ``wait_delayed`` first."""
+        """Start summing the CPU tensor ``flat`` over ranks, in place, on the side group, after whatever was
+        started there (Note [Delayed updates] in planner/deft.py). One at a time: ``wait_delayed`` first."""
         self._open()
         self._delayed.start(flat)
 
@@ -220,13 +216,13 @@ class TorchDistBackend:
         """Stop the engine, then destroy the groups: the engine's dispatch thread is gone, and the
         optimizer has drained what was in flight."""
         self.engine.shutdown()
-        if self._delayed.in_flight:  # queued before the next tally on the side group: wait for it too
+        if self._delayed.in_flight:  # started before the next tally on the side group: wait for it too
             self._wait_at_close(self.wait_delayed, "the last background sum of delayed gradients")
         if self._tally.in_flight:
             # A slower peer may start its last tally well after our blocks are done: destroying the group
             # first would fail that peer's tally.
             self._wait_at_close(self.wait_tally, "the last sum of which gradients each rank computed")
-        self._side.close()  # its thread has started every queued sum, and the waits above saw them finish
+        self._side.close()  # the waits above saw every sum finish
         groups, self._groups = self._groups + [self._tally_group], []
         self._tally_group = None  # the engine let go of its groups (Engine.shutdown): now they can really go
         self._members.destroy_channel_groups(groups)
@@ -262,7 +258,7 @@ def _at_rank(collective, where: str):
 
 class _SideSum:
     """One slot: at most one sum over ranks in flight on the side group (the tally, or DeFT's delayed sum),
-    started by the side group's thread (Note [Side sums] in csrc/torch/side_sums.h)."""
+    started from C++ on the training thread (Note [Side sums] in csrc/torch/side_sums.h)."""
 
     def __init__(self, sums, what: str):
         self._sums = sums
@@ -274,7 +270,7 @@ class _SideSum:
         return self._ticket is not None
 
     def start(self, tensor) -> None:
-        """Queue the sum of ``tensor`` over the side group's ranks (every rank is in it), in place."""
+        """Start the sum of ``tensor`` over the side group's ranks (every rank is in it), in place."""
         assert self._ticket is None, f"{self._what} is already in flight"
         self._ticket = self._sums.start(tensor)
 

@@ -1,6 +1,6 @@
-"""Note [Side sums] (csrc/torch/side_sums.h): the side group's sums are queued by the training thread and started,
-in the order queued, by a thread of ours; anything the training thread starts itself on that group comes after
-``drain()``. Two ranks here are two threads of this process, each with its own Gloo group over one store."""
+"""Note [Side sums] (csrc/torch/side_sums.h): the side group's sums are started from C++ on the calling thread, in
+the order of the calls, and waited for through their tickets; anything else started on that group comes after them.
+Two ranks here are two threads of this process, each with its own Gloo group over one store."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def _on_ranks(work, world: int = 2):
         raise errors[0]
 
 
-def test_sums_start_in_the_order_queued_and_come_back_through_their_tickets():
+def test_sums_start_in_the_order_of_the_calls_and_come_back_through_their_tickets():
     groups = _groups()
     sums = [C.SideSums(g) for g in groups]
     tensors = [[torch.tensor([1 + r, 2], dtype=torch.int32), torch.full((5,), 0.5 * (r + 1)),
@@ -95,39 +95,38 @@ def test_a_wait_times_out_while_the_peer_has_not_started_and_the_sum_still_finis
     s1.close()
 
 
-def test_what_the_training_thread_starts_itself_after_drain_pairs_with_the_peers_in_order():
+def test_what_the_training_thread_starts_itself_on_the_group_pairs_with_the_peers_after_the_sums():
     groups = _groups()
     sums = [C.SideSums(g) for g in groups]
-    queued = [torch.full((8,), float(r + 1)) for r in range(2)]
+    started = [torch.full((8,), float(r + 1)) for r in range(2)]
     direct = [torch.full((2,), 10.0 * (r + 1)) for r in range(2)]
 
     def rank(r: int) -> None:
-        ticket = sums[r].start(queued[r])
-        sums[r].drain(20.0)  # the queued sum started: a collective started here now comes after it
-        groups[r].allreduce([direct[r]]).wait(datetime.timedelta(seconds=20))
+        ticket = sums[r].start(started[r])
+        groups[r].allreduce([direct[r]]).wait(datetime.timedelta(seconds=20))  # second on the group, on both ranks
         sums[r].wait(ticket, 20.0)
 
     _on_ranks(rank)
     for r in range(2):
-        assert queued[r].tolist() == [3.0] * 8
+        assert started[r].tolist() == [3.0] * 8
         assert direct[r].tolist() == [30.0, 30.0]
     for s in sums:
         s.close()
 
 
-def test_close_starts_what_is_queued_and_then_refuses_more():
+def test_close_refuses_more_and_a_sum_in_flight_still_finishes():
     groups = _groups()
     s0, s1 = C.SideSums(groups[0]), C.SideSums(groups[1])
     a0, a1 = torch.ones(3), torch.ones(3)
     t0 = s0.start(a0)
-    s0.close()  # its thread starts the queued sum before it goes
+    s0.close()
     s0.close()  # idempotent
+    with pytest.raises(CollectiveError, match="the side group is closed"):
+        s0.start(torch.ones(3))
     t1 = s1.start(a1)
     s1.wait(t1, 20.0)
     s0.wait(t0, 20.0)  # a sum in flight at close finishes, and can be waited for
     assert a0.tolist() == a1.tolist() == [2.0] * 3
-    with pytest.raises(CollectiveError, match="the side group is closed"):
-        s0.start(torch.ones(3))
     s1.close()
 
 
@@ -140,6 +139,6 @@ def test_a_tensor_it_cannot_sum_is_refused_at_once():
     with pytest.raises(ValueError, match="timeout_s must be positive"):
         sums.wait(0, 0.0)
     ok = torch.ones(2)
-    sums.wait(sums.start(ok), 20.0)  # nothing queued by the refusals: the next ticket is the next sum
+    sums.wait(sums.start(ok), 20.0)  # nothing started by the refusals: the next ticket is the next sum
     assert ok.tolist() == [1.0, 1.0]
     sums.close()
