@@ -99,6 +99,7 @@ within a forward would recompile it.
 from __future__ import annotations
 
 import weakref
+from itertools import compress
 
 from ..errors import DCreditError
 from .buffers import clear, fill, indices_of, per_tensor
@@ -221,8 +222,14 @@ class LazyUpdates:
         Tensors with embedding rows (``rows_of``) wait for their own module (their rows are gathered apart
         from the blocks)."""
         order, pending = self._read_order, self.pending
-        found = []
         k = self._ahead
+        if not own and not rows_of and 0 not in done:
+            # Every reduced gradient final (communication ended before this forward: the common case at the
+            # leader): every pending tensor from here on, in one C pass.
+            rest = order[k:]
+            self._ahead = len(order)
+            return tuple(compress(rest, map(pending.__getitem__, rest)))
+        found = []
         while k < len(order):
             i = order[k]
             if pending[i] and i not in own and i not in rows_of:

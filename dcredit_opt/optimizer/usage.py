@@ -446,7 +446,7 @@ class UsageTally:
     def unused_everywhere(self, indices) -> list:
         """Of tensors ``indices``, those no rank computed a gradient for in the iteration being applied."""
         usage = self._usage
-        if usage is None:
+        if usage is None or 0 not in usage.here:  # this rank had every gradient (the common case): one C pass
             return []
         maybe = [i for i in indices if not usage.here[i]]
         if not maybe:
