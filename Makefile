@@ -9,7 +9,7 @@ STAMP := $(VENV)/.dcredit-deps-$(TORCH_VERSION)
 SOURCES := $(wildcard csrc/core/*.cc csrc/core/*.h csrc/torch/*.cc csrc/torch/*.h) setup.py
 EXT_STAMP := $(VENV)/.dcredit-ext
 
-.PHONY: install test test-unit test-distributed test-cpp demo bench horovod lint sanitize clean faults soak
+.PHONY: install test test-unit test-distributed test-cpp demo bench horovod lint sanitize sanitize-ext clean faults soak
 
 install: $(EXT_STAMP)
 
@@ -29,7 +29,7 @@ $(EXT_STAMP): $(STAMP) $(SOURCES)
 # the first time, instant afterwards).
 # The C++ core runs alone under ThreadSanitizer and ASan+UBSan first (about
 # 2 minutes; any report fails the build).
-test: install horovod sanitize
+test: install horovod sanitize sanitize-ext
 	$(PY) -m pytest tests -q --durations=25
 
 test-unit: install
@@ -83,6 +83,12 @@ test-cpp:
 sanitize:
 	bash tests/cpp/run.sh thread
 	bash tests/cpp/run.sh address
+
+# The whole extension (csrc/torch too: the autograd hooks, the side sums, the
+# c10d backend) under AddressSanitizer + UBSan, with the Python tests that drive
+# it (build/asan-ext/, rebuilt when a source changed); any report fails.
+sanitize-ext: install
+	bash tests/cpp/ext_sanitize.sh
 
 # The CUDA build of the extension, compiled with this machine's CUDA toolkit
 # against the CUDA torch in a separate venv (.venv-cuda, about 5.5 GB); needs

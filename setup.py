@@ -16,6 +16,7 @@ compiles ``CUDA_ONLY`` with ``DCREDIT_WITH_CUDA`` defined (see
 code at all.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -56,6 +57,12 @@ CUDA_ONLY = ["csrc/torch/cuda_sync.cc"]
 # debugger builds of the core are tests/cpp/run.sh's).
 CXX_FLAGS = ["-O2", "-Wall", "-g0"]
 LINK_FLAGS = ["-s"]
+if os.environ.get("DCREDIT_SANITIZE") == "address":
+    # tests/cpp/ext_sanitize.sh alone (make sanitize-ext): the whole extension with AddressSanitizer + UBSan,
+    # into a build folder of its own; never a build users install.
+    CXX_FLAGS = ["-O1", "-g", "-Wall", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+                 "-fno-sanitize-recover=all"]
+    LINK_FLAGS = ["-fsanitize=address,undefined"]
 
 
 def with_cuda() -> bool:
