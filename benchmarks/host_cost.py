@@ -33,7 +33,9 @@ With ``--together`` every way runs in one process on its own copy of the
 model, taking turns in blocks of ``--block`` iterations: on a machine that
 other jobs share (the 2-core development machine always is), load then weighs
 on every way alike, and the ratios are the figures to quote; the intervals
-are over turns.
+are over turns. It also prints each phase's median per way (``zero_grad``,
+forward, backward, ``step()``) and ours minus the others': with a lazy step
+our forward applies the updates that the others make in ``step()``.
 """
 
 from __future__ import annotations
@@ -104,24 +106,40 @@ def _build(way: str, model_name: str, optimizer: str = "sgd"):
     return net, opt, x, y, len(list(model.parameters()))
 
 
-def _timed(net, opt, x, y, iters: int, set_to_none: bool = True, clip: bool = False) -> tuple[list[float], float]:
+PHASES = ("zero_grad", "forward", "backward", "step")
+"""The phases of an iteration timed apart; ``backward`` includes the clip where there is one. With a lazy step our
+``step()`` leaves the optimizer's own work to the next forward, which applies the updates."""
+
+
+def _timed(net, opt, x, y, iters: int, set_to_none: bool = True, clip: bool = False,
+           phases: dict | None = None) -> tuple[list[float], float]:
     """``iters`` training iterations: each one's wall time, and the training thread's CPU per iteration.
     ``set_to_none``: what each iteration's ``zero_grad`` does with the last gradients (False: zeroes them);
-    ``clip``: ``clip_grad_norm_`` between backward and step."""
+    ``clip``: ``clip_grad_norm_`` between backward and step; ``phases``: where given, each phase's time of each
+    iteration is appended to its list (:data:`PHASES`)."""
     import torch
 
     from benchmarks.models import loss_fn
 
     walls = []
+    clock = time.perf_counter
     cpu0 = time.thread_time()
     for _ in range(iters):
-        t = time.perf_counter()
+        t0 = clock()
         opt.zero_grad(set_to_none=set_to_none)
-        loss_fn(net(x), y).backward()
+        t1 = clock()
+        loss = loss_fn(net(x), y)
+        t2 = clock()
+        loss.backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        t3 = clock()
         opt.step()
-        walls.append(time.perf_counter() - t)
+        t4 = clock()
+        walls.append(t4 - t0)
+        if phases is not None:
+            for name, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                phases[name].append(dt)
     return walls, (time.thread_time() - cpu0) / iters
 
 
@@ -173,13 +191,17 @@ def run_together(ways: list[str], rounds: int, block: int, model_name: str, opti
     runners = {way: _build(way, model_name, optimizer) for way in ways}
     walls = {w: [] for w in ways}
     cpus = {w: [] for w in ways}
+    phases = {w: {name: [] for name in PHASES} for w in ways}
 
     def turn(way: str, iters: int, keep: bool) -> None:
         net, opt, x, y, _ = runners[way]
-        block_walls, cpu = _timed(net, opt, x, y, iters, set_to_none, clip)
+        timed = {name: [] for name in PHASES}
+        block_walls, cpu = _timed(net, opt, x, y, iters, set_to_none, clip, timed)
         if keep:
             walls[way].append(block_walls[1:])
             cpus[way].append(cpu)
+            for name in PHASES:
+                phases[way][name].extend(timed[name][1:])
         if hasattr(opt, "synchronize"):
             opt.synchronize()
 
@@ -191,7 +213,9 @@ def run_together(ways: list[str], rounds: int, block: int, model_name: str, opti
     collectives = {way: _collectives(runners[way][1]) for way in ways}
     dc.shutdown()
     dist.destroy_process_group()
-    return {"walls": walls, "cpus": cpus, "collectives": collectives, "params": runners[ways[0]][4]}
+    medians = {w: {name: statistics.median(phases[w][name]) for name in PHASES} for w in ways}
+    return {"walls": walls, "cpus": cpus, "collectives": collectives, "params": runners[ways[0]][4],
+            "phases": medians}
 
 
 def _child(net: LoopbackNetwork, timeout_s: float, *args: str) -> dict:
@@ -222,6 +246,17 @@ def _summary(ways: list[str], walls: dict, cpus: dict, plans: dict, params: int)
         text = f"[{1 / ci[1]:.2f}, {1 / ci[0]:.2f}]" if ci else "-"
         print(f"dc / {base}: {ratio:.2f}x the time {text}; {(med['dc'] - med[base]) * 1e3:+.2f} ms per iteration "
               f"({(med['dc'] - med[base]) / params * 1e6:+.1f} us per parameter)")
+
+
+def _phase_table(ways: list[str], medians: dict) -> None:
+    """Each phase's median per way (``medians[way][phase]``, seconds), and ours minus each other way's. With a lazy
+    step, our forward applies the updates that the others make in ``step()``."""
+    print("phase medians (us): " + "  ".join(f"{w:>9s}" for w in ways)
+          + "".join(f"  dc-{w:<6s}" for w in ways if w != "dc"))
+    for name in PHASES:
+        row = "  ".join(f"{medians[w][name] * 1e6:9.1f}" for w in ways)
+        diffs = "".join(f"  {(medians['dc'][name] - medians[w][name]) * 1e6:+9.1f}" for w in ways if w != "dc")
+        print(f"  {name:17s}  {row}{diffs}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -270,6 +305,7 @@ def main(argv: list[str] | None = None) -> None:
         plans = {w: "" if r["collectives"][w] is None else f"   collectives per iteration: {r['collectives'][w]}"
                  for w in ways}
         _summary(ways, r["walls"], r["cpus"], plans, r["params"])  # intervals over turns
+        _phase_table(ways, r["phases"])
         return
     runs: dict[str, list[dict]] = {w: [] for w in ways}
     for _ in range(args.rounds):

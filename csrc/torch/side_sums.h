@@ -26,13 +26,18 @@ namespace dcredit {
 // anything else the training thread starts on that group (the embedding
 // rows' all-gathers, a blocking sum) falls in that order too. The training
 // thread waits for a sum (Wait) only when it needs the result, bounded by
-// the timeout; no callback rides on the work's future. Measured on the 2-core
-// machine, in one process taking turns (2026-12-06): a thread of ours that
-// started the queued sums cost whole iterations 4-9% more than this
-// (GPT-shaped and MLP models with SGD, a world of one), each hand-over
-// waking one more thread; starting them from Python cost more than either
-// (tens of microseconds of pybind and c10d per call), and a completion
-// callback on the work cost the next forward 0.1-0.25 ms.
+// the timeout; no callback rides on the work's future.
+// Measured on the 2-core machine (2026-12-06, benchmarks/results): a thread
+// of ours that started the queued sums (the design before this one) cost
+// GPT-shaped iterations 8-10% more than this with two wrapped models in one
+// process, and the same within noise in host_cost (one wrapped model); the
+// start itself costs the training thread 30-50 us in c10d and Gloo, on cold
+// caches. On a host with idle cores that thread would take those
+// microseconds off the training thread, at the price of a hand-over and of
+// the drain that every other collective on the group waited for; not
+// measured there yet. Starting the sums from Python cost more than either
+// (pybind and c10d per call), and a completion callback on the work cost the
+// next forward 0.1-0.25 ms.
 class SideSums {
  public:
   explicit SideSums(c10::intrusive_ptr<c10d::ProcessGroup> group);
