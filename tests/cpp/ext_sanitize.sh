@@ -8,7 +8,8 @@
 #   tests/cpp/ext_sanitize.sh [test files or pytest options]   (make sanitize-ext)
 #
 # The build goes to build/asan-ext/ (rebuilt only when a source changed),
-# beside a copy of the package's Python, which PYTHONPATH puts first; the
+# beside a copy of the package's Python, which PYTHONPATH puts first (and
+# PYTHONSAFEPATH keeps first, in the ranks the tests start too); the
 # ASan runtime is preloaded into the interpreter (torch and Python are not
 # instrumented; leaks are not checked, since the interpreter keeps its own
 # at exit). Exits non-zero when a test fails or a sanitizer reports anything:
@@ -41,19 +42,24 @@ if [[ $# -eq 0 ]]; then
     tests/unit/test_collectives.py tests/unit/test_reduce_ops.py tests/distributed/test_equivalence.py
 fi
 preload="$($CXX -print-file-name=libasan.so):$($CXX -print-file-name=libubsan.so)"
-# The tests must load the sanitized build, or this checks nothing.
-LD_PRELOAD=$preload ASAN_OPTIONS=detect_leaks=0 PYTHONPATH="$PWD/$out/pkg" "$PY" -P -c "
+# The sanitized package first, then the checkout (for `tests`); PYTHONSAFEPATH keeps `python -m` and a script's
+# folder from going first, here and in every process the tests start (the ranks of the 2-rank tests).
+export PYTHONSAFEPATH=1 PYTHONPATH="$PWD/$out/pkg:$PWD"
+# The tests, and the ranks they start with `python -m` from the checkout, must load the sanitized build, or this
+# checks nothing: asked the way the ranks are started.
+cat >"$out/pkg/dc_which_ext.py" <<'PY'
 import sys
 from dcredit_opt import _ext
 f = _ext.load().__file__
-sys.exit(0 if f.startswith('$PWD/$out/pkg/') else f'ext_sanitize: loaded {f}, not the sanitized build')"
+sys.exit(0 if f.startswith(sys.argv[1]) else f"ext_sanitize: loaded {f}, not the sanitized build")
+PY
+LD_PRELOAD=$preload ASAN_OPTIONS=detect_leaks=0 "$PY" -m dc_which_ext "$PWD/$out/pkg/"
 log=$out/pytest.log
 status=0
 LD_PRELOAD=$preload \
   ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1 \
   UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-  PYTHONPATH="$PWD/$out/pkg" \
-  "$PY" -P -m pytest -q -p no:cacheprovider --import-mode=append "$@" 2>&1 | tee "$log" || status=$?
+  "$PY" -m pytest -q -p no:cacheprovider --import-mode=append "$@" 2>&1 | tee "$log" || status=$?
 if grep -E "ERROR: (Address|Undefined|Leak)Sanitizer|runtime error:" "$log" >/dev/null; then
   echo "ext_sanitize: a sanitizer report is in $log" >&2
   exit 1
