@@ -28,7 +28,8 @@ $(EXT_STAMP): $(STAMP) $(SOURCES)
 # The suite runs every backend, so it installs Horovod first (about 8 minutes
 # the first time, instant afterwards).
 # The C++ core runs alone under ThreadSanitizer and ASan+UBSan first (about
-# 2 minutes; any report fails the build).
+# 2 minutes), then the whole extension under ASan+UBSan with the tests that
+# drive it (about 5 minutes); any report fails the build.
 test: install horovod sanitize sanitize-ext
 	$(PY) -m pytest tests -q --durations=25
 
