@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <string>
@@ -78,6 +79,47 @@ void FillTally(const at::Tensor& out, const pybind11::buffer& used, const pybind
   const auto* wanted = static_cast<const int32_t*>(proposal.ptr);
   for (ssize_t i = 0; i < proposal.shape[0]; ++i) *to++ = wanted[i];
   for (int32_t v : rest) *to++ = v;
+}
+
+// Note [Same updates] (usage.py): whether the summed tally `summed` shows, from `at` on, a rank that sent
+// other values than `mine` (every rank's values, then their squares, summed over `world` ranks).
+bool AgreementBroken(const at::Tensor& summed, int64_t at, const std::vector<int64_t>& mine, int64_t world) {
+  const int64_t k = static_cast<int64_t>(mine.size());
+  if (summed.scalar_type() != at::kInt || !summed.device().is_cpu() || !summed.is_contiguous() || summed.dim() != 1 ||
+      at < 0 || summed.numel() < at + 2 * k) {
+    throw std::invalid_argument("turn_tally: summed must be a contiguous int32 CPU tensor of at least " +
+                                std::to_string(at + 2 * k) + " values");
+  }
+  const int32_t* got = summed.data_ptr<int32_t>() + at;
+  for (int64_t j = 0; j < k; ++j) {
+    if (got[j] != world * mine[j] || got[k + j] != world * mine[j] * mine[j]) return true;
+  }
+  return false;
+}
+
+// Note [Global usage] (usage.py): a steady iteration's tally in one call, where step() would otherwise make
+// five. This rank's part into `out` (FillTally); the tally in flight (ticket `last`, none where negative)
+// waited for; then, unless its sums (`summed`) break the agreement on `mine` (AgreementBroken: nothing is
+// started, and every rank, seeing the same sums, raises alike), the sum of `out` started and the flags
+// `used` cleared for the next iteration. Returns the new sum's ticket, or -1 where the agreement broke.
+int64_t TurnTally(SideSums& sums, int64_t last, const at::Tensor& out, const pybind11::buffer& used,
+                  const pybind11::buffer& tail, const std::vector<int32_t>& rest,
+                  const std::optional<at::Tensor>& summed, int64_t at, const std::vector<int64_t>& mine,
+                  int64_t world, double timeout_s) {
+  const auto timeout = ToMs(timeout_s);
+  pybind11::buffer_info flags = used.request(/*writable=*/true);
+  FillTally(out, used, tail, rest);
+  int64_t ticket = -1;
+  {
+    pybind11::gil_scoped_release nogil;
+    Rethrow([&] {
+      if (last >= 0) sums.Wait(last, timeout);
+      if (summed.has_value() && AgreementBroken(*summed, at, mine, world)) return;
+      ticket = sums.Start(out);
+    });
+  }
+  if (ticket >= 0) std::memset(flags.ptr, 0, static_cast<size_t>(flags.shape[0]));
+  return ticket;
 }
 
 class Engine {
@@ -320,6 +362,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "wait", [](SideSums& s, int64_t ticket, double timeout_s) { Rethrow([&] { s.Wait(ticket, ToMs(timeout_s)); }); },
           py::arg("ticket"), py::arg("timeout_s"), release(), "Until sum `ticket` is done.")
+      .def("turn_tally", &TurnTally, py::arg("last"), py::arg("out"), py::arg("used"), py::arg("tail"),
+           py::arg("rest"), py::arg("summed"), py::arg("at"), py::arg("mine"), py::arg("world"), py::arg("timeout_s"),
+           "Note [Global usage]: fill `out`, wait for sum `last`, and start the sum of `out` unless `summed` shows "
+           "a rank that sent other values than `mine`; its ticket, or -1.")
       .def("close", &SideSums::Close, release());
 
   py::class_<Engine>(m, "Engine")

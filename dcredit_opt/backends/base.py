@@ -76,6 +76,19 @@ class DelayedSums(Protocol):
     def wait_delayed(self, timeout_s: float) -> None: ...
 
 
+@runtime_checkable
+class TallyTurns(Protocol):
+    """A backend that takes a steady iteration's tally (Note [Global usage] in usage.py) in one call: the
+    torch backend (Note [Side sums] in csrc/torch/side_sums.h)."""
+
+    def turn_tally(self, counts: torch.Tensor, used, tail, rest: list[int], summed: torch.Tensor | None, at: int,
+                   mine: list[int], world: int, timeout_s: float) -> bool:
+        """This rank's part into ``counts`` (the flags ``used``, then ``tail``, then ``rest``); the tally in
+        flight waited for; then, unless its sums ``summed`` (from ``at`` on) show a rank that sent other values
+        than ``mine`` (False: nothing started), the sum of ``counts`` started and ``used`` cleared."""
+        ...
+
+
 class Transport(Protocol):
     """How a Python-driven backend starts, waits for and finishes one block's collective (Note
     [Python-driven backend] in driven.py): MPI's and Horovod's."""

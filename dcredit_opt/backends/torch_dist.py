@@ -172,6 +172,11 @@ class TorchDistBackend:
         """Wait for the tally in flight, if any."""
         self._tally.wait(timeout_s)
 
+    def turn_tally(self, counts, used, tail, rest, summed, at: int, mine, world: int, timeout_s: float) -> bool:
+        """A steady iteration's tally in one C++ call (``TallyTurns`` in base.py)."""
+        self._open()
+        return self._tally.turn(counts, used, tail, rest, summed, at, mine, world, timeout_s)
+
     exchanges_rows = True  # Note [Embedding rows] in rows.py
 
     def exchange_rows(self, ids, values, flag: bool, timeout_s: float):
@@ -279,6 +284,17 @@ class _SideSum:
         ticket, self._ticket = self._ticket, None
         if ticket is not None:
             self._sums.wait(ticket, timeout_s)
+
+    def turn(self, counts, used, tail, rest, summed, at: int, mine, world: int, timeout_s: float) -> bool:
+        """The sum in flight waited for, then ``counts`` (filled first) started unless ``summed`` breaks the
+        agreement on ``mine`` (``SideSums.turn_tally``); the slot is free where that raised or broke."""
+        ticket, self._ticket = self._ticket, None
+        ticket = self._sums.turn_tally(-1 if ticket is None else ticket, counts, used, tail, rest, summed, at, mine,
+                                       world, timeout_s)
+        if ticket < 0:
+            return False
+        self._ticket = ticket
+        return True
 
 
 def _abort_failed_horovod_mpi_job(engine, hvd) -> None:

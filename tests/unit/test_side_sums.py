@@ -142,3 +142,80 @@ def test_a_tensor_it_cannot_sum_is_refused_at_once():
     sums.wait(sums.start(ok), 20.0)  # nothing started by the refusals: the next ticket is the next sum
     assert ok.tolist() == [1.0, 1.0]
     sums.close()
+
+
+def _turn_inputs(r: int):
+    """Rank ``r``'s part of a tally of three tensors: its used flags, its rows proposal (two per tensor) and the
+    int32 tensor they are written into (with two more values: an update count and its square)."""
+    used = memoryview(bytearray([1, r, 1])).cast("B")
+    tail = memoryview(bytearray(24)).cast("i")
+    tail[0] = 1
+    return used, tail, torch.full((3 + 6 + 2,), -7, dtype=torch.int32)
+
+
+def test_a_tally_turn_writes_waits_for_the_last_starts_the_next_and_clears_the_flags():
+    groups = _groups()
+    sums = [C.SideSums(g) for g in groups]
+    firsts, seconds = {}, {}
+
+    def rank(r: int) -> None:
+        used, tail, first = _turn_inputs(r)
+        ticket = sums[r].turn_tally(-1, first, used, tail, [5, 25], None, 9, [], 2, 20.0)  # no tally before it
+        assert ticket >= 0 and bytes(used) == b"\0\0\0"  # started; the flags ready for the next iteration
+        used[1] = 1
+        second = torch.zeros(11, dtype=torch.int32)
+        # The next turn waits for the first, finds both ranks sent 5 (sum 10, squares 50), and starts itself.
+        nxt = sums[r].turn_tally(ticket, second, used, tail, [6, 36], first, 9, [5], 2, 20.0)
+        assert nxt >= 0
+        sums[r].wait(nxt, 20.0)
+        firsts[r], seconds[r] = first.tolist(), second.tolist()
+
+    _on_ranks(rank)
+    for r in range(2):
+        assert firsts[r] == [2, 1, 2, 2, 0, 0, 0, 0, 0, 10, 50]  # rank 1 used the middle tensor, rank 0 did not
+        assert seconds[r] == [0, 2, 0, 2, 0, 0, 0, 0, 0, 12, 72]
+    for s in sums:
+        s.close()
+
+
+def test_a_tally_turn_whose_last_sums_show_another_count_starts_nothing_on_any_rank():
+    groups = _groups()
+    sums = [C.SideSums(g) for g in groups]
+    got = {}
+
+    def rank(r: int) -> None:
+        used, tail, first = _turn_inputs(r)
+        count = 5 + r  # rank 1 took one update more
+        ticket = sums[r].turn_tally(-1, first, used, tail, [count, count * count], None, 9, [], 2, 20.0)
+        used[0] = 1
+        second = torch.zeros(11, dtype=torch.int32)
+        got[r] = sums[r].turn_tally(ticket, second, used, tail, [6, 36], first, 9, [count], 2, 20.0)
+        assert used[0] == 1, "a turn that started nothing left the flags as they were"
+        # Nothing was started on either rank: a sum both start now pairs with the peer's, not with a tally.
+        probe = torch.full((2,), float(r + 1))
+        sums[r].wait(sums[r].start(probe), 20.0)
+        assert probe.tolist() == [3.0, 3.0]
+
+    _on_ranks(rank)
+    assert got == {0: -1, 1: -1}
+    for s in sums:
+        s.close()
+
+
+def test_a_tally_turn_refuses_what_it_cannot_read_before_starting_anything():
+    (group,) = _groups(1)
+    sums = C.SideSums(group)
+    used, tail, out = _turn_inputs(0)
+    with pytest.raises(ValueError, match="fill_tally: out must be a contiguous int32 CPU tensor of 11 values"):
+        sums.turn_tally(-1, torch.zeros(10, dtype=torch.int32), used, tail, [1, 1], None, 9, [], 1, 20.0)
+    with pytest.raises(ValueError, match="summed must be a contiguous int32 CPU tensor of at least 11 values"):
+        sums.turn_tally(-1, out, used, tail, [1, 1], torch.zeros(10, dtype=torch.int32), 9, [1], 1, 20.0)
+    with pytest.raises(ValueError, match="timeout_s must be positive"):
+        sums.turn_tally(-1, out, used, tail, [1, 1], None, 9, [], 1, 0.0)
+    with pytest.raises(BufferError):
+        sums.turn_tally(-1, out, bytes(used), tail, [1, 1], None, 9, [], 1, 20.0)  # flags it could not clear
+    assert bytes(used) == b"\1\0\1"
+    ticket = sums.turn_tally(-1, out, used, tail, [1, 1], None, 9, [], 1, 20.0)  # nothing started before: this pairs
+    sums.wait(ticket, 20.0)
+    assert out.tolist() == [1, 0, 1, 1, 0, 0, 0, 0, 0, 1, 1]
+    sums.close()
