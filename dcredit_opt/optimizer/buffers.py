@@ -197,7 +197,10 @@ class GradientBuffers:
 
     def start_delayed(self) -> None:
         """Note [Delayed updates]: this step's delayed gradients start their background sum."""
-        self.delayed.start(self._backend)
+        try:
+            self.delayed.start(self._backend)
+        except (RuntimeError, TimeoutError) as e:
+            raise at_rank(e, "end of phase 1, starting the background sum of the delayed gradients") from e
 
     # ---- the checks --------------------------------------------------------------------
 

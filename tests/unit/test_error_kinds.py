@@ -97,3 +97,38 @@ def test_uninitialised_use_is_a_dcredit_error():
         pytest.skip("another test of this process initialised dcredit_opt")
     with pytest.raises(dc.DCreditError, match="not initialised"):
         runtime.rank()
+
+
+def test_a_delayed_sum_that_cannot_start_names_the_rank_and_the_phase(monkeypatch):
+    """DeFT's background sum (Note [Delayed updates]) starts at the flush; a failure to start it says where, as
+    the wait for it does."""
+    import dataclasses
+
+    import torch
+    from torch import nn
+
+    from dcredit_opt.optimizer.layout import fixed_plan
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    params = list(model.parameters())
+    opt = dc.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), named_parameters=model.named_parameters(),
+                                  config=dc.Config(policy="deft", accept_delayed_updates=True, profile_iters=0,
+                                                   backend="torch"))
+    base = fixed_plan([p.numel() for p in params], [p.element_size() for p in params], 256, 2, 1)
+    partition = tuple(() if t == 0 else sizes for t, sizes in enumerate(base.partition))
+    opt._dc.staged_plan = dataclasses.replace(base, partition=partition, delayed=(0,), policy="deft")
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+
+    def broken(flat):
+        raise RuntimeError("the side group broke")
+
+    try:
+        nn.functional.cross_entropy(model(x), y).backward()
+        monkeypatch.setattr(opt._dc.backend, "start_delayed", broken)
+        with pytest.raises(errors.CollectiveError,
+                           match=r"rank 0 of 1, .*starting the background sum of the delayed gradients: the side "
+                                 r"group broke"):
+            opt.step()
+    finally:
+        opt._dc.close()
