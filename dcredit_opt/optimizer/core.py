@@ -362,7 +362,7 @@ class Core:
         if own and self.recorder is not None:
             self.recorder.on_forward(own)
         if lazy.npending:
-            self.stepper.apply_at(own, self.engine.finals())
+            self.stepper.apply_at(own, self.engine.finals)
         if not lazy.npending:
             if not self.records_forward():
                 lazy.rest()

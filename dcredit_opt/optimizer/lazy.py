@@ -222,7 +222,7 @@ class Stepper:
             # again after the next step(), with every hook awake).
             log.debug("dcredit_opt: a pending parameter was read before the module where the first iteration's "
                       "forward began; every apply point's hook wakes at step() from now on")
-            self.apply_at(tuple(dict.fromkeys((*indices, *lazy.applied_with(indices[0])))), finals())
+            self.apply_at(tuple(dict.fromkeys((*indices, *lazy.applied_with(indices[0])))), finals)
             return
         i = indices[0]
         self._notices.tell("early read", f"dcredit_opt: parameter '{self.names[i]}' was read before the place "
@@ -231,11 +231,24 @@ class Stepper:
                                          "update did not overlap the forward. Said once.")
         self.apply(indices)
 
-    def apply_at(self, own, finals: bytes) -> None:
+    def apply_at(self, own, finals) -> None:
         """At an apply point whose module first reads tensors ``own``: their updates, and those of tensors read
-        later whose reduced gradients are final already (``finals``, per tensor: the engine's; Note [Lazy
-        step]). On a GPU, final is enqueued (Note [Stream-ordered waits])."""
-        self.apply(own + self._lazy.done_ahead(own, self._tally.rows, finals))
+        later whose reduced gradients are final already (``finals()``, per tensor: the engine's; Note [Lazy
+        step]). On a GPU, final is enqueued (Note [Stream-ordered waits]).
+
+        Where some of ``own`` are not final yet, they are waited for first, and the others are asked about
+        after that wait: the blocks that ended meanwhile are applied in the same call, not in a second one at
+        the next apply point (each call costs tens of microseconds of bookkeeping)."""
+        lazy = self._lazy
+        done = finals()
+        if own and not lazy.reduced:
+            pending = lazy.pending
+            waits = [i for i in own if pending[i] and not done[i]]
+            if waits:
+                with lazy.guard.paused():
+                    self._wait(waits, on_stream=True)
+                done = finals()
+        self.apply(own + lazy.done_ahead(own, self._tally.rows, done))
 
     def may_defer(self, plan, replaced, eager_reason) -> bool:
         """Whether this step()'s updates may wait for their first read (Note [Lazy step]). ``eager_reason``:

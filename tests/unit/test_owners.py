@@ -481,6 +481,40 @@ def test_the_stepper_applies_what_waits_with_the_deferring_steps_hyperparameters
     lazy.remove_hooks()
 
 
+@pytest.mark.parametrize("ended_meanwhile", [(1, 1, 1), (1, 0, 1)])
+def test_an_apply_point_that_waits_for_its_own_blocks_takes_what_ended_meanwhile_in_the_same_apply(ended_meanwhile):
+    from dcredit_opt.optimizer.lazy import Stepper
+    from dcredit_opt.optimizer.updates import LazyUpdates
+
+    params = [nn.Parameter(torch.full((2,), float(k))) for k in range(3)]
+    names = ["a", "b", "c"]
+    sgd = torch.optim.SGD(params, lr=0.1)
+    parts = _StepperParts(params, [torch.full((2,), 10.0 * (k + 1)) for k in range(3)])
+    lazy = LazyUpdates(sgd, names, params, Notices())
+    lazy._read_order = (0, 1, 2)  # as end_learning sets it: first-read order
+    stepper = Stepper(sgd, torch.optim.SGD, names, params, [], (parts, lazy, parts, parts, parts, None), Config(),
+                      Notices(), None)
+    lazy.take(sgd.param_groups, every_hook=False)
+    lazy.skip([])
+    lazy.defer(sgd, parts.path)
+    finals = [bytes(3)]  # no block has ended when the apply point is reached; these have once it waited
+    waits = parts.wait_tensors_on_stream
+
+    def wait(todo, timeout_s):
+        waits(todo, timeout_s)
+        finals[0] = bytes(ended_meanwhile)
+
+    parts.wait_tensors_on_stream = wait
+    stepper.apply_at((0,), lambda: finals[0])
+    taken = [0] if ended_meanwhile == (1, 0, 1) else [0, 1, 2]  # up to the first that is not final, in read order
+    assert parts.waited == [[0], taken]  # its own first, then every update it applies, in one apply
+    assert parts.path.refreshed == [taken]
+    expected = [k - 0.1 * 10 * (k + 1) if k in taken else float(k) for k in range(3)]
+    assert [float(p.detach()[0]) for p in params] == pytest.approx(expected)
+    assert lazy.npending == 3 - len(taken)
+    lazy.remove_hooks()
+
+
 def test_the_stepper_refuses_a_parameter_added_to_the_groups_after_wrapping():
     from dcredit_opt.optimizer.lazy import Stepper
 
