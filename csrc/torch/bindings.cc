@@ -267,6 +267,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Whether this build can reduce blocks on CUDA devices (see cuda_sync.h).
   m.attr("WITH_CUDA") = kWithCuda;
 
+  // Note [Kept aliases] (optimizer/watched.py): an alias of a gradient slot gets memory of its own, holding
+  // what it holds now, and a version counter of its own (a detach() alias shares the slot's), so that writes
+  // through it reach neither the slot nor the slot's checks.
+  m.def(
+      "give_own_memory",
+      [](at::Tensor alias) {
+        at::Tensor copy = alias.clone();
+        alias.set_data(copy);
+        torch::autograd::impl::set_version_counter(alias, c10::VariableVersion(/*version=*/0));
+      },
+      py::arg("alias"), "The alias gets its own copy of what it holds, and its own version counter.");
+
   m.def("fill_tally", &FillTally, py::arg("out"), py::arg("used"), py::arg("tail"), py::arg("rest"),
         "One rank's tally in one pass: the used flags, the rows proposal, then the rest (Note [Global usage]).");
 

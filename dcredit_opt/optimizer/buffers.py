@@ -10,10 +10,12 @@ hooks that decide when a gradient is handed over are in ``gradients.py``.
 from __future__ import annotations
 
 import struct
+import weakref
 from itertools import compress
 
 import torch
 
+from .. import _ext
 from ..backends.base import DelayedSums
 from ..errors import DCreditError
 from ..planner.plan import Plan, validate
@@ -67,6 +69,9 @@ class GradientBuffers:
         # it cannot), and the row indices of each reduced gradient handed to the wrapped step sparse.
         self.sparse_sink = None
         self.as_sparse: dict = {}
+        # Note [Kept aliases] in watched.py: per tensor, weak references to the `.data` and `detach()` aliases of
+        # its slot that user code took (empty in the common case: nothing to look at).
+        self.aliases: dict[int, list] = {}
 
     def _timeout(self) -> float:
         return float(self._config.timeout_s)
@@ -127,6 +132,7 @@ class GradientBuffers:
             block_at_flush=list(layout.block_at_flush))
         self._backend.set_blocks(buffers, wires, layout, self.postscale)
         self.plan, self.layout, self.flat, self.slots = plan, layout, buffers, slots
+        self.aliases = {}  # of the old slots, which no gradient goes into any more
         self.watched = [WatchedGradient.of(slot, i, self._keeper) for i, slot in enumerate(slots)]
         if self.delayed is not None:  # the sum in flight was for the old plan's slots: not applied
             self.delayed.drain(self._backend, self._timeout())
@@ -201,6 +207,38 @@ class GradientBuffers:
             self.delayed.start(self._backend)
         except (RuntimeError, TimeoutError) as e:
             raise at_rank(e, "end of phase 1, starting the background sum of the delayed gradients") from e
+
+    # ---- aliases kept across iterations (Note [Kept aliases] in watched.py) ------------------------
+
+    def keep_alias(self, i: int, alias: torch.Tensor) -> None:
+        """User code took ``alias`` (``.data`` or ``detach()``) of tensor ``i``'s watched gradient."""
+        self.aliases.setdefault(i, []).append(weakref.ref(alias))
+
+    def live_aliases(self) -> dict[int, list]:
+        """Per tensor, the aliases of its slot still alive; the dead ones are forgotten."""
+        live = {}
+        for i, refs in self.aliases.items():
+            alive = [a for a in (r() for r in refs) if a is not None]
+            if alive:
+                live[i] = alive
+        self.aliases = {i: [weakref.ref(a) for a in alive] for i, alive in live.items()}
+        return live
+
+    def aliased(self) -> tuple:
+        """The tensors whose slots have an alias still alive (none, at the cost of one check, in the common
+        case)."""
+        return tuple(self.live_aliases()) if self.aliases else ()
+
+    def let_aliases_go(self, indices=None) -> None:
+        """The aliases of the slots of ``indices`` (every slot where None) get memory of their own, holding what
+        they hold now: ``p.grad`` is no longer what they alias, as in plain torch once the gradient they were
+        taken from has been dropped (``zero_grad()`` to None)."""
+        live = self.live_aliases()
+        own = _ext.load().give_own_memory
+        for i in (list(live) if indices is None else indices):
+            for a in live.get(i, ()):
+                own(a)
+            self.aliases.pop(i, None)
 
     # ---- the checks --------------------------------------------------------------------
 

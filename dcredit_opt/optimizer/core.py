@@ -106,7 +106,7 @@ class Core:
             self.tally.take_sparse_gradients()
             self.buffers.take_sparse(self.tally.put_sparse, self.tally.as_sparse)
         self.backward = Backward(names, params, passes, self.engine, self.buffers, self.tally, self.lazy, config,
-                                 prescale=prescale, opening=WeakMethod(me, "_opening"),
+                                 self.told, prescale=prescale, opening=WeakMethod(me, "_opening"),
                                  restage=WeakMethod(me, "_restage"), apply_pending=WeakMethod(me, "apply_pending"))
         parts = (self.buffers, self.lazy, self.tally, self.backward, self.engine, self.backend)
         self.stepper = Stepper(optimizer, base, names, params, frozen, parts, config, self.told, group_of)
@@ -256,7 +256,9 @@ class Core:
         backward.set_synchronized(False)
         if lazy:
             updates.skip(dropped)  # p.grad = None after backward(): no update this step, as in plain torch
-            stepper.apply(updates.eager)
+            # Where an alias of a slot is kept (Note [Kept aliases] in watched.py), a write through it after
+            # step() must come after that update, as in plain torch: applied now.
+            stepper.apply(updates.eager + self.buffers.aliased())
             updates.defer(self._optimizer(), backward.path)
         else:
             stepper.step_now()
@@ -306,6 +308,8 @@ class Core:
         with lazy.guard.paused():
             if set_to_none:
                 self._spares = None  # as the wrapped zero_grad sets every p.grad to None
+                if self.buffers.aliases:  # Note [Kept aliases] in watched.py: theirs is the gradient dropped now
+                    self.buffers.let_aliases_go()
             elif lazy.npending and self._base_zeroes_all:
                 self._give_spares()
             elif lazy.npending:  # Note [Zeroed while pending]: a zero_grad of the wrapped class's own

@@ -43,8 +43,8 @@ class Backward:
     before every block is released.
     """
 
-    def __init__(self, names, params, passes: int, engine, buffers, tally, lazy, config, *, prescale: float,
-                 opening, restage, apply_pending):
+    def __init__(self, names, params, passes: int, engine, buffers, tally, lazy, config, notices, *,
+                 prescale: float, opening, restage, apply_pending):
         T = len(params)
         self.names = names
         self.params = params
@@ -64,6 +64,7 @@ class Backward:
         self._tally = tally
         self._lazy = lazy
         self._config = config
+        self._notices = notices
         self._opening = opening
         self._restage = restage
         self._apply_pending = apply_pending
@@ -163,6 +164,8 @@ class Backward:
         lazy = self._lazy
         lazy.stop_recording()  # possibly on autograd's device thread: closed in step()
         self._buffers.check_casts(self.path.first_moved())
+        if self._buffers.aliases:  # Note [Kept aliases] in watched.py: nothing to do unless user code took one
+            self._aliases_kept()
         if lazy.npending and lazy.deferred:
             # Before this rank launches anything of the new iteration, so that every rank
             # whose forward read the same stale parameter stops here, at the same point.
@@ -183,6 +186,36 @@ class Backward:
         self.synchronized = False
         clear(self.marked)
         self.final = [False] * len(self.params)
+
+    def _aliases_kept(self) -> None:
+        """Note [Kept aliases] in watched.py, at an iteration's first gradient: an alias of a slot whose
+        ``p.grad`` was dropped since gets memory of its own; one whose ``p.grad`` is still the slot has its
+        reduction waited for at the end of this backward."""
+        buffers = self._buffers
+        live = buffers.live_aliases()
+        dropped = [i for i in live if not (self.params[i].grad is not None and buffers.is_ours(i, self.params[i].grad))]
+        buffers.let_aliases_go(dropped)
+        shared = [i for i in live if i not in dropped]
+        if not shared or torch._C._current_graph_task_id() == -1:  # gradients assigned by hand: step() is next
+            return
+        self._notices.tell("kept aliases", (
+            f"dcredit_opt: p.grad of '{self.names[shared[0]]}' has an alias taken in an earlier iteration "
+            "(.data or detach()) that is still alive, so writes through it land where they would in plain torch: "
+            "each backward waits for that gradient's reduction before it returns, and step() applies its update "
+            "itself, without overlap, while the alias lives. Take the alias anew after each backward, or let it "
+            "go (del), to keep the overlap (Note [Kept aliases] in watched.py). Said once."))
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._reduced_before_return(shared))
+
+    def _reduced_before_return(self, indices) -> None:
+        """Note [Kept aliases]: the end of a backward, where the slots of ``indices`` have aliases kept: every
+        block released, and these waited for; from here on what user code writes into them is what step()
+        uses (Note [Gradient reads])."""
+        if not self.open:
+            return
+        if not self.flushed:
+            with self._lazy.guard.paused():
+                self.release()
+        self.gradients_read(indices)
 
     def end(self) -> None:
         """``step()`` took this iteration's gradients (or refused them all): the next gradient opens a new one."""

@@ -36,9 +36,35 @@ with zeros, silently. So taking such an alias (``.data``, ``detach()``,
 pending updates are applied first. ``p.grad.data`` taken while the iteration
 is open waits for the reduction, as any read does, and a write through it
 lands on the averaged gradient that ``step()`` uses. An alias taken earlier
-and kept (``g = p.grad.data`` once, written every iteration) is beyond any
-watch: the optimizer's read guard cannot see it either; Note [Hidden
-writes] in ``lazy.py`` covers the parameters' side of it.
+and kept is Note [Kept aliases].
+
+Note [Kept aliases]
+-------------------
+A ``.data`` or ``detach()`` alias taken once and kept (``g = p.grad.data``,
+written every iteration; a loop variable that simply stays alive) aliases
+the slot, which every later iteration's gradient goes into, while in plain
+torch it aliases one gradient tensor: ``p.grad`` itself as long as nothing
+drops it (``zero_grad(set_to_none=False)``), a tensor nothing uses any more
+once ``zero_grad()`` sets ``p.grad`` to None. A write through it would land
+in the slot whatever its reduction is doing, unseen (through ``.data`` not
+even the version counter moves). So each such alias is held weakly
+(``GradientBuffers.keep_alias``), and while it is alive:
+
+- where ``p.grad`` was dropped (our ``zero_grad()`` to None, or found not
+  ours at the next iteration's first gradient), the alias gets memory of
+  its own with what it held: the old gradient, as in plain torch;
+- where ``p.grad`` is still the slot at the next iteration's first gradient,
+  that backward ends by releasing every block and waiting for the tensor's
+  reduction (a final callback of autograd's), so that a write through the
+  alias after ``backward()`` lands on the averaged gradient that ``step()``
+  uses, as with DDP, whose reduction ends inside backward;
+- ``step()`` applies that tensor's update itself rather than at the next
+  forward, so that a write after ``step()`` (``g.zero_()``) comes after the
+  update, as in plain torch.
+
+Nothing of this runs while no alias was taken. A NumPy array over a
+gradient cannot be given other memory: one kept across iterations is beyond
+this note.
 
 A ``p.grad`` replaced after
 ``backward()`` (a new tensor, or ``None``) is what ``step()`` uses for that
@@ -120,7 +146,10 @@ class WatchedGradient(torch.Tensor):
         if name in _PLAIN_COPIES and args and isinstance(args[0], WatchedGradient):
             args = (plain(args[0]), *args[1:])
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
+        if writes and (name == "detach" or name == "__get__") and isinstance(result, torch.Tensor):
+            _keep(args[0], result)  # Note [Kept aliases]
+        return result
 
 
 def _take_foreach_paths() -> None:
@@ -184,6 +213,14 @@ def _note(reads: dict, watched: WatchedGradient) -> None:
     keeper = getattr(watched, "_dc_keeper", None)
     if keeper is not None:
         reads.setdefault(keeper, []).append(watched._dc_index)
+
+
+def _keep(watched, alias: torch.Tensor) -> None:
+    """Note [Kept aliases]: ``alias`` (``.data`` or ``detach()``) of ``watched`` may outlive this iteration."""
+    keeper = getattr(watched, "_dc_keeper", None)
+    core = keeper() if keeper is not None else None
+    if core is not None and not core.closed:
+        core.buffers.keep_alias(watched._dc_index, alias)
 
 
 def _refuse_data_assignment(args) -> None:

@@ -23,14 +23,16 @@ from .workers import Net, batch
 STEPS = pw.STEPS
 
 
-def _train(job: pw.Job, lazy: bool, model_fn, change, seed: int = 0, opt_fn=pw._sgd, steps: int = STEPS):
+def _train(job: pw.Job, lazy: bool, model_fn, change, seed: int = 0, opt_fn=pw._sgd, steps: int = STEPS,
+           set_to_none: bool = True):
     """The standard loop with ``change(model, step, reference)`` between backward and step on both the
-    model (reference=False) and the reference (reference=True, after averaging)."""
+    model (reference=False) and the reference (reference=True, after averaging; its gradients are new
+    tensors at every step)."""
     config = job.config(lazy_step="auto" if lazy else "off")
     model, ref, opt, ropt = job.make(model_fn, opt_fn, config=config, seed=seed)
     skew = pw.Skew(job.rank, seed)
     for step in range(steps):
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         pw.mse(model, step, job.rank).backward()
         skew()
         change(model, step, False)
@@ -106,6 +108,27 @@ def grad_scaled_in_place(job, lazy):
             p.grad.mul_(0.5).add_(1e-3)
 
     return job.result(*_train(job, lazy, Net, change))
+
+
+def _kept_aliases(set_to_none: bool):
+    """``p.grad.data`` or ``p.grad.detach()`` taken once, after the first backward, kept, and written through
+    (``g.mul_(0.5)``) after every backward (Note [Kept aliases] in watched.py). After ``zero_grad()`` to None,
+    plain torch's aliases are of gradients nothing uses any more: the writes change nothing; with
+    ``set_to_none=False`` they are of ``p.grad`` itself."""
+    def pattern(job, lazy):
+        def change(m, step, reference):
+            if step == 0:
+                m.kept = [p.grad.data if k % 2 else p.grad.detach() for k, p in enumerate(m.parameters())]
+            if reference and not set_to_none:
+                for p in m.parameters():  # the reference's p.grad is a new tensor at every step
+                    p.grad.mul_(0.5)
+                return
+            for g in m.kept:
+                g.mul_(0.5)
+
+        return job.result(*_train(job, lazy, Net, change, set_to_none=set_to_none))
+
+    return pattern
 
 
 def autograd_grad_assigned(job, lazy):
@@ -212,6 +235,8 @@ GRADIENT_WORK = {f"{name}_{kind}": run for name, fn in {
     "clip_grad_norm_without_synchronize": grad_clip,
     "grad_norm_read_before_step": grad_norm_read,
     "grad_changed_in_place_before_step": grad_scaled_in_place,
+    "grad_alias_kept_and_written_after_zero_grad_to_none": _kept_aliases(True),
+    "grad_alias_kept_and_written_after_zero_grad_in_place": _kept_aliases(False),
     "autograd_grad_assigned_by_hand": autograd_grad_assigned,
     "parameters_to_vector_after_step": parameters_to_vector_after_step,
     "whole_model_saved_with_teacher": whole_model_saved,
@@ -220,8 +245,10 @@ GRADIENT_WORK = {f"{name}_{kind}": run for name, fn in {
 
 # Steps that use a replaced gradient are eager by design (Note [Replaced gradients]); with
 # autograd.grad no hook fires, so the tracer never learns reads and every step is eager.
+# With an alias of every slot kept (and p.grad kept: set_to_none=False), step() applies every update itself (Note
+# [Kept aliases] in watched.py).
 EAGER_BY_DESIGN = {name for name in GRADIENT_WORK if name.endswith("_eager")} | {
-    "autograd_grad_assigned_by_hand_lazy"}
+    "autograd_grad_assigned_by_hand_lazy", "grad_alias_kept_and_written_after_zero_grad_in_place_lazy"}
 
 
 # ---- refused with DCreditError -----------------------------------------------------------------
