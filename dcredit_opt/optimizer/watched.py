@@ -63,7 +63,8 @@ even the version counter moves). So each such alias is held weakly
   update, as in plain torch.
 
 Nothing of this runs while no alias was taken. A NumPy array over a
-gradient cannot be given other memory: one kept across iterations is beyond
+gradient cannot be given other memory, and a view taken of such an alias
+(``p.grad.data[0]``) is not seen: either kept across iterations is beyond
 this note.
 
 A ``p.grad`` replaced after
