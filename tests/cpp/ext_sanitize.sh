@@ -39,7 +39,8 @@ cp "$out"/lib/dcredit_opt/_C*.so "$out/pkg/dcredit_opt/"
 if [[ $# -eq 0 ]]; then
   set -- tests/unit/test_gradient_path.py tests/unit/test_side_sums.py tests/unit/test_scheduler.py \
     tests/unit/test_zeroed_while_pending.py tests/unit/test_reads.py tests/unit/test_foreach_reads.py \
-    tests/unit/test_collectives.py tests/unit/test_reduce_ops.py tests/distributed/test_equivalence.py
+    tests/unit/test_collectives.py tests/unit/test_reduce_ops.py tests/unit/test_kept_aliases.py \
+    tests/distributed/test_equivalence.py
 fi
 preload="$($CXX -print-file-name=libasan.so):$($CXX -print-file-name=libubsan.so)"
 # The sanitized package first, then the checkout (for `tests`); PYTHONSAFEPATH keeps `python -m` and a script's
