@@ -235,9 +235,12 @@ def close_before_peer_tally(backend: str, steps: int = 1, delay_s: float = 2.0) 
                                       named_parameters=model.named_parameters(), config=config)
         ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
         chan = opt._dc.backend
-        if rank == 1:
+        if rank == 1:  # late at both ways a tally starts: the Python turn, and the C++ one (TallyTurns)
             start = chan.start_tally
             chan.start_tally = lambda counts, start=start: (time.sleep(delay_s), start(counts))
+            if hasattr(chan, "turn_tally"):
+                turn = chan.turn_tally
+                chan.turn_tally = lambda *args, turn=turn: (time.sleep(delay_s), turn(*args))[1]
         for _ in range(steps):
             opt.zero_grad()
             loss_of(model, batch(step, rank)).backward()
