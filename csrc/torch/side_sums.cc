@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <exception>
+#include <sstream>
 #include <stdexcept>
 #include <vector>
 
@@ -47,8 +48,9 @@ void SideSums::Wait(int64_t ticket, std::chrono::milliseconds timeout) {
     work->wait(std::max(timeout, std::chrono::milliseconds(1)));
   } catch (const std::exception& e) {
     if (!work->isCompleted()) {  // timed out: still in flight, and the ticket can be waited for again
-      throw SchedulerError(Status{StatusCode::kTimeout, "a sum on the side group did not finish within " +
-                                                            std::to_string(timeout.count()) + " ms: " + e.what()});
+      std::ostringstream m;  // the timeout in seconds, as the scheduler's own timeouts say it
+      m << "a sum on the side group did not finish within " << timeout.count() / 1000.0 << " s: " << e.what();
+      throw SchedulerError(Status{StatusCode::kTimeout, m.str()});
     }
     std::lock_guard<std::mutex> lock(mu_);
     entries_.erase(ticket);
