@@ -216,12 +216,13 @@ class GradientBuffers:
 
     def live_aliases(self) -> dict[int, list]:
         """Per tensor, the aliases of its slot still alive; the dead ones are forgotten."""
-        live = {}
+        live, kept = {}, {}
         for i, refs in self.aliases.items():
-            alive = [a for a in (r() for r in refs) if a is not None]
-            if alive:
-                live[i] = alive
-        self.aliases = {i: [weakref.ref(a) for a in alive] for i, alive in live.items()}
+            pairs = [(r, a) for r, a in ((r, r()) for r in refs) if a is not None]
+            if pairs:
+                kept[i] = [r for r, _ in pairs]  # the surviving references themselves, not new ones
+                live[i] = [a for _, a in pairs]
+        self.aliases = kept
         return live
 
     def aliased(self) -> tuple:

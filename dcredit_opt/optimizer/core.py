@@ -258,7 +258,9 @@ class Core:
             updates.skip(dropped)  # p.grad = None after backward(): no update this step, as in plain torch
             # Where an alias of a slot is kept (Note [Kept aliases] in watched.py), a write through it after
             # step() must come after that update, as in plain torch: applied now.
-            stepper.apply(updates.eager + self.buffers.aliased())
+            now = updates.eager + self.buffers.aliased()
+            if now:
+                stepper.apply(now)
             updates.defer(self._optimizer(), backward.path)
         else:
             stepper.step_now()

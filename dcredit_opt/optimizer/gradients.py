@@ -192,10 +192,11 @@ class Backward:
         ``p.grad`` was dropped since gets memory of its own; one whose ``p.grad`` is still the slot has its
         reduction waited for at the end of this backward."""
         buffers = self._buffers
-        live = buffers.live_aliases()
-        dropped = [i for i in live if not (self.params[i].grad is not None and buffers.is_ours(i, self.params[i].grad))]
+        dropped, shared = [], []
+        for i in buffers.live_aliases():
+            grad = self.params[i].grad
+            (shared if grad is not None and buffers.is_ours(i, grad) else dropped).append(i)
         buffers.let_aliases_go(dropped)
-        shared = [i for i in live if i not in dropped]
         if not shared or torch._C._current_graph_task_id() == -1:  # gradients assigned by hand: step() is next
             return
         self._notices.tell("kept aliases", (

@@ -338,7 +338,9 @@ class PendingReadGuard(TorchFunctionMode):
         # comparing the addresses costs far less than sorting them again at every step().
         if where != self._where:
             self._addresses, self._where = Addresses(params), where
-        if not _on_stack(self):
+        if not _stack_len():  # the common case: nothing else on the stack, no other guard to look at
+            torch._C._push_on_torch_function_stack(self)
+        elif not _on_stack(self):
             _drop_inert_guards()
             _insert_at_bottom(self)
         self.armed = True

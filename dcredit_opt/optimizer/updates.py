@@ -133,6 +133,7 @@ class LazyUpdates:
         self.learned = False  # the apply points are known
         self.taken = 0  # step()s that took an iteration's reduced gradients to an update (Note [Same updates])
         self.eager = tuple(range(T))  # tensors applied in step() even when lazy
+        self._everything = list(range(T))
         self._names = names
         self._params = params
         self._notices = notices
@@ -176,7 +177,7 @@ class LazyUpdates:
         applied shows in that parameter's gradient accumulator (Note [Graph reads] in csrc/torch/gradient_path.cc);
         while updates wait, the model's hooks hold ``optimizer``. ``path``: the gradient path, which does that
         in C++ and tells the parameters' addresses (the guard's table is rebuilt when one moved)."""
-        pending = indices_of(self.pending)
+        pending = self._everything if self.npending == len(self._params) else indices_of(self.pending)
         if pending:
             path.forget_graph_reads(pending)
             self.guard.arm(self._params, path.addresses())
