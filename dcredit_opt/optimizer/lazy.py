@@ -241,9 +241,13 @@ class Stepper:
         the next apply point (each call costs tens of microseconds of bookkeeping)."""
         lazy = self._lazy
         done = finals()
-        if own and not lazy.reduced:
+        if not lazy.reduced:
             pending = lazy.pending
-            waits = [i for i in own if pending[i] and not done[i]]
+            if own:
+                waits = [i for i in own if pending[i] and not done[i]]
+            else:  # the leader (Note [Resting hooks]): the first update read, where the forward reads it at once
+                first = lazy.first_to_wait_for(self._tally.rows)
+                waits = [first] if first is not None and not done[first] else []
             if waits:
                 with lazy.guard.paused():
                     self._wait(waits, on_stream=True)

@@ -199,6 +199,12 @@ class FirstReadTracer(TorchFunctionMode):
         """The modules whose forward began at the top (no module's forward around it) on the watching thread,
         in order, the first few: where the next forward is expected to begin (Note [Resting hooks] in
         ``updates.py``)."""
+        self.ops_to_first_read: int | None = None
+        self.first_read_in: weakref.ref | None = None
+        """The first read of a tracked parameter: how many torch operations the forward it came in (begun at the
+        top by module ``first_read_in``) had run before it; None where it came outside any forward (Note [Resting
+        hooks] in ``updates.py``)."""
+        self._ops: int | None = None  # counting them, from the beginning of each forward while nothing is read
         self._thread = threading.get_ident()
         self.active = False
         self._hooks: list = []
@@ -247,6 +253,8 @@ class FirstReadTracer(TorchFunctionMode):
         if self.active:
             if not self._stack and len(self.entries) < 8 and threading.get_ident() == self._thread:
                 self.entries.append(weakref.ref(module))
+            if not self._stack and not self.readers:
+                self._ops = 0
             self._stack.append(module)
             self.modules.add(module)
 
@@ -259,18 +267,25 @@ class FirstReadTracer(TorchFunctionMode):
         if self.active and _name(func) not in _NOT_READS:
             if self._owner() is None:
                 self.active = False
-            else:
-                self._record(func, args, kwargs)
+            elif self._record(func, args, kwargs) and self._ops is not None:
+                if self._stack:
+                    self.ops_to_first_read, self.first_read_in = self._ops, weakref.ref(self._stack[0])
+                self._ops = None
+            elif self._ops is not None:
+                self._ops += 1
         return func(*args, **kwargs)
 
-    def _record(self, func, args, kwargs) -> None:
+    def _record(self, func, args, kwargs) -> bool:
+        """Note what ``func`` reads of the tracked parameters; True if it reads any."""
         module = self._stack[-1] if self._stack else None
         lookup = None  # the parameter this call looks rows up in, as its module's own embedding
         if func is F.embedding and isinstance(module, torch.nn.Embedding):
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
             if weight is module.weight:
                 lookup = weight
+        read = False
         for i in self._addresses.read_by(args, kwargs):
+            read = True
             if i not in self.readers:
                 self.readers[i] = weakref.ref(module) if module is not None else None
                 self.first_read_ns[i] = time.perf_counter_ns()
@@ -280,6 +295,7 @@ class FirstReadTracer(TorchFunctionMode):
                     refs.append(weakref.ref(module))
             else:
                 self.read_otherwise.add(i)
+        return read
 
     def _is_param(self, i: int, t: torch.Tensor) -> bool:
         return self._addresses.param(i) is t

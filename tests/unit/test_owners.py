@@ -515,6 +515,60 @@ def test_an_apply_point_that_waits_for_its_own_blocks_takes_what_ended_meanwhile
     lazy.remove_hooks()
 
 
+@pytest.mark.parametrize("leader_waits", [True, False])
+def test_the_leader_waits_for_the_first_update_read_where_the_forward_reads_it_at_once(leader_waits):
+    """Note [Resting hooks]: where the first forward read its first update within a few operations of its
+    beginning, the leader (an apply point with none of its own) waits for that update itself and applies
+    everything that ended meanwhile, so no other hook needs to wake; elsewhere it waits for nothing (the forward
+    may run a long way before that read, overlapping the blocks) and applies only what is final."""
+    from dcredit_opt.optimizer.lazy import Stepper
+    from dcredit_opt.optimizer.updates import LazyUpdates
+
+    params = [nn.Parameter(torch.full((2,), float(k))) for k in range(3)]
+    names = ["a", "b", "c"]
+    sgd = torch.optim.SGD(params, lr=0.1)
+    parts = _StepperParts(params, [torch.full((2,), 10.0 * (k + 1)) for k in range(3)])
+    lazy = LazyUpdates(sgd, names, params, Notices())
+    lazy._read_order = (1, 0, 2)  # as end_learning sets it: first-read order
+    lazy._leader_waits = leader_waits
+    stepper = Stepper(sgd, torch.optim.SGD, names, params, [], (parts, lazy, parts, parts, parts, None), Config(),
+                      Notices(), None)
+    lazy.take(sgd.param_groups, every_hook=False)
+    lazy.skip([])
+    lazy.defer(sgd, parts.path)
+    finals = [bytes(3)]  # nothing has ended when the forward begins; everything has once the leader waited
+    waits = parts.wait_tensors_on_stream
+
+    def wait(todo, timeout_s):
+        waits(todo, timeout_s)
+        finals[0] = bytes([1, 1, 1])
+
+    parts.wait_tensors_on_stream = wait
+    stepper.apply_at((), lambda: finals[0])
+    if leader_waits:
+        assert parts.waited == [[1], [1, 0, 2]]  # the first read, then every update in one apply
+        assert lazy.npending == 0
+        assert [float(p.detach()[0]) for p in params] == pytest.approx([k - 0.1 * 10 * (k + 1) for k in range(3)])
+    else:
+        assert parts.waited == [] and lazy.npending == 3  # the apply points take them as the forward reaches them
+    lazy.remove_hooks()
+
+
+def test_the_leader_does_not_wait_for_an_embeddings_rows():
+    from dcredit_opt.optimizer.updates import LazyUpdates
+
+    params = [nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    lazy = LazyUpdates(object.__new__(type("O", (), {})), list("abc"), params, Notices())
+    lazy._read_order, lazy._leader_waits = (2, 0, 1), True
+    lazy.take([{"params": params}], every_hook=False)
+    assert lazy.first_to_wait_for(rows_of={}) == 2
+    assert lazy.first_to_wait_for(rows_of={2: None}) is None  # its rows are gathered apart: its own module waits
+    lazy.pending[2] = False
+    assert lazy.first_to_wait_for(rows_of={2: None}) == 0  # applied already: the next one read
+    lazy._leader_waits = False
+    assert lazy.first_to_wait_for(rows_of={}) is None
+
+
 def test_the_stepper_refuses_a_parameter_added_to_the_groups_after_wrapping():
     from dcredit_opt.optimizer.lazy import Stepper
 
@@ -526,3 +580,47 @@ def test_the_stepper_refuses_a_parameter_added_to_the_groups_after_wrapping():
     sgd.param_groups[0]["params"].append(nn.Parameter(torch.zeros(3)))
     with pytest.raises(DCreditError, match=r"param_groups\[0\].*shape \(3,\).*Nothing was applied"):
         stepper.check_groups()
+
+
+class _Frozen(nn.Module):
+    """A frozen stem ahead of the trained layers (``frozen_ops`` of its operations before their first read), or
+    positions made with one operation (``frozen_ops=0``)."""
+
+    def __init__(self, frozen_ops):
+        super().__init__()
+        self.stem = nn.Sequential(*[nn.Linear(4, 4) for _ in range(frozen_ops)]).requires_grad_(False)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        x = x + torch.arange(4, dtype=x.dtype)
+        return self.head(self.stem(x))
+
+
+@pytest.mark.parametrize("frozen_ops, waits", [(0, True), (8, False)])
+def test_the_leader_waits_only_where_the_first_forward_read_an_update_at_once(frozen_ops, waits):
+    """Note [Resting hooks]: the first forward after step() is watched; where it read the first trained
+    parameter within a few operations of its beginning the leader waits for it, and where a frozen stem ran
+    first (a forward that overlaps the blocks) it does not. Either way training equals plain torch."""
+    import dcredit_opt as dc
+
+    torch.manual_seed(0)
+    model, ref = _Frozen(frozen_ops), _Frozen(frozen_ops)
+    ref.load_state_dict(model.state_dict())
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = dc.DistributedOptimizer(torch.optim.SGD(trained, lr=0.1, momentum=0.9),
+                                  named_parameters=[(n, p) for n, p in model.named_parameters() if p.requires_grad],
+                                  config=dc.Config(lazy_step="on"))
+    ropt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    try:
+        for s in range(6):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(s))
+            for m, o in ((model, opt), (ref, ropt)):
+                o.zero_grad()
+                m(x).pow(2).mean().backward()
+                o.step()
+        assert opt._dc.lazy.learned and opt._dc.lazy._leader_waits is waits
+        opt.synchronize()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.allclose(p.detach(), q.detach(), atol=1e-6)
+    finally:
+        opt._dc.close()
