@@ -206,17 +206,25 @@ class StaleNet(nn.Module):
     tensor), "functional" (``F.linear(h, a.weight, a.bias)`` instead of calling ``a``), "untracked"
     (``h + a.weight.detach().sum()``, then ``a`` runs: a read that autograd does not record); "thread" and
     "thread_untracked": "sum" and "untracked" computed on another thread, which the read guard (Note
-    [Guarded reads]) does not watch."""
+    [Guarded reads]) does not watch.
 
-    def __init__(self, mode: str = "sum"):
+    The forward first normalises its input (five operations before its first read of a parameter), so the
+    forward's leader does not wait for the first update itself (Note [Resting hooks] in updates.py): the updates
+    are still pending when the parent reads early, as in a model that computes a while before its first layer.
+    ``at_once``: no normalisation, the first layer first; there the leader waits for its update and applies, with
+    it, what has ended, so the early read finds ``a.weight`` updated (and training equals the reference, on any
+    thread)."""
+
+    def __init__(self, mode: str = "sum", at_once: bool = False):
         super().__init__()
         self.mode = mode
+        self.at_once = at_once
         self.a = nn.Linear(16, 32)
         self.out = nn.Linear(32, 7)
         self.step = 0
 
     def forward(self, x):
-        h = x
+        h = x if self.at_once else (x - x.mean()) / (x.std() + 1e-5)
         if self.step >= 5:
             if self.mode == "functional":
                 return self.out(torch.relu(F.linear(h, self.a.weight, self.a.bias)))
@@ -1205,13 +1213,14 @@ def p2_branch_on_rank1_while_profiling(job: Job) -> dict:
     return job.result(model, ref, opt, plans=plans, policies=policies)
 
 
-def p3d_early_read(mode: str):
-    """The guard applies ``a.weight``'s update at the parent's early read: trains like the reference."""
+def p3d_early_read(mode: str, at_once: bool = False):
+    """The guard applies ``a.weight``'s update at the parent's early read: trains like the reference. ``at_once``:
+    the forward's leader has applied it before (Note [Resting hooks]), on any thread."""
     def stale_loss(model, step, rank):
         model.step = step
         return mse(model, step, rank)
 
-    return _module_pattern(lambda: StaleNet(mode), _sgd, stale_loss)
+    return _module_pattern(lambda: StaleNet(mode, at_once), _sgd, stale_loss)
 
 
 class _SkipBatch(Exception):
@@ -1357,6 +1366,8 @@ WORK = {
     "P3d_early_read_saved_for_backward": p3d_early_read("saved"),
     "P3d_early_read_module_not_called": p3d_early_read("functional"),
     "P3d_early_read_untracked": p3d_early_read("untracked"),
+    "P3e_early_read_on_thread_when_read_at_once": p3d_early_read("thread", at_once=True),
+    "P3e_early_read_untracked_on_thread_when_read_at_once": p3d_early_read("thread_untracked", at_once=True),
     "step_skipped_after_synchronize": skipped_step("synchronized"),
     "step_skipped_after_interrupted_backward": skipped_step("interrupted"),
     "weights_written_after_step": _after_step(_write_weights),

@@ -192,7 +192,8 @@ RAISES = {
 # the read guard applies an update at any early read (Note [Guarded reads]: the P3d patterns train like the
 # reference). A read on another thread is unseen by the guard: with autograd it still shows in the
 # parameter's gradient accumulator (Note [Graph reads]) and raises; without autograd (detach(), .data,
-# no_grad) it leaves no trace: silently wrong.
+# no_grad) it leaves no trace: silently wrong. (Where the forward reads its first layer at once, the forward's
+# leader has applied the update before any read: the P3e ..._when_read_at_once patterns train like the reference.)
 KNOWN_GAPS = {
     "P3e_stale_read_untracked_on_thread": "an early read on another thread that autograd does not record is not "
                                           "detected",
