@@ -481,8 +481,9 @@ def test_the_stepper_applies_what_waits_with_the_deferring_steps_hyperparameters
     lazy.remove_hooks()
 
 
-@pytest.mark.parametrize("ended_meanwhile", [(1, 1, 1), (1, 0, 1)])
-def test_an_apply_point_that_waits_for_its_own_blocks_takes_what_ended_meanwhile_in_the_same_apply(ended_meanwhile):
+def _deferred_three(read_order, leader_waits=False):
+    """Three parameters whose updates a lazy step() deferred (SGD, lr 0.1; reduced gradients 10, 20, 30), read
+    first in ``read_order``: (params, parts, lazy, stepper)."""
     from dcredit_opt.optimizer.lazy import Stepper
     from dcredit_opt.optimizer.updates import LazyUpdates
 
@@ -491,12 +492,19 @@ def test_an_apply_point_that_waits_for_its_own_blocks_takes_what_ended_meanwhile
     sgd = torch.optim.SGD(params, lr=0.1)
     parts = _StepperParts(params, [torch.full((2,), 10.0 * (k + 1)) for k in range(3)])
     lazy = LazyUpdates(sgd, names, params, Notices())
-    lazy._read_order = (0, 1, 2)  # as end_learning sets it: first-read order
+    lazy._read_order = read_order  # as end_learning sets it: first-read order
+    lazy._leader_waits = leader_waits
     stepper = Stepper(sgd, torch.optim.SGD, names, params, [], (parts, lazy, parts, parts, parts, None), Config(),
                       Notices(), None)
     lazy.take(sgd.param_groups, every_hook=False)
     lazy.skip([])
     lazy.defer(sgd, parts.path)
+    return params, parts, lazy, stepper
+
+
+@pytest.mark.parametrize("ended_meanwhile", [(1, 1, 1), (1, 0, 1)])
+def test_an_apply_point_that_waits_for_its_own_blocks_takes_what_ended_meanwhile_in_the_same_apply(ended_meanwhile):
+    params, parts, lazy, stepper = _deferred_three(read_order=(0, 1, 2))
     finals = [bytes(3)]  # no block has ended when the apply point is reached; these have once it waited
     waits = parts.wait_tensors_on_stream
 
@@ -521,21 +529,7 @@ def test_the_leader_waits_for_the_first_update_read_where_the_forward_reads_it_a
     beginning, the leader (an apply point with none of its own) waits for that update itself and applies
     everything that ended meanwhile, so no other hook needs to wake; elsewhere it waits for nothing (the forward
     may run a long way before that read, overlapping the blocks) and applies only what is final."""
-    from dcredit_opt.optimizer.lazy import Stepper
-    from dcredit_opt.optimizer.updates import LazyUpdates
-
-    params = [nn.Parameter(torch.full((2,), float(k))) for k in range(3)]
-    names = ["a", "b", "c"]
-    sgd = torch.optim.SGD(params, lr=0.1)
-    parts = _StepperParts(params, [torch.full((2,), 10.0 * (k + 1)) for k in range(3)])
-    lazy = LazyUpdates(sgd, names, params, Notices())
-    lazy._read_order = (1, 0, 2)  # as end_learning sets it: first-read order
-    lazy._leader_waits = leader_waits
-    stepper = Stepper(sgd, torch.optim.SGD, names, params, [], (parts, lazy, parts, parts, parts, None), Config(),
-                      Notices(), None)
-    lazy.take(sgd.param_groups, every_hook=False)
-    lazy.skip([])
-    lazy.defer(sgd, parts.path)
+    params, parts, lazy, stepper = _deferred_three(read_order=(1, 0, 2), leader_waits=leader_waits)
     finals = [bytes(3)]  # nothing has ended when the forward begins; everything has once the leader waited
     waits = parts.wait_tensors_on_stream
 
