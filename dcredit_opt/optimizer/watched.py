@@ -196,24 +196,27 @@ def _has_watched(t) -> bool:
 def _wait_for(args, kwargs, writes: bool) -> None:
     """Every watched gradient among the operation's arguments (in lists too: foreach calls) waits, one call per
     optimizer for all of its own; ``writes``: the operation may change them in place."""
-    reads = {}  # keeper -> the indices of its tensors read here
+    watched = []
     for a in (*args, *kwargs.values()):
         if isinstance(a, WatchedGradient):
-            _note(reads, a)
+            watched.append(a)
         elif isinstance(a, (list, tuple)):
-            for b in a:
-                if isinstance(b, WatchedGradient):
-                    _note(reads, b)
+            watched += [b for b in a if isinstance(b, WatchedGradient)]
+    if not watched:
+        return
+    keepers = [getattr(w, "_dc_keeper", None) for w in watched]  # None: a copy made outside our hooks
+    first = keepers[0]
+    if first is not None and keepers.count(first) == len(keepers):  # one optimizer's gradients (the common case)
+        reads = {first: [w._dc_index for w in watched]}
+    else:
+        reads = {}  # keeper -> the indices of its tensors read here
+        for keeper, w in zip(keepers, watched):
+            if keeper is not None:
+                reads.setdefault(keeper, []).append(w._dc_index)
     for keeper, indices in reads.items():
         core = keeper()
         if core is not None:
             core.gradients_read(indices, writes)
-
-
-def _note(reads: dict, watched: WatchedGradient) -> None:
-    keeper = getattr(watched, "_dc_keeper", None)
-    if keeper is not None:
-        reads.setdefault(keeper, []).append(watched._dc_index)
 
 
 def _keep(watched, alias: torch.Tensor) -> None:
