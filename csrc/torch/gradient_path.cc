@@ -70,7 +70,15 @@ struct GradientPath::State : std::enable_shared_from_this<GradientPath::State> {
       CallPython(slow, i, nullptr);
       return;
     }
-    if (!open && passes == 1 && counts[i] == 0) {
+    if (counts[i] < passes - 1) {
+      // A backward pass before the last of the step (backward_passes_per_step): autograd keeps this one's
+      // gradient in p.grad, where the next pass adds to it; it is only counted (the pre-hook refused it where
+      // its update was pending).
+      counts[i] += 1;
+      return;
+    }
+    const bool last_pass = counts[i] == passes - 1;  // else one pass too many: Python raises
+    if (!open && last_pass) {
       // The iteration's first gradient: Python opens it (with its checks; it raises where the iteration may
       // not open), then this gradient takes the fast path like every other.
       lock.unlock();
@@ -78,14 +86,14 @@ struct GradientPath::State : std::enable_shared_from_this<GradientPath::State> {
       lock.lock();
       if (closed) return;
     }
-    if (!(open && !flushed && passes == 1 && counts[i] == 0) || !Stage(i)) {
+    if (!(open && !flushed && counts[i] == passes - 1) || !Stage(i)) {
       slow_count.fetch_add(1, std::memory_order_relaxed);
       lock.unlock();
       CallPython(slow, i, nullptr);
       return;
     }
     marked[i] = 1;
-    counts[i] = 1;
+    counts[i] = passes;
     try {
       mark_ready(i);
     } catch (const std::exception& e) {

@@ -19,17 +19,19 @@ namespace dcredit {
 // Note [Gradient path]
 // ~~~~~~~~~~~~~~~~~~~~
 // As DDP's reducer does, each parameter's AccumulateGrad node carries a C++
-// post-hook. In the steady state (the iteration is open, one backward pass
-// per step, this tensor's first gradient of the iteration, a dense gradient
-// of the slot's dtype, shape and device) it copies the gradient into its slot
+// post-hook. In the steady state (the iteration is open, this tensor's
+// last backward pass of the step, a dense gradient of the slot's dtype,
+// shape and device) it copies the gradient into its slot
 // (pre-scaled), points p.grad at the watched alias of the slot (Note
 // [Gradient reads]), records the hand-over in the optimizer's per-tensor
 // state (Note [Gradient state]: arrays it shares with Python), and marks the
 // tensor ready in the scheduler. Python runs only where it must: to open an
 // iteration at its first gradient (the opener; that gradient then takes the
-// fast path too), a second backward pass, sparse or otherwise unusual
-// gradients; there the hook calls the optimizer's Python method, which does
-// the same work with every check.
+// fast path too), one pass too many, sparse or otherwise unusual gradients;
+// there the hook calls the optimizer's Python method, which does the same
+// work with every check. The passes before a step's last
+// (backward_passes_per_step > 1) are only counted, in C++: autograd adds
+// each one to p.grad, and the last pass hands over the sum.
 //
 // Before autograd adds a gradient to p.grad, a C++ tensor pre-hook on the
 // parameter checks the two refusals that must come first (the parameter's

@@ -497,14 +497,11 @@ class Core:
 
     def _tell_python_path(self) -> None:
         """Note [Gradient path]: once per optimizer, say so when gradients of the last iteration went through
-        Python (where they must: several backward passes per step, other layouts)."""
+        Python (where they must: other layouts, gradients after the blocks were released)."""
         slow = self.backward.take_slow_count()
         if not slow or "python path" in self.told:
             return
-        passes = self.backward.passes
-        if passes > 1:
-            why = f"backward_passes_per_step={passes} (each pass's gradients are counted in Python)"
-        elif self.tally.sparse_rows():
+        if self.tally.sparse_rows():
             why = "sparse gradients, reduced as rows (Note [Sparse gradients])"
         elif any(self.buffers.sparse):
             why = "sparse gradients, reduced as dense (sparse_as_dense=True)"

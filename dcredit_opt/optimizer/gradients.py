@@ -107,7 +107,7 @@ class Backward:
 
     def hand_over(self, i: int) -> None:
         """The C++ hook's Python path for tensor ``i`` (Note [Gradient path]): where the fast path cannot take
-        it (several backward passes per step, a sparse or otherwise unusual gradient)."""
+        it (one pass too many, a sparse or otherwise unusual gradient)."""
         count = self.counts[i] + 1
         if count > self.passes:
             raise self.too_many_passes(i)
