@@ -36,11 +36,19 @@ on every way alike, and the ratios are the figures to quote; the intervals
 are over turns. It also prints each phase's median per way (``zero_grad``,
 forward, backward, ``step()``) and ours minus the others': with a lazy step
 our forward applies the updates that the others make in ``step()``.
+
+What each iteration does besides one forward, backward and step (``Loop``):
+``--zero-grad zeros`` zeroes the gradients in place instead of dropping them,
+``--clip`` clips their norm between backward and step, and ``--passes N``
+accumulates N forward-backward passes per step (DDP reduces only the last,
+under ``no_sync()`` before it; ours counts them, ``backward_passes_per_step``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -55,6 +63,24 @@ WAYS = ("plain", "ddp", "dc", "dc-link")
 """``dc-link`` is ``dc`` planned for the link alone (``Config(collective_host_s=0)``): what charging each
 collective's host time in the plan is worth. Not run unless ``--ways`` names it."""
 WARMUP = 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """What each timed iteration does besides forward, backward and ``step()``, the same for every way."""
+
+    set_to_none: bool = True  # zero_grad() drops the gradients (torch's default), else zeroes them in place
+    clip: bool = False  # clip_grad_norm_ between backward and step
+    passes: int = 1  # forward-backward passes per step: gradients accumulated over them
+
+    def args(self) -> list[str]:
+        """The command-line arguments that give this loop to a child process."""
+        return (["--zero-grad", "none" if self.set_to_none else "zeros", "--passes", str(self.passes)]
+                + (["--clip"] if self.clip else []))
+
+    def describe(self) -> str:
+        return (("" if self.set_to_none else ", zero_grad to zeros") + (", clip_grad_norm_" if self.clip else "")
+                + (f", {self.passes} passes per step" if self.passes > 1 else ""))
 
 
 MODELS = ("gpt", "transformer", "resnet50", "mlp")
@@ -90,9 +116,10 @@ def _optimizer(name: str, params):
     return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
 
-def _build(way: str, model_name: str, optimizer: str = "sgd"):
+def _build(way: str, model_name: str, optimizer: str = "sgd", passes: int = 1):
     """The model, its batch and its optimizer trained the way ``way``: ``(net, opt, x, y, parameter tensors)``.
-    The default process group (and ``dc.init()`` for ours) must be up for every way but ``plain``."""
+    The default process group (and ``dc.init()`` for ours) must be up for every way but ``plain``. ``passes``:
+    backward passes per step (ours is told; DDP's are skipped with ``no_sync()`` in ``_timed``)."""
     import torch
 
     model, x, y = _model_and_batch(model_name)
@@ -102,7 +129,8 @@ def _build(way: str, model_name: str, optimizer: str = "sgd"):
         import dcredit_opt as dc
 
         config = dc.Config(collective_host_s=0.0) if way == "dc-link" else None
-        opt = dc.DistributedOptimizer(opt, named_parameters=model.named_parameters(), config=config)
+        opt = dc.DistributedOptimizer(opt, named_parameters=model.named_parameters(), config=config,
+                                      backward_passes_per_step=passes)
     return net, opt, x, y, len(list(model.parameters()))
 
 
@@ -111,12 +139,10 @@ PHASES = ("zero_grad", "forward", "backward", "step")
 ``step()`` leaves the optimizer's own work to the next forward, which applies the updates."""
 
 
-def _timed(net, opt, x, y, iters: int, set_to_none: bool = True, clip: bool = False,
-           phases: dict | None = None) -> tuple[list[float], float]:
-    """``iters`` training iterations: each one's wall time, and the training thread's CPU per iteration.
-    ``set_to_none``: what each iteration's ``zero_grad`` does with the last gradients (False: zeroes them);
-    ``clip``: ``clip_grad_norm_`` between backward and step; ``phases``: where given, each phase's time of each
-    iteration is appended to its list (:data:`PHASES`)."""
+def _timed(net, opt, x, y, iters: int, loop: Loop, phases: dict | None = None) -> tuple[list[float], float]:
+    """``iters`` training iterations as ``loop`` says: each one's wall time, and the training thread's CPU per
+    iteration. ``phases``: where given, each phase's time of each iteration is appended to its list
+    (:data:`PHASES`; with several passes, forward and backward are their sums)."""
     import torch
 
     from benchmarks.models import loss_fn
@@ -124,21 +150,29 @@ def _timed(net, opt, x, y, iters: int, set_to_none: bool = True, clip: bool = Fa
     walls = []
     clock = time.perf_counter
     cpu0 = time.thread_time()
+    no_sync = getattr(net, "no_sync", contextlib.nullcontext)  # DDP's: no reduction before the last pass
     for _ in range(iters):
         t0 = clock()
-        opt.zero_grad(set_to_none=set_to_none)
+        opt.zero_grad(set_to_none=loop.set_to_none)
         t1 = clock()
-        loss = loss_fn(net(x), y)
-        t2 = clock()
-        loss.backward()
-        if clip:
+        forward = backward = 0.0
+        for k in range(loop.passes):
+            with no_sync() if k < loop.passes - 1 else contextlib.nullcontext():
+                a = clock()
+                loss = loss_fn(net(x), y)
+                b = clock()
+                loss.backward()
+                forward, backward = forward + b - a, backward + clock() - b
+        if loop.clip:
+            c = clock()
             torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            backward += clock() - c
         t3 = clock()
         opt.step()
         t4 = clock()
         walls.append(t4 - t0)
         if phases is not None:
-            for name, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            for name, dt in zip(PHASES, (t1 - t0, forward, backward, t4 - t3)):
                 phases[name].append(dt)
     return walls, (time.thread_time() - cpu0) / iters
 
@@ -150,8 +184,7 @@ def _collectives(opt) -> int | None:
     return len(stages_of(opt.plan)) if hasattr(opt, "plan") else None
 
 
-def run_one(way: str, iters: int, model_name: str = "gpt", optimizer: str = "sgd", set_to_none: bool = True,
-            clip: bool = False) -> dict:
+def run_one(way: str, iters: int, model_name: str = "gpt", optimizer: str = "sgd", loop: Loop = Loop()) -> dict:
     """In this process: train the small model ``model_name`` the way ``way`` and return its timings."""
     import torch
     import torch.distributed as dist
@@ -163,9 +196,9 @@ def run_one(way: str, iters: int, model_name: str = "gpt", optimizer: str = "sgd
         import dcredit_opt as dc
 
         dc.init()
-    net, opt, x, y, params = _build(way, model_name, optimizer)
-    _timed(net, opt, x, y, WARMUP, set_to_none, clip)
-    walls, cpu = _timed(net, opt, x, y, iters, set_to_none, clip)
+    net, opt, x, y, params = _build(way, model_name, optimizer, loop.passes)
+    _timed(net, opt, x, y, WARMUP, loop)
+    walls, cpu = _timed(net, opt, x, y, iters, loop)
     collectives = _collectives(opt)
     if way in ("dc", "dc-link"):
         dc.shutdown()
@@ -175,7 +208,7 @@ def run_one(way: str, iters: int, model_name: str = "gpt", optimizer: str = "sgd
 
 
 def run_together(ways: list[str], rounds: int, block: int, model_name: str, optimizer: str = "sgd",
-                 set_to_none: bool = True, clip: bool = False) -> dict:
+                 loop: Loop = Loop()) -> dict:
     """In this process: every way on its own copy of the model, taking turns in blocks of ``block``
     iterations (the first of each block, after the switch, not counted), ``rounds`` blocks each, so that
     whatever else the machine runs weighs on every way alike. Our optimizers apply what is pending before
@@ -188,7 +221,7 @@ def run_together(ways: list[str], rounds: int, block: int, model_name: str, opti
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=0, world_size=1)
     dc.init()
-    runners = {way: _build(way, model_name, optimizer) for way in ways}
+    runners = {way: _build(way, model_name, optimizer, loop.passes) for way in ways}
     walls = {w: [] for w in ways}
     cpus = {w: [] for w in ways}
     phases = {w: {name: [] for name in PHASES} for w in ways}
@@ -196,7 +229,7 @@ def run_together(ways: list[str], rounds: int, block: int, model_name: str, opti
     def turn(way: str, iters: int, keep: bool) -> None:
         net, opt, x, y, _ = runners[way]
         timed = {name: [] for name in PHASES}
-        block_walls, cpu = _timed(net, opt, x, y, iters, set_to_none, clip, timed)
+        block_walls, cpu = _timed(net, opt, x, y, iters, loop, timed)
         if keep:
             walls[way].append(block_walls[1:])
             cpus[way].append(cpu)
@@ -275,16 +308,21 @@ def main(argv: list[str] | None = None) -> None:
                         "(set_to_none=False)")
     p.add_argument("--clip", action="store_true", help="clip_grad_norm_ between backward and step, as most "
                                                        "transformer training does")
+    p.add_argument("--passes", type=int, default=1, help="forward-backward passes per step (gradient "
+                                                         "accumulation): DDP under no_sync() before the last, ours "
+                                                         "with backward_passes_per_step")
     p.add_argument("--one", choices=WAYS, help=argparse.SUPPRESS)  # a child process
     p.add_argument("--child-together", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    set_to_none = args.zero_grad == "none"
+    if args.passes < 1:
+        p.error(f"--passes must be at least 1; got {args.passes}")
+    loop = Loop(set_to_none=args.zero_grad == "none", clip=args.clip, passes=args.passes)
     if args.one:
-        print(json.dumps(run_one(args.one, args.iters, args.model, args.optimizer, set_to_none, args.clip)))
+        print(json.dumps(run_one(args.one, args.iters, args.model, args.optimizer, loop)))
         return
     if args.child_together:
         print(json.dumps(run_together(args.ways.split(","), args.rounds, args.block, args.model, args.optimizer,
-                                      set_to_none, args.clip)))
+                                      loop)))
         return
 
     ways = args.ways.split(",")
@@ -293,9 +331,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--ways must include dc and name only {', '.join(WAYS)}; got {args.ways!r}")
     net = LoopbackNetwork(1)
     machine = f"# host cost, {platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    model = (f"a world of one, {args.model}-shaped model, {args.optimizer}" + ("" if set_to_none else ", zero_grad to zeros")
-             + (", clip_grad_norm_" if args.clip else ""))
-    extra = ["--zero-grad", args.zero_grad] + (["--clip"] if args.clip else [])
+    model = f"a world of one, {args.model}-shaped model, {args.optimizer}{loop.describe()}"
+    extra = loop.args()
     if args.together:
         r = _child(net, 1800, "--child-together", "--ways", ",".join(ways), "--rounds", str(args.rounds),
                    "--block", str(args.block), "--model", args.model, "--optimizer", args.optimizer,

@@ -121,3 +121,19 @@ def test_replan_cost_runs_its_checks_end_to_end(tmp_path):
     assert len(result["on_s"]) == 30 and len(result["off_s"]) == 30
     assert len(result["gather_s"]) >= 2, "the checks' all-gathers were not timed"  # a check every 10 steps
     assert "**re-plans**" in path.with_suffix(".md").read_text()
+
+
+@pytest.mark.timeout(900)
+def test_host_cost_runs_every_way_with_every_loop_option():
+    """benchmarks/host_cost.py, every way taking turns in one process with each of its loop's options at once
+    (zero_grad to zeros, a clip, two passes per step: DDP under no_sync() before the last): it runs to its
+    summary and phase table, and says what it measured."""
+    argv = [sys.executable, "-m", "benchmarks.host_cost", "--model", "mlp", "--together", "--rounds", "2", "--block",
+            "3", "--ways", "plain,ddp,dc", "--zero-grad", "zeros", "--clip", "--passes", "2"]
+    proc = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=timing.scaled(LAUNCH_LIMIT_S + HARNESS_OVERHEAD_S), check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "zero_grad to zeros, clip_grad_norm_, 2 passes per step (100 parameter tensors)" in out, out
+    assert "dc / plain:" in out and "dc / ddp:" in out and "collectives per iteration" in out, out
+    assert all(f"  {phase} " in out for phase in ("zero_grad", "forward", "backward", "step")), out
