@@ -242,16 +242,21 @@ def test_a_parameter_used_in_one_pass_of_two_is_reduced_at_step():
         opt._dc.close()
 
 
+def train_two_passes(model, opt, steps):
+    """Steps ``steps`` of the wrapped model, two backward passes each (batches ``2 * s`` and ``2 * s + 1``)."""
+    for s in steps:
+        opt.zero_grad()
+        loss(model, 2 * s).backward()
+        loss(model, 2 * s + 1).backward()
+        opt.step()
+
+
 def test_a_third_pass_of_two_is_refused_in_cpp_too():
     """One pass more than backward_passes_per_step: refused before autograd adds it, naming the parameter, after
     the C++ hook counted the first two."""
     model, opt, _, _ = pair(LAZY, backward_passes_per_step=2)
     try:
-        for s in range(3):
-            opt.zero_grad()
-            loss(model, 2 * s).backward()
-            loss(model, 2 * s + 1).backward()
-            opt.step()
+        train_two_passes(model, opt, range(3))
         opt.zero_grad()
         loss(model, 10).backward()
         loss(model, 11).backward()
@@ -269,11 +274,7 @@ def test_a_graph_built_before_step_is_refused_after_it_with_two_passes():
     writes]), and torch refuses the graph as plain torch does (the weights it saved were changed in place)."""
     model, opt, _, _ = pair(LAZY, backward_passes_per_step=2)
     try:
-        for s in range(3):
-            opt.zero_grad()
-            loss(model, 2 * s).backward()
-            loss(model, 2 * s + 1).backward()
-            opt.step()
+        train_two_passes(model, opt, range(3))
         opt.zero_grad()
         loss(model, 10).backward()
         kept = loss(model, 11)  # built now, backward-ed after step()
