@@ -221,11 +221,8 @@ def test_several_backward_passes_per_step_stay_in_cpp(config, passes, caplog):
 def test_a_parameter_used_in_one_pass_of_two_is_reduced_at_step():
     """A parameter whose gradient came in one of the two passes only (counted once, never handed over by its
     hook) is staged by step()'s flush with what autograd summed: the weights of plain torch."""
-    torch.manual_seed(0)
-    a, b = nn.Linear(4, 3), nn.Linear(4, 3)
-    model, ref = nn.ModuleList([a, b]), None
-    torch.manual_seed(0)
-    ref = nn.ModuleList([nn.Linear(4, 3), nn.Linear(4, 3)])
+    model, ref = (nn.ModuleList([nn.Linear(4, 3), nn.Linear(4, 3)]) for _ in range(2))
+    ref.load_state_dict(model.state_dict())
     opt = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                   named_parameters=model.named_parameters(), config=LAZY, backward_passes_per_step=2)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
