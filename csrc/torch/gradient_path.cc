@@ -7,16 +7,11 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdint>
 #include <cstring>
 #include <exception>
 #include <string>
 #include <unordered_map>
 #include <utility>
-
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
 
 namespace dcredit {
 
@@ -139,52 +134,19 @@ struct GradientPath::State : std::enable_shared_from_this<GradientPath::State> {
     return true;
   }
 
-  // slot = grad, of the same dtype and shape. Two contiguous strided CPU tensors: one copy of the bytes
-  // (CopyBytes), without the dispatcher's and TensorIterator's set-up, which cost more than the copy for the
-  // many small gradients of a model; the slot's version moves as copy_ moves it (a graph that saved the slot
-  // still sees the write). Otherwise torch's copy_.
+  // slot = grad, of the same dtype and shape. Two contiguous strided CPU tensors: one memcpy, without the
+  // dispatcher's and TensorIterator's set-up, which cost more than the copy for the many small gradients of
+  // a model; the slot's version moves as copy_ moves it (a graph that saved the slot still sees the write).
+  // Otherwise torch's copy_.
   static void CopyInto(const at::Tensor& slot, const at::Tensor& grad) {
     if (slot.device().is_cpu() && grad.device().is_cpu() && slot.layout() == at::kStrided &&
         grad.layout() == at::kStrided && !grad.is_quantized() && slot.is_contiguous() && grad.is_contiguous() &&
         !grad.is_conj() && !grad.is_neg()) {
-      CopyBytes(slot.data_ptr(), grad.data_ptr(), grad.nbytes());
+      std::memcpy(slot.data_ptr(), grad.data_ptr(), grad.nbytes());
       torch::autograd::impl::bump_version(slot);
       return;
     }
     const_cast<at::Tensor&>(slot).copy_(grad);
-  }
-
-  // Note [Streamed copies]: nothing reads a slot soon after its gradient is copied in (the collective, and
-  // the optimizer's step in the next forward, come long after, for all but the last blocks), while the
-  // backward goes on reading its own activations. So a gradient of kStreamedBytes or more is written with
-  // non-temporal stores (SSE2, every x86-64), which go to memory without evicting the backward's data from
-  // the caches; a smaller one, or on another CPU, with memcpy. The fence before return orders the streamed
-  // stores before the hand-over (the scheduler's mutex) to the thread that launches the collective.
-  // Measured in one process against memcpy, GPT-shaped model (1.5 MB of gradients): backward -70 to -80 us,
-  // iteration -80 to -150 us, half of what the copy costs there (benchmarks/results).
-  static constexpr size_t kStreamedBytes = 4096;
-
-  static void CopyBytes(void* dst, const void* src, size_t n) {
-#if defined(__SSE2__)
-    if (n >= kStreamedBytes) {
-      auto* d = static_cast<char*>(dst);
-      const auto* s = static_cast<const char*>(src);
-      const size_t head = (16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15;  // to a 16-byte boundary
-      std::memcpy(d, s, head);
-      d += head;
-      s += head;
-      n -= head;
-      const size_t vectors = n / 16;
-      for (size_t j = 0; j < vectors; ++j) {
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16 * j));
-        _mm_stream_si128(reinterpret_cast<__m128i*>(d + 16 * j), v);
-      }
-      std::memcpy(d + 16 * vectors, s + 16 * vectors, n - 16 * vectors);
-      _mm_sfence();
-      return;
-    }
-#endif
-    std::memcpy(dst, src, n);
   }
 
   // Calls `fn(i)` or `fn(i, message)` with the GIL; a Python exception goes

@@ -288,17 +288,16 @@ def test_a_graph_built_before_step_is_refused_after_it_with_two_passes():
 
 
 class _Odd(nn.Module):
-    """Parameters of odd sizes side by side, so that the large ones (streamed copies: Note [Streamed copies] in
-    gradient_path.cc) start at offsets of their slots' buffer that are not 16-byte aligned and end in a partial
-    vector."""
+    """Parameters of odd sizes side by side, so that the large ones start at offsets of their slots' buffer that
+    are not 16-byte aligned and end in a partial vector (what a copy by vectors must get right)."""
 
     def __init__(self):
         super().__init__()
         self.a = nn.Parameter(torch.randn(3))
         self.big = nn.Parameter(torch.randn(1027, 3))  # 12 324 bytes
         self.b = nn.Parameter(torch.randn(5))
-        self.small = nn.Parameter(torch.randn(1023))  # 4 092 bytes: just under the streamed size
-        self.edge = nn.Parameter(torch.randn(1025))  # 4 100 bytes: just over it
+        self.small = nn.Parameter(torch.randn(1023))  # 4 092 bytes
+        self.edge = nn.Parameter(torch.randn(1025))  # 4 100 bytes
 
     def forward(self, x):
         return ((self.big * x).sum() * self.a.sum() + self.b.pow(2).sum() + (self.small * self.small).sum()
