@@ -37,7 +37,7 @@ from ..errors import DCreditError
 from ..planner.plan import Plan
 from ..planner.profile import RING_STAGE_RATIOS
 from ..profiling import profiler, replanner
-from ..profiling.planning import DECOUPLING_POLICIES
+from ..profiling.planning import measures_stages
 from ..reduce_ops import Average, block_reduction
 from ..world import job, process_sets
 from . import checks, devices
@@ -524,7 +524,7 @@ class Core:
         allreduce, barrier = self.backend.sweep_collectives()
         alpha, beta, _ = profiler.measure_alpha_beta(allreduce, barrier, device)
         ratios = RING_STAGE_RATIOS
-        if self.config.policy in DECOUPLING_POLICIES:  # what a reduce-scatter and an all-gather cost here
+        if measures_stages(self.config.policy, self.members.size):  # what a reduce-scatter and an all-gather cost
             ratios = profiler.measure_stage_ratios(self.backend.stage_collectives(), barrier, device,
                                                    self.members.size, alpha, beta)
         buffers = self.buffers

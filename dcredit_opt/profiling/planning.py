@@ -19,9 +19,12 @@ the one scheme with several collectives in flight, ByteScheduler on VGG, predict
 processor sharing is 8 % short)."""
 
 
-DECOUPLING_POLICIES = ("dear", "dcredit")
-"""Policies whose plans may decouple blocks (``Plan.decoupled``): the profiler measures what a reduce-scatter
-and an all-gather cost for them (``profiler.measure_stage_ratios``); the others never pay for that sweep."""
+def measures_stages(policy: str, world_size: int) -> bool:
+    """Whether profiling measures what a reduce-scatter and an all-gather cost (``profiler.measure_stage_ratios``):
+    only where the plan may decouple blocks (``Plan.decoupled``): DeAR's, and D-Credit's search where more than
+    one rank takes part (Note [A world of one never decouples] in ``planner/search.py``). The others never pay
+    for that sweep."""
+    return policy == "dear" or (policy == "dcredit" and world_size > 1)
 
 
 def make_plan(profile: Profile, policy: str, *, channels: int, overlap_forward: bool = True,

@@ -736,9 +736,10 @@ def test_our_own_gradient_bookkeeping_passes_the_read_guard_and_leaves_it_armed(
 
 def test_profiling_calls_no_deprecated_torch_distributed_function():
     # The profiler's sweeps (the stage sweep: reduce-scatter and all-gather) run in every user's job: a
-    # FutureWarning from torch.distributed there would be printed on every rank of every launch.
+    # FutureWarning from torch.distributed there would be printed on every rank of every launch. DeAR's plans
+    # decouple at any world size, so its profiling sweeps the stages here too.
     model, opt = model_and_opt()
-    config = dc.Config(block_bytes=64, profile_iters=2, policy="dcredit")
+    config = dc.Config(block_bytes=64, profile_iters=2, policy="dear")
     dopt = dc.DistributedOptimizer(opt, named_parameters=model.named_parameters(), config=config)
     sweep = mock.patch.object(profiler, "measure_stage_ratios", wraps=profiler.measure_stage_ratios)
     with warnings.catch_warnings(record=True) as caught, sweep as stage_sweep:
@@ -750,6 +751,25 @@ def test_profiling_calls_no_deprecated_torch_distributed_function():
     deprecated = [f"{w.category.__name__}: {w.message} ({w.filename})" for w in caught
                   if issubclass(w.category, (FutureWarning, DeprecationWarning))]
     assert not deprecated, deprecated
+
+
+def test_a_world_of_one_plans_all_reduce_blocks_without_the_stage_sweep():
+    # Note [A world of one never decouples] (planner/search.py): one rank's D-Credit plan has no reduce-scatter
+    # and all-gather pairs, so profiling skips their sweep; the plan is still the search's, and trains exactly.
+    model, opt = model_and_opt()
+    ref, ref_opt = model_and_opt()
+    config = dc.Config(block_bytes=64, profile_iters=2, policy="dcredit")
+    dopt = dc.DistributedOptimizer(opt, named_parameters=model.named_parameters(), config=config)
+    with mock.patch.object(profiler, "measure_stage_ratios", wraps=profiler.measure_stage_ratios) as stage_sweep:
+        for s in range(5):  # profiles 2 iterations, plans, trains on the plan
+            train_step(model, dopt, s)
+            train_step(ref, ref_opt, s)
+        dopt.synchronize()
+    assert dopt.profile is not None and dopt.profile.world_size == 1, "no plan was made from a profile"
+    assert stage_sweep.call_count == 0
+    assert dopt.plan.policy == "dcredit" and dopt.plan.decoupled == ()
+    _check_same(model, ref)
+    dopt._dc.close()
 
 
 def test_the_wrapper_is_horovods_surface_over_one_field_of_its_own():

@@ -14,7 +14,7 @@ import dcredit_opt
 from dcredit_opt.planner import policies
 from dcredit_opt.planner.cost import scale_to_workers
 from dcredit_opt.planner.plan import Plan, stages_of, validate
-from dcredit_opt.planner.profile import Profile
+from dcredit_opt.planner.profile import RING_STAGE_RATIOS, Profile
 from dcredit_opt.planner.search import budget_units, search
 from dcredit_opt.planner.simulate import simulate
 from dcredit_opt.planner.synthetic import model_like_profile
@@ -141,3 +141,18 @@ def test_where_the_link_is_free_the_host_cost_picks_fewer_larger_blocks():
     assert ours <= simulate(link_only, charged).iteration_s + 1e-12
     for name, other in baseline_plans(charged, grid, channels=2).items():
         assert ours <= simulate(other, charged).iteration_s * TOLERANCE + 1e-12, name
+
+
+def test_a_world_of_one_never_decouples():
+    """Note [A world of one never decouples]: the same profile that the search plans with every tensor decoupled at
+    two ranks (the simulator, with one rank's all-reduce fit, sees the stages as nearly free) gets all-reduce blocks
+    only at one rank; DeAR, asked for by name, still decouples there."""
+    base = shipped("vgg")
+    for ratios in ((0.05, 0.5, 0.05, 0.5), RING_STAGE_RATIOS):
+        two = dataclasses.replace(base, alpha_s=70e-6, beta_s_per_byte=0.0, world_size=2, stage_ratios=ratios,
+                                  host_s_per_collective=20e-6)
+        one = dataclasses.replace(two, world_size=1)
+        assert planning.make_plan(two, "dcredit", channels=2).decoupled, ratios  # what the rule takes away
+        plan = planning.make_plan(one, "dcredit", channels=2)
+        assert plan.decoupled == () and all(s.op == 0 for s in stages_of(plan)), ratios
+        assert planning.make_plan(one, "dear", channels=2).decoupled
