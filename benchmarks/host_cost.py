@@ -1,6 +1,6 @@
 """Our host work per iteration where compute is small: a world of one, on the CPU.
 
-    .venv/bin/python -m benchmarks.host_cost [--model gpt|transformer|resnet50] [--rounds 4] [--iters 150]
+    .venv/bin/python -m benchmarks.host_cost [--model gpt|transformer|resnet50|mlp|lstm] [--rounds 4] [--iters 150]
     .venv/bin/python -m benchmarks.host_cost --together [--rounds 8] [--block 25] [--ways plain,ddp,dc,dc-link]
 
 On a fast GPU an iteration of the benchmark's models takes milliseconds, and
@@ -14,8 +14,11 @@ tensors: ``transformer``, the same blocks 12 deep with 4 heads (149
 parameter tensors), ``resnet50``, ResNet-50's bottleneck stages at base
 width 8 on 32x32 images (161 parameter tensors, batch norm in every block),
 and ``mlp``, 24 pre-norm residual blocks of width 64 (100 parameter tensors,
-LayerNorm in every block, under a millisecond of compute). ``--optimizer
-adamw`` trains with AdamW instead of SGD with momentum.
+LayerNorm in every block, under a millisecond of compute). And one with few
+large tensors: ``lstm``, a language model (an embedding of 5000 x 128, two
+LSTM layers of 256, an output layer: 11 tensors, 11.6 MB of gradients), whose
+forward needs the embedding's update at once. ``--optimizer adamw`` trains
+with AdamW instead of SGD with momentum.
 
 Three ways to train it, each in its own process, one at a time, the rounds
 interleaving them: ``plain`` (the optimizer alone), ``ddp`` (DDP at a
@@ -83,7 +86,7 @@ class Loop:
                 + (f", {self.passes} passes per step" if self.passes > 1 else ""))
 
 
-MODELS = ("gpt", "transformer", "resnet50", "mlp")
+MODELS = ("gpt", "transformer", "resnet50", "mlp", "lstm")
 OPTIMIZERS = ("sgd", "adamw")
 """``sgd``: SGD with momentum; ``adamw``: AdamW with weight decay (its default, foreach, implementation)."""
 MLP_BLOCKS = 24
@@ -94,12 +97,16 @@ plus the stem's and the head's: 100 tensors) on 16 inputs of 64 features."""
 def _model_and_batch(name: str):
     import torch
 
-    from benchmarks.models import GPT_HEADS, GPT_LAYERS, GPTLike, ResidualMLP, ResNet50Shaped
+    from benchmarks.models import GPT_HEADS, GPT_LAYERS, GPTLike, LSTMLanguageModel, ResidualMLP, ResNet50Shaped
 
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
     if name == "mlp":
         return ResidualMLP(blocks=MLP_BLOCKS), torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+    if name == "lstm":
+        shape = (8, 24)
+        return (LSTMLanguageModel(), torch.randint(0, 5000, shape, generator=gen),
+                torch.randint(0, 5000, shape, generator=gen))
     if name == "resnet50":
         return ResNet50Shaped(width=8), torch.randn(2, 3, 32, 32, generator=gen), torch.randint(0, 10, (2,),
                                                                                                generator=gen)

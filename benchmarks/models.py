@@ -261,6 +261,25 @@ class ResidualMLP(nn.Module):
 
 
 # --------------------------------------------------------------------------
+# LSTM language model (few, large tensors; the embedding read first)
+# --------------------------------------------------------------------------
+
+
+class LSTMLanguageModel(nn.Module):
+    """An embedding, a stacked LSTM and an output layer: 11 tensors, 2.9 M parameters at the defaults, the
+    embedding's update needed by the forward's first operation."""
+
+    def __init__(self, vocab: int = 5000, width: int = 128, hidden: int = 256, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.lstm = nn.LSTM(width, hidden, layers, batch_first=True)
+        self.out = nn.Linear(hidden, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.out(self.lstm(self.embed(idx))[0])
+
+
+# --------------------------------------------------------------------------
 # Tiny
 # --------------------------------------------------------------------------
 
