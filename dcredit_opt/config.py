@@ -89,7 +89,9 @@ class Config:
     that where the link is cheap (one machine, NVLink, a world of one) the plan has few, larger blocks.
     Measured on the 2-core development machine at a world of one (GPT-shaped model): the iteration grew by
     10 us per collective between fixed plans of 77 and 403 collectives, and by 15-40 us between D-Credit
-    plans of 8, 14 and 77. 0 plans for the link alone."""
+    plans of 8, 14 and 77. Where the blocks are reduced on the CPU, profiling also measures what one small
+    collective costs this process's CPU, and the planner charges the larger of the two (Note [Measured host
+    cost] in profiling/profiler.py). 0 plans for the link alone, and measures nothing."""
 
     replan_every: int = 10
     """Adaptive re-planning (how: planner/adaptive.py): every this many steps of a

@@ -527,11 +527,14 @@ class Core:
         if measures_stages(self.config.policy, self.members.size):  # what a reduce-scatter and an all-gather cost
             ratios = profiler.measure_stage_ratios(self.backend.stage_collectives(), barrier, device,
                                                    self.members.size, alpha, beta)
+        host = self.config.collective_host_s
+        if host > 0 and device.type == "cpu":  # Note [Measured host cost] in profiler.py
+            host = max(host, profiler.measure_host_per_collective(allreduce, barrier))
         buffers = self.buffers
         self.staged_plan, self.profile = profiler.agree_on_plan(recorder, alpha, beta, self.config, self.params,
                                                                 buffers.wire_dtypes(),
                                                                 buffers.numels(self.tally.rows_only()), ratios,
-                                                                self.members)
+                                                                self.members, host)
 
     def use_timeline(self, tl):
         """Record into ``tl`` (or nothing, for None) from the next iteration on: ``dc.start_timeline()`` and

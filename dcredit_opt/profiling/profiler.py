@@ -42,6 +42,26 @@ SWEEP_REPEATS = 4
 STAGE_SWEEP_BYTES = (1 << 16, 1 << 20, 1 << 24)
 # A measured ratio outside this range is noise on a sweep of a few milliseconds, not a collective.
 STAGE_RATIO_RANGE = (0.05, 20.0)
+# Latency-bound all-reduces, this many back to back, three times (Note [Measured host cost]).
+HOST_SWEEP_BYTES = 1 << 12
+HOST_SWEEP_REPEATS = 8
+
+# Note [Measured host cost]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# Where the blocks are reduced on the CPU, a collective's own work (the call, the backend's threads, the
+# transport's system calls) runs on the cores the compute uses: CPU training keeps them busy (torch's
+# intra-op threads default to every core, and ranks often share a host). What a collective costs the host
+# there is the backend's and the machine's, not a constant: measured on the 2-core development machine
+# with Gloo, the CPU this process spent per small blocking all-reduce was 36 us at one rank and 1.2-1.4 ms
+# at two ranks over loopback (the wall time 2.4 ms). Planned with the fixed 20 us of
+# ``Config.collective_host_s``, a ViT-like model of 78 tensors at two ranks took 8-9 collectives per
+# iteration where DDP took 2: its Gloo threads used 5.3-7.1 ms of CPU per iteration against DDP's 2.0-2.2,
+# and the iteration was 1.18-1.50x DDP's; charged 400 us per collective, the search took 2 and ran at
+# 1.03-1.09x. So at the end of profiling every rank runs a few small all-reduces on channel 0 and reads the
+# CPU time its whole process spent on them (``time.process_time``: every thread); rank 0 charges the larger
+# of that and ``collective_host_s``. On a GPU the host's share of a collective is its launch, and the sweep
+# would read the CPU spent waiting for the device: the configured value stays. ``collective_host_s=0`` (plan
+# for the link alone) measures nothing.
 
 
 class Recorder:
@@ -121,6 +141,22 @@ def measure_alpha_beta(allreduce, barrier, device: torch.device) -> tuple[float,
     return alpha, beta, samples
 
 
+def measure_host_per_collective(allreduce, barrier) -> float:
+    """CPU seconds this process spends per small blocking all-reduce on the CPU, every thread counted
+    (Note [Measured host cost]): the median of three runs of ``HOST_SWEEP_REPEATS`` back to back. Every
+    rank must call it (the all-reduces are collectives)."""
+    buf = torch.zeros(HOST_SWEEP_BYTES // 4, dtype=torch.float32)
+    allreduce(buf)  # warm the connection and the allocator
+    runs = []
+    for _ in range(3):
+        barrier()
+        c0 = time.process_time()
+        for _ in range(HOST_SWEEP_REPEATS):
+            allreduce(buf)
+        runs.append((time.process_time() - c0) / HOST_SWEEP_REPEATS)
+    return statistics.median(runs)
+
+
 def _timed(collective, barrier, buf, device: torch.device) -> float:
     collective(buf)  # warm the connection and the allocator
     times = []
@@ -187,20 +223,22 @@ def agree_on_plan(recorder: Recorder, alpha: float, beta: float, config: Config,
                   params: list, wire_dtypes: list | None = None,
                   numels: list | None = None,
                   stage_ratios: tuple[float, float, float, float] = RING_STAGE_RATIOS,
-                  plane=None) -> tuple[Plan, Profile | None]:
+                  plane=None, host_s_per_collective: float | None = None) -> tuple[Plan, Profile | None]:
     """The plan every rank switches to after profiling, and the profile (on rank 0; None elsewhere).
 
     Rank 0 builds the profile from its measurements and plans; the plan goes
     to every rank as JSON (never pickle). A failure on rank 0 goes out the
     same way, so that every rank raises instead of waiting for a plan.
     ``plane``: a process set's ranks (``process_sets``; rank 0 is its first), every rank by default.
+    ``host_s_per_collective``: what rank 0 charges per collective (Note [Measured host cost]);
+    ``config.collective_host_s`` by default.
     """
     text, profile = None, None
+    host = config.collective_host_s if host_s_per_collective is None else host_s_per_collective
     me, world = (runtime.rank(), runtime.size()) if plane is None else (plane.rank, plane.size)
     if me == 0:
         try:
-            profile = build_profile(recorder, alpha, beta, world, wire_dtypes, numels, stage_ratios,
-                                    config.collective_host_s)
+            profile = build_profile(recorder, alpha, beta, world, wire_dtypes, numels, stage_ratios, host)
             plan = make_plan(profile, config.policy, channels=config.channels, overlap_forward=config.overlap_forward)
             validate(plan, numels=numels or [p.numel() for p in params], max_channels=config.channels,
                      dtypes=[p.dtype for p in params])

@@ -772,6 +772,26 @@ def test_a_world_of_one_plans_all_reduce_blocks_without_the_stage_sweep():
     dopt._dc.close()
 
 
+@pytest.mark.parametrize("configured, measured, charged", [
+    (20e-6, 5e-3, 5e-3),  # a collective dearer to the CPU than configured: what was measured
+    (20e-6, 1e-6, 20e-6),  # cheaper: the configured floor
+    (0.0, None, 0.0),  # planned for the link alone: nothing measured
+])
+def test_profiling_charges_each_collective_the_cpu_it_measured(configured, measured, charged):
+    # Note [Measured host cost] (profiling/profiler.py): on the CPU, the larger of the configured host cost
+    # and what one small all-reduce cost this process's CPU goes into the profile the plan is made from.
+    model, opt = model_and_opt()
+    config = dc.Config(block_bytes=64, profile_iters=2, policy="dcredit", collective_host_s=configured)
+    dopt = dc.DistributedOptimizer(opt, named_parameters=model.named_parameters(), config=config)
+    with mock.patch.object(profiler, "measure_host_per_collective", return_value=measured) as sweep:
+        for s in range(4):  # profiles 2 iterations, sweeps, plans
+            train_step(model, dopt, s)
+        dopt.synchronize()
+    assert sweep.call_count == (0 if measured is None else 1)
+    assert dopt.profile is not None and dopt.profile.host_s_per_collective == charged
+    dopt._dc.close()
+
+
 def test_the_wrapper_is_horovods_surface_over_one_field_of_its_own():
     # The returned object is an instance of a subclass of the user's optimizer class (isinstance checks, LR
     # schedulers); what it adds is Horovod's optimizer API, and one field, the core that does the work. `state`

@@ -65,3 +65,23 @@ def test_stage_ratios_are_clamped_and_fall_back_to_the_ring_without_a_whole(cloc
     assert profiler.measure_stage_ratios(
         (clock.collective(1e-4, 1e-9, []), clock.collective(1e-4, 1e-9, [])), lambda: None,
         torch.device("cpu"), 2, 0.0, 0.0) == RING_STAGE_RATIOS
+
+
+def test_host_cost_per_collective_is_the_processs_cpu_per_small_all_reduce(monkeypatch):
+    # Note [Measured host cost]: each all-reduce costs the process 300 us of CPU, but one run of the three
+    # meets 4 ms of it elsewhere (a burst on another thread): the median run's share per collective.
+    cpu = {"now": 0.0, "runs": 0}
+    calls: list = []
+
+    def allreduce(buf):
+        calls.append(buf.numel())
+        cpu["now"] += 300e-6
+
+    def barrier():
+        cpu["runs"] += 1
+        if cpu["runs"] == 2:
+            cpu["now"] += 4e-3
+
+    monkeypatch.setattr(profiler.time, "process_time", lambda: cpu["now"])
+    assert profiler.measure_host_per_collective(allreduce, barrier) == pytest.approx(300e-6)
+    assert calls == [profiler.HOST_SWEEP_BYTES // 4] * (1 + 3 * profiler.HOST_SWEEP_REPEATS)
