@@ -86,6 +86,7 @@ struct GradientPath::State : std::enable_shared_from_this<GradientPath::State> {
       lock.lock();
       if (closed) return;
     }
+    // The last pass's test again, not `last_pass`: the opener ran without the lock.
     if (!(open && !flushed && counts[i] == passes - 1) || !Stage(i)) {
       slow_count.fetch_add(1, std::memory_order_relaxed);
       lock.unlock();
