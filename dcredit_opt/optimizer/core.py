@@ -534,7 +534,7 @@ class Core:
         self.staged_plan, self.profile = profiler.agree_on_plan(recorder, alpha, beta, self.config, self.params,
                                                                 buffers.wire_dtypes(),
                                                                 buffers.numels(self.tally.rows_only()), ratios,
-                                                                self.members, host)
+                                                                self.members, host_s_per_collective=host)
 
     def use_timeline(self, tl):
         """Record into ``tl`` (or nothing, for None) from the next iteration on: ``dc.start_timeline()`` and

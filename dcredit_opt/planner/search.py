@@ -47,7 +47,8 @@ all-gather 7.6 ms; an MLP planned decoupled ran 7.4 ms per iteration where
 its all-reduce plan ran 2.9 ms, and whether a process planned so depended on
 the sweep's noise. So the search leaves candidates 6 out for a profile of
 one rank, and the profiler skips the stage sweep that only they need
-(``planning.measures_stages``). DeAR, asked for by name, still decouples.
+(``planning.measures_stages``, by :func:`decouples`). DeAR, asked for by
+name, still decouples.
 
 Invariant 1 (a plan is a deterministic function of the profile): the search
 has no clock. Its effort is bounded by a budget in *work units*, an
@@ -162,8 +163,8 @@ def _candidates(profile: Profile, block_sizes: Sequence[int], credits: Sequence[
         # US-Byte's order search runs its model once per tensor it may promote; a run visits
         # each tensor and message (about 3T: its events, its phase-1 and phase-2 messages).
         yield f"usbyte unit={size}", (T + 1) * T // 2, usbyte, None
-    if profile.world_size == 1:
-        return  # Note [A world of one never decouples]
+    if not decouples(profile.world_size):
+        return
     for size in _usbyte_units(block_sizes):
         yield (f"dear threshold={size}", 2 * T, lambda size=size: dataclasses.replace(
             policies.dear(profile, threshold_bytes=size, channels=channels), overlap_forward=overlap_forward,
@@ -173,6 +174,12 @@ def _candidates(profile: Profile, block_sizes: Sequence[int], credits: Sequence[
             yield (f"dcredit decoupled ({which}) S={size}", units(packed(size), 6),
                    lambda size=size, which=which: _decoupled_dcredit(profile, packed(size), size, which, update_s,
                                                                      channel_fifo), None)
+
+
+def decouples(world_size: int) -> bool:
+    """Whether the search tries decoupled candidates for a profile of ``world_size`` ranks: not for one
+    (Note [A world of one never decouples])."""
+    return world_size > 1
 
 
 def _decoupled_dcredit(profile: Profile, base: Plan, size: int, which: str, update_s: float,

@@ -24,7 +24,7 @@ def measures_stages(policy: str, world_size: int) -> bool:
     only where the plan may decouple blocks (``Plan.decoupled``): DeAR's, and D-Credit's search where more than
     one rank takes part (Note [A world of one never decouples] in ``planner/search.py``). The others never pay
     for that sweep."""
-    return policy == "dear" or (policy == "dcredit" and world_size > 1)
+    return policy == "dear" or (policy == "dcredit" and search.decouples(world_size))
 
 
 def make_plan(profile: Profile, policy: str, *, channels: int, overlap_forward: bool = True,

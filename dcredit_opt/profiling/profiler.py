@@ -146,27 +146,25 @@ def measure_host_per_collective(allreduce, barrier) -> float:
     (Note [Measured host cost]): the median of three runs of ``HOST_SWEEP_REPEATS`` back to back. Every
     rank must call it (the all-reduces are collectives)."""
     buf = torch.zeros(HOST_SWEEP_BYTES // 4, dtype=torch.float32)
-    allreduce(buf)  # warm the connection and the allocator
-    runs = []
-    for _ in range(3):
-        barrier()
-        c0 = time.process_time()
-        for _ in range(HOST_SWEEP_REPEATS):
-            allreduce(buf)
-        runs.append((time.process_time() - c0) / HOST_SWEEP_REPEATS)
-    return statistics.median(runs)
+    return _timed(allreduce, barrier, buf, torch.device("cpu"), clock=time.process_time, calls=HOST_SWEEP_REPEATS,
+                  repeats=3)
 
 
-def _timed(collective, barrier, buf, device: torch.device) -> float:
+def _timed(collective, barrier, buf, device: torch.device, *, clock=None, calls: int = 1,
+           repeats: int = SWEEP_REPEATS) -> float:
+    """One collective's time: after a warm-up call, ``repeats`` runs of ``calls`` back to back, each after a
+    barrier, read on ``clock`` (wall time, ``time.perf_counter``, unless given); the median run, per call."""
+    clock = clock or time.perf_counter
     collective(buf)  # warm the connection and the allocator
     times = []
-    for _ in range(SWEEP_REPEATS):
+    for _ in range(repeats):
         barrier()
-        t0 = time.perf_counter()
-        collective(buf)
+        t0 = clock()
+        for _ in range(calls):
+            collective(buf)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
+        times.append((clock() - t0) / calls)
     return statistics.median(times)
 
 
@@ -223,22 +221,21 @@ def agree_on_plan(recorder: Recorder, alpha: float, beta: float, config: Config,
                   params: list, wire_dtypes: list | None = None,
                   numels: list | None = None,
                   stage_ratios: tuple[float, float, float, float] = RING_STAGE_RATIOS,
-                  plane=None, host_s_per_collective: float | None = None) -> tuple[Plan, Profile | None]:
+                  plane=None, *, host_s_per_collective: float) -> tuple[Plan, Profile | None]:
     """The plan every rank switches to after profiling, and the profile (on rank 0; None elsewhere).
 
     Rank 0 builds the profile from its measurements and plans; the plan goes
     to every rank as JSON (never pickle). A failure on rank 0 goes out the
     same way, so that every rank raises instead of waiting for a plan.
     ``plane``: a process set's ranks (``process_sets``; rank 0 is its first), every rank by default.
-    ``host_s_per_collective``: what rank 0 charges per collective (Note [Measured host cost]);
-    ``config.collective_host_s`` by default.
+    ``host_s_per_collective``: what rank 0 charges per collective (Note [Measured host cost]).
     """
     text, profile = None, None
-    host = config.collective_host_s if host_s_per_collective is None else host_s_per_collective
     me, world = (runtime.rank(), runtime.size()) if plane is None else (plane.rank, plane.size)
     if me == 0:
         try:
-            profile = build_profile(recorder, alpha, beta, world, wire_dtypes, numels, stage_ratios, host)
+            profile = build_profile(recorder, alpha, beta, world, wire_dtypes, numels, stage_ratios,
+                                    host_s_per_collective)
             plan = make_plan(profile, config.policy, channels=config.channels, overlap_forward=config.overlap_forward)
             validate(plan, numels=numels or [p.numel() for p in params], max_channels=config.channels,
                      dtypes=[p.dtype for p in params])
