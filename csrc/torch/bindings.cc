@@ -335,11 +335,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("give_spares", &GradientPath::GiveSpares, py::arg("spares"),
            "p.grad = spares[i] where the update is pending and p.grad is the slot or its alias; the misfits.")
       .def("first_shared", &GradientPath::FirstShared,
-           "The first parameter whose storage another tensor holds too, or -1 (Note [Hidden writes]).")
+           "(i, counter): the first parameter whose storage another tensor holds too (counter false: Note "
+           "[Hidden writes]), else whose version counter another tensor shares (counter true), else (-1, False).")
       .def("forget_graph_reads", &GradientPath::ForgetGraphReads, py::arg("indices"),
-           "Drop the parameters' links to their gradient accumulators (Note [Graph reads]).")
-      .def("first_graph_read", &GradientPath::FirstGraphRead, py::arg("indices"),
-           "The position in `indices` of the first parameter a live graph made since read, or -1.");
+           "Drop the parameters' links to their accumulators, record their versions (Note [Graph reads]).")
+      .def("first_stale", &GradientPath::FirstStale, py::arg("indices"),
+           "(i, written): the first of `indices` a live graph made since read (written false), else the first "
+           "changed in place since its version was recorded (written true), else (-1, False).");
 
   // The state machine of Note [Stream-ordered waits], alone, for tests on any machine.
   py::class_<FinalGate>(m, "FinalGate")

@@ -38,6 +38,8 @@ struct GradientPath::State : std::enable_shared_from_this<GradientPath::State> {
   std::atomic<int64_t> slow_count{0};
   // Per tensor: the pre-hook saw a gradient that the post-hook has not taken yet.
   std::vector<uint8_t> pre_seen;
+  // Per parameter: its version counter when ForgetGraphReads last saw it (Note [Unseen parameter writes]).
+  std::vector<int64_t> param_versions;
 
   // Runs on autograd's thread before tensor i's gradient is added to p.grad;
   // the GIL is not held. Python only where a refusal may apply.
@@ -241,6 +243,7 @@ GradientPath::GradientPath(std::vector<at::Tensor> params, std::function<void(in
   s.failed = failed_.ptr();
   s.opener = opener_.ptr();
   s.pre_seen.assign(s.params.size(), 0);
+  s.param_versions.assign(s.params.size(), 0);
   accumulators_.resize(s.params.size());
   keys_.resize(s.params.size(), 0);
 }
@@ -399,7 +402,19 @@ std::vector<int64_t> GradientPath::Addresses() {
   return out;
 }
 
-int64_t GradientPath::FirstShared() {
+namespace {
+
+// The first parameter whose version counter another tensor shares (Note [Shared version counters] in lazy.py).
+std::pair<int64_t, bool> FirstSharedCounter(const std::vector<at::Tensor>& params) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!torch::autograd::impl::version_counter(params[i]).unique()) return {static_cast<int64_t>(i), true};
+  }
+  return {-1, false};
+}
+
+}  // namespace
+
+std::pair<int64_t, bool> GradientPath::FirstShared() {
   std::lock_guard<std::mutex> lock(state_->mu);
   const State& s = *state_;
   // Parameters laid out over one buffer hold its storage once each; so does
@@ -414,7 +429,9 @@ int64_t GradientPath::FirstShared() {
     if (storage.unsafeGetStorageImpl()->pyobj_slot()->has_unique_reference()) --users;
     return users;
   };
-  if (std::none_of(s.params.begin(), s.params.end(), [&](const at::Tensor& p) { return others(p) > 0; })) return -1;
+  if (std::none_of(s.params.begin(), s.params.end(), [&](const at::Tensor& p) { return others(p) > 0; })) {
+    return FirstSharedCounter(s.params);
+  }
   std::unordered_map<const c10::StorageImpl*, int64_t> ours;
   for (const at::Tensor& p : s.params) {
     if (p.has_storage()) ++ours[p.storage().unsafeGetStorageImpl()];
@@ -422,10 +439,10 @@ int64_t GradientPath::FirstShared() {
   for (size_t i = 0; i < s.params.size(); ++i) {
     const at::Tensor& p = s.params[i];
     if (p.has_storage() && others(p) + 1 > ours[p.storage().unsafeGetStorageImpl()]) {
-      return static_cast<int64_t>(i);
+      return {static_cast<int64_t>(i), false};
     }
   }
-  return -1;
+  return FirstSharedCounter(s.params);
 }
 
 void GradientPath::LendSlots(const std::vector<int64_t>& indices) {
@@ -481,27 +498,54 @@ std::vector<int64_t> GradientPath::GiveSpares(const std::vector<at::Tensor>& spa
 // still alive keep their node, and the first op that reads the parameter
 // with autograd afterwards makes a new one. So, at the point where an update
 // is applied, "this parameter has an accumulator" means exactly "a graph made
-// since step() read it before its update": a stale read (FirstGraphRead).
+// since step() read it before its update": a stale read (FirstStale).
+//
+// Note [Unseen parameter writes]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// The read guard (Note [Guarded reads] in reads.py) applies a pending update
+// before any torch operation of the training thread that touches the
+// parameter, writes included, so that the write lands after the update as in
+// synchronous training. Some writes never reach it: Tensor.set_() (torch
+// binds it without the __torch_function__ check), an in-place op in code
+// that torch.compile traced, or on another thread. Each moves the
+// parameter's version counter, which ForgetGraphReads records: a version
+// that moved before the update is applied means the update would land on
+// the changed value, where synchronous training changes the updated one.
+// FirstStale reports it and the apply raises, naming the parameter, before
+// anything is applied. No other parameter's update moves the counter: a
+// lazy step needs every parameter to have one of its own (Note [Shared
+// version counters] in lazy.py). A write that moves no counter (a c10d
+// collective handed the parameter; an alias from `.data`, whose counter is
+// its own, written on another thread) stays the gap that docs/lazy-step.md
+// states. A parameter without a counter (an inference tensor) is not
+// checked.
 void GradientPath::ForgetGraphReads(const std::vector<int64_t>& indices) {
   std::lock_guard<std::mutex> lock(state_->mu);
+  State& s = *state_;
   for (int64_t i : indices) {
-    CheckIndex(state_->params.size(), i, "forget_graph_reads");
-    const at::Tensor& p = state_->params[i];
+    CheckIndex(s.params.size(), i, "forget_graph_reads");
+    const at::Tensor& p = s.params[i];
     if (torch::autograd::impl::get_autograd_meta(p) != nullptr) compat::DropGradAccumulator(p);
+    if (torch::autograd::impl::version_counter(p).enabled()) s.param_versions[i] = p._version();
   }
 }
 
-int64_t GradientPath::FirstGraphRead(const std::vector<int64_t>& indices) {
+std::pair<int64_t, bool> GradientPath::FirstStale(const std::vector<int64_t>& indices) {
   std::lock_guard<std::mutex> lock(state_->mu);
-  for (size_t k = 0; k < indices.size(); ++k) {
-    CheckIndex(state_->params.size(), indices[k], "first_graph_read");
-    const at::Tensor& p = state_->params[indices[k]];
+  const State& s = *state_;
+  for (int64_t i : indices) CheckIndex(s.params.size(), i, "first_stale");
+  for (int64_t i : indices) {
+    const at::Tensor& p = s.params[i];
     if (torch::autograd::impl::get_autograd_meta(p) != nullptr &&
         torch::autograd::impl::try_get_grad_accumulator(p)) {
-      return static_cast<int64_t>(k);
+      return {i, false};
     }
   }
-  return -1;
+  for (int64_t i : indices) {
+    const at::Tensor& p = s.params[i];
+    if (torch::autograd::impl::version_counter(p).enabled() && p._version() != s.param_versions[i]) return {i, true};
+  }
+  return {-1, false};
 }
 
 }  // namespace dcredit

@@ -97,10 +97,12 @@ class GradientPath {
   // Every parameter's data address, in order (the read guard's table is
   // rebuilt only when one moved).
   std::vector<int64_t> Addresses();
-  // The first parameter whose storage another tensor holds too (a view or a
-  // detached alias that a NumPy array may keep), or -1 (Note [Hidden writes]
-  // in lazy.py).
-  int64_t FirstShared();
+  // (i, false) for the first parameter whose storage another tensor holds
+  // too (a view or a detached alias that a NumPy array may keep: Note
+  // [Hidden writes] in lazy.py), else (i, true) for the first whose version
+  // counter another tensor shares (parameters made as views of one buffer:
+  // Note [Shared version counters] in lazy.py), else (-1, false).
+  std::pair<int64_t, bool> FirstShared();
   // p.grad = its slot for each of `indices`, so that the wrapped optimizer's
   // step reads the reduced gradients past their watched aliases (Note
   // [Gradient reads]); what p.grad held is kept until ReturnSlots puts it
@@ -114,10 +116,13 @@ class GradientPath {
   // pending ones whose spare does not (Python gives them a new one).
   std::vector<int64_t> GiveSpares(const std::vector<at::Tensor>& spares);
   // Note [Graph reads] (gradient_path.cc) for the parameters `indices`: drop
-  // their links to their accumulators; the position in `indices` of the
-  // first one a live graph made since has read, or -1.
+  // their links to their accumulators and record their version counters.
   void ForgetGraphReads(const std::vector<int64_t>& indices);
-  int64_t FirstGraphRead(const std::vector<int64_t>& indices);
+  // Before an apply of `indices`: (i, false) for the first of them that a
+  // live graph made since ForgetGraphReads has read, else (i, true) for the
+  // first whose version moved since it was recorded (Note [Unseen parameter
+  // writes]), else (-1, false).
+  std::pair<int64_t, bool> FirstStale(const std::vector<int64_t>& indices);
 
  private:
   void HookOnto(int32_t i);

@@ -169,7 +169,7 @@ class Backward:
         if lazy.npending and lazy.deferred:
             # Before this rank launches anything of the new iteration, so that every rank
             # whose forward read the same stale parameter stops here, at the same point.
-            lazy.check_graph_reads(indices_of(lazy.pending), self.path)
+            lazy.check_stale(indices_of(lazy.pending), self.path)
         # Updates applied with a stream-ordered wait (Note [Stream-ordered waits]) may leave blocks
         # still running on the device: the new iteration's gradients go into the same slots.
         if (lazy.npending or not self._engine.idle()) and not lazy.reduced:

@@ -122,7 +122,7 @@ class Stepper:
             return
         with lazy.guard.paused() as paused:  # the wrapped step reads the parameters it updates: not reads to guard
             if lazy.deferred:
-                lazy.check_graph_reads(todo, path)
+                lazy.check_stale(todo, path)
             self._wait(todo, on_stream=True)  # the wrapped step's kernels go on the current stream
             if lazy.first_apply():
                 # Every pending slot, so that a write between step() and the next forward stops us before
@@ -268,7 +268,17 @@ class Stepper:
             return False
         if eager_reason:
             return False
-        shared = self._backward.path.first_shared()
+        shared, counter = self._backward.path.first_shared()
+        if counter:  # Note [Shared version counters]
+            self._notices.tell("shared counter", f"dcredit_opt: parameter '{self.names[shared]}' shares its version "
+                                                 "counter with another tensor (parameters made as "
+                                                 "nn.Parameter(buffer[i:j]) share the buffer's): an update applied "
+                                                 "in the forward would move the counter of tensors autograd saved, "
+                                                 "so every update is applied in step(), without overlap. Give each "
+                                                 "parameter a counter of its own (p.data = buffer[i:j].view_as(p)) "
+                                                 "to overlap them (Note [Shared version counters] in lazy.py). "
+                                                 "Said once.")
+            return False
         if shared >= 0:  # Note [Hidden writes]
             self._notices.tell("hidden writes", f"dcredit_opt: parameter '{self.names[shared]}' shares its memory "
                                                 "with another tensor kept past step() (a detached alias, a view, a "
@@ -298,6 +308,18 @@ class Stepper:
     # buffer hold it once each), the step is eager, and a notice says so
     # once. A kept torch alias, which the guard would have handled, costs the
     # overlap only while it lives; our own machinery keeps none.
+
+    # Note [Shared version counters]
+    # Parameters made as nn.Parameter(buffer[i:j]) (not p.data = buffer[i:j],
+    # which keeps each parameter's own) share the buffer's version counter.
+    # An update applied in the forward, after autograd saved another of them
+    # for backward, would move that one's counter too, and autograd would
+    # refuse the backward; and a write the guard cannot see would hide among
+    # our own (Note [Unseen parameter writes] in gradient_path.cc). So while
+    # any parameter's counter is shared, which the same C++ loop tells
+    # (``GradientPath.first_shared``), the step is eager, said once. A kept
+    # alias shares a counter too, and holds the storage: Note [Hidden writes]
+    # says that first.
 
     # ---- the checks ---------------------------------------------------------------
 

@@ -49,6 +49,11 @@ The lazy step defers only what it can prove safe, and checks the rest:
   then, before the rank launches anything: a ``DCreditError`` naming the
   parameter. Last line: a pending parameter's tensor hook raises before
   autograd touches the gradient slot.
+- A write to a pending parameter that the guard cannot see first
+  (``p.set_(...)``, an in-place op in compiled code or on another thread)
+  moves its version counter: the same checks raise, naming it, before the
+  update would land on the changed value (Note [Unseen parameter writes] in
+  ``csrc/torch/gradient_path.cc``).
 - A gradient written while it is being reduced (``clip_grad_norm_``,
   ``model.zero_grad(set_to_none=False)``, user code between ``backward()``
   and ``step()`` or between ``step()`` and the next forward) moves its slot's
@@ -255,12 +260,25 @@ class LazyUpdates:
 
     # ---- reads that came too early ------------------------------------------------------------
 
-    def check_graph_reads(self, todo, path) -> None:
-        """Raise if autograd read a pending parameter since the lazy ``step()``: that read saw the old value
-        (``path``: the gradient path, which looks in C++)."""
-        found = path.first_graph_read(todo)
-        if found >= 0:
-            raise self.read_before_update(todo[found])
+    def check_stale(self, todo, path) -> None:
+        """Before the apply of ``todo``: raise if, since the lazy ``step()``, autograd read one of them (that read
+        saw the old value: Note [Graph reads]), or something the read guard could not see changed one in place
+        (Note [Unseen parameter writes]); ``path``: the gradient path, which looks in C++."""
+        i, written = path.first_stale(todo)
+        if i >= 0:
+            raise self.written_before_update(i) if written else self.read_before_update(i)
+
+    def written_before_update(self, i: int) -> DCreditError:
+        return DCreditError(
+            f"parameter '{self._names[i]}' was changed in place after step() while its update from that step() still "
+            "waited to be applied (Note [Lazy step]), by an operation dcredit_opt cannot see before it runs: "
+            "p.set_(...), or an in-place torch operation in code compiled by torch.compile or run on another thread. "
+            "Applied now, the update would land on the changed value, where "
+            "synchronous training changes the updated one; it was not applied (nor any update applied with it). "
+            "Change parameters between step() and the next forward in eager code on the training thread "
+            "(with torch.no_grad(): p.copy_(x), p.mul_(...), or p.data = x), which applies the pending update "
+            "first; or call optimizer.synchronize() after step() before such a change; or pass "
+            "Config(lazy_step='off') to apply every update in step()")
 
     def stale_read(self, i: int) -> DCreditError:
         return self._read_too_early(

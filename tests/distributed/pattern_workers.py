@@ -1524,6 +1524,21 @@ def weight_changed_on_one_rank(job: Job) -> dict:
     return _expect_error(job, model, ref, opt, ropt, _standard_body(job, model, opt, after_step=after))
 
 
+def weight_restored_with_set_after_step(job: Job) -> dict:
+    """After step() of step 4, every rank puts ``mid.weight`` back to its first value with ``p.set_()``, which no
+    torch function mode sees: the pending update would land on it (Note [Unseen parameter writes] in
+    csrc/torch/gradient_path.cc). Refused on every rank, naming it, where that update would be applied."""
+    model, ref, opt, ropt = job.make(Net, _sgd)
+    first = model.mid.weight.detach().clone()
+
+    def after(step):
+        if step == 4:
+            with torch.no_grad():
+                model.mid.weight.set_(first.clone())
+
+    return _expect_error(job, model, ref, opt, ropt, _standard_body(job, model, opt, after_step=after))
+
+
 def p14_unfrozen_later(job: Job) -> dict:
     def frozen_net():
         net = Net()
@@ -1589,6 +1604,7 @@ RAISE = {
     "rows_second_backward_before_step": rows_second_backward,
     "step_skipped_on_one_rank": step_skipped_on_one_rank,
     "weight_changed_on_one_rank": weight_changed_on_one_rank,
+    "weight_restored_with_set_after_step": weight_restored_with_set_after_step,
     "gan_generator_backward_reaches_discriminator": gan("dcgan"),
 }
 

@@ -183,9 +183,18 @@ RAISES = {
                                          "zero_grad() without step() on every rank"]),
     "weight_changed_on_one_rank": (("out.bias",), ["differs between ranks", "on some ranks only",
                                                    "change parameters on every rank alike"]),
+    "weight_restored_with_set_after_step": (("mid.weight",), ["changed in place after step()", "p.copy_(x)",
+                                                              "synchronize()"]),
     "gan_generator_backward_reaches_discriminator": (("0.weight", "0.bias", "2.weight", "2.bias"),
                                                      ["backward(inputs=", "requires_grad_(False)"]),
 }
+
+
+# Where each rank may raise in its own place, still before it launches anything of the next iteration. After
+# p.set_() the read guard's table holds the parameter's old memory until the next step(): an operation on a new
+# tensor that the allocator put there (here the reference's) applies the update early, and so checks it, on one
+# rank and not on the other; the others raise at the next forward's first apply.
+RAISED_BEFORE_NEXT_ITERATION = {"weight_restored_with_set_after_step": {"after step() of step 4", "forward of step 5"}}
 
 
 # The known gaps, kept as strict expected failures so that closing one shows here. On the training thread
@@ -224,6 +233,11 @@ def test_pattern_raises_dcredit_error_naming_parameter_and_fix(name):
             assert named, f"{name}: rank {rank}: the message names none of {params}: {message}"
         for fix in fixes:
             assert fix in message, f"{name}: rank {rank}: the message lacks {fix!r}: {message}"
+    if name in RAISED_BEFORE_NEXT_ITERATION:
+        places = RAISED_BEFORE_NEXT_ITERATION[name]
+        assert all(r["where"] in places for r in per_rank), f"{name}: raised at {[r['where'] for r in per_rank]}, " \
+                                                            f"not among {sorted(places)}"
+        return
     assert per_rank[0]["where"] == per_rank[1]["where"], f"{name}: ranks raised in different places: " \
                                                          f"{[r['where'] for r in per_rank]}"
 

@@ -450,12 +450,15 @@ def test_stale_read_on_another_thread_is_refused_where_the_update_would_be_appli
     # would be applied at a's forward, before the read: test_read_on_another_thread_after_the_update_...).
     opt._dc.engine = _Unfinished(opt._dc.engine, [i])
     model.peek = "thread"
-    with pytest.raises(dc.DCreditError, match=r"parameter 'c\.weight' was read .* before its update"):
-        model(torch.randn(5, 4))
-    assert opt._dc.lazy.pending[i]
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        assert torch.equal(pool.submit(lambda: model.c.weight.detach().clone()).result(), old), \
-            "the refused update was applied"
+    try:
+        with pytest.raises(dc.DCreditError, match=r"parameter 'c\.weight' was read .* before its update"):
+            model(torch.randn(5, 4))
+        assert opt._dc.lazy.pending[i]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            assert torch.equal(pool.submit(lambda: model.c.weight.detach().clone()).result(), old), \
+                "the refused update was applied"
+    finally:
+        opt._dc.close()  # its guard leaves the mode stack: later tests count the modes on it
 
 
 def test_read_on_another_thread_after_the_update_was_applied_ahead_sees_it():
@@ -481,8 +484,88 @@ def test_stale_read_on_another_thread_of_a_parameter_whose_module_does_not_run_i
     assert opt._dc.lazy.npending
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a's forward never runs
         loss = pool.submit(lambda: torch.nn.functional.linear(torch.randn(5, 4), model.a.weight).sum()).result()
-    with pytest.raises(dc.DCreditError, match=r"parameter 'a\.weight' was read .* before its update"):
-        loss.backward()
+    try:
+        with pytest.raises(dc.DCreditError, match=r"parameter 'a\.weight' was read .* before its update"):
+            loss.backward()
+    finally:
+        opt._dc.close()
+
+
+def _write_unseen(how, weight, value):
+    """Write ``value`` into ``weight`` in place, past the read guard (Note [Unseen parameter writes])."""
+    if how == "set_":  # bound without the __torch_function__ check: no mode sees it
+        with torch.no_grad():
+            weight.set_(value.clone())
+    elif how == "compiled":  # traced by Dynamo (the guard passes it through); the graph's aten ops, mostly unseen
+        def copy_in(w, v):
+            with torch.no_grad():
+                w.copy_(v)
+
+        torch.compile(copy_in, backend="aot_eager", fullgraph=True)(weight, value)
+    else:  # on another thread: the guard watches the training thread only
+        def copy_in():
+            with torch.no_grad():
+                weight.copy_(value)
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pool.submit(copy_in).result()
+
+
+@pytest.mark.parametrize("how", ["set_", "compiled", "thread"])
+def test_a_write_the_guard_cannot_see_is_refused_before_the_update_would_land_on_it(how):
+    # A pending update applied after such a write would land on the written value, where synchronous training
+    # writes over the updated one. Its version counter shows the write: the next apply refuses, naming
+    # c.weight, before anything is applied (for the compiled write, the apply that an aten operation of the
+    # compiled graph calls for, after the write; for the others, c's in the next forward).
+    model, _, opt, _ = _peek_net_with_c_pending()
+    try:
+        i = opt._dc.names.index("c.weight")
+        assert opt._dc.lazy.pending[i]
+        value = torch.full(tuple(model.c.weight.shape), 0.25)  # not full_like: the guard takes that for a read
+        with pytest.raises(dc.DCreditError, match=r"parameter 'c\.weight' was changed in place after step\(\)"):
+            _write_unseen(how, model.c.weight, value)
+            model(torch.randn(5, 4))
+        assert opt._dc.lazy.pending[i], "the refused update was applied"
+        if how != "compiled":
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:  # past the guard, which would apply and raise
+                assert torch.equal(pool.submit(lambda: model.c.weight.detach().clone()).result(), value)
+    finally:
+        opt._dc.close()  # its guard leaves the mode stack (the update is refused again, and said)
+
+
+def test_a_write_the_guard_cannot_see_of_a_parameter_whose_module_does_not_run_is_refused_before_backward():
+    # a's forward never runs before this backward, so no apply looks at a.weight: the start of the backward
+    # does, before this rank launches anything. (a's and c's reductions held unfinished, so that the read of
+    # b.weight applies b's updates alone: Note [Lazy step].)
+    model, _, opt, _ = _peek_net_with_c_pending()
+    try:
+        names = opt._dc.names
+        i = names.index("a.weight")
+        opt._dc.engine = _Unfinished(opt._dc.engine._engine, [i, names.index("c.weight")])
+        assert opt._dc.lazy.pending[i]
+        loss = torch.nn.functional.linear(torch.randn(5, 8), model.b.weight).sum()  # b's updates applied first
+        assert not opt._dc.lazy.pending[names.index("b.weight")] and opt._dc.lazy.pending[i]
+        _write_unseen("set_", model.a.weight, torch.zeros(tuple(model.a.weight.shape)))
+        with pytest.raises(dc.DCreditError, match=r"parameter 'a\.weight' was changed in place after step\(\)"):
+            loss.backward()
+        assert opt._dc.lazy.pending[i]
+    finally:
+        opt._dc.close()
+
+
+def test_a_write_the_guard_sees_lands_after_the_update():
+    # The same writes made where the guard sees them (eager code, the training thread) apply the pending
+    # update first: plain SGD's result, the lazy step kept.
+    model, ref, opt, ref_opt = _peek_net_with_c_pending()
+    for m in (model, ref):
+        with torch.no_grad():
+            m.c.weight.copy_(torch.full_like(m.c.weight, 0.25))
+        m.b.weight.data = m.b.weight.data * 0.5
+    for s in range(3, 5):
+        train_step(model, opt, s)
+        train_step(ref, ref_opt, s)
+    opt.synchronize()
+    _check_same(model, ref)
 
 
 def test_read_guard_sits_under_the_scripts_own_modes_and_leaves_at_close():

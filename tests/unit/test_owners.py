@@ -374,8 +374,8 @@ class _Path:
     def addresses(self):
         return [p.data_ptr() for p in self._params]
 
-    def first_graph_read(self, indices):
-        return -1  # no graph read a pending parameter
+    def first_stale(self, indices):
+        return -1, False  # no graph read a pending parameter, nothing changed one unseen
 
 
 def test_a_lazy_step_keeps_the_optimizer_while_updates_wait():
