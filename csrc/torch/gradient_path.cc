@@ -116,8 +116,10 @@ struct GradientPath::State : std::enable_shared_from_this<GradientPath::State> {
     if (grad.unsafeGetTensorImpl() == alias.unsafeGetTensorImpl()) {
       if (prescale != 1.0) slot.mul_(prescale);
     } else {
-      if (grad.is_sparse() || grad.scalar_type() != slot.scalar_type() || grad.device() != slot.device() ||
-          !grad.sizes().equals(slot.sizes())) {
+      // A gradient with a graph (create_graph=True) is refused by the Python path (Note [Gradients with a
+      // graph] in gradients.py).
+      if (grad.is_sparse() || grad.requires_grad() || grad.scalar_type() != slot.scalar_type() ||
+          grad.device() != slot.device() || !grad.sizes().equals(slot.sizes())) {
         return false;
       }
       const bool aliases = grad.data_ptr() == slot.data_ptr();

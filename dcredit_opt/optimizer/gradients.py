@@ -96,6 +96,25 @@ class Backward:
             f"model's parameters out of it: loss.backward(inputs=[...the other model's parameters]), or "
             f"requires_grad_(False) on these parameters during that backward.")
 
+    # Note [Gradients with a graph]
+    # loss.backward(create_graph=True) leaves in p.grad a gradient that autograd can differentiate again (a
+    # penalty on the gradients' norm, a Hessian-vector product). We average gradients in our own buffers,
+    # where no graph can follow: a penalty built from p.grad afterwards would be a constant, its gradient
+    # lost without a word (DDP treats such gradients the same way, with a warning). So the hook refuses such
+    # a gradient (the C++ fast path leaves it to this Python path), naming the parameter and the way that
+    # works: torch.autograd.grad(..., create_graph=True), whose gradients are the rank's own and are not
+    # reduced, then one backward() of the total, whose gradients are.
+
+    def graph_in_gradient(self, i: int) -> DCreditError:
+        return DCreditError(
+            f"the gradient of parameter '{self.names[i]}' carries an autograd graph (loss.backward("
+            "create_graph=True), for a penalty on gradients or a second-order step): dcredit_opt averages "
+            "gradients over ranks in its own buffers, where that graph cannot follow, so a penalty built from "
+            "p.grad would be a constant and its gradient lost (Note [Gradients with a graph] in gradients.py). "
+            "Take the gradients to differentiate with grads = torch.autograd.grad(loss, params, "
+            "create_graph=True) (this rank's own, not reduced), build the penalty from them, and call backward() "
+            "once on loss + penalty without create_graph: its gradients are reduced as usual")
+
     def before_accumulate(self, i: int) -> None:
         """Before autograd adds a gradient to ``p.grad``, so that a refusal changes nothing: called by the C++
         pre-hook where the update of tensor ``i`` is pending or its passes are all counted (Note [Gradient
@@ -108,6 +127,9 @@ class Backward:
     def hand_over(self, i: int) -> None:
         """The C++ hook's Python path for tensor ``i`` (Note [Gradient path]): where the fast path cannot take
         it (one pass too many, a sparse or otherwise unusual gradient)."""
+        grad = self.params[i].grad
+        if grad is not None and grad.requires_grad:  # Note [Gradients with a graph]
+            raise self.graph_in_gradient(i)
         count = self.counts[i] + 1
         if count > self.passes:
             raise self.too_many_passes(i)

@@ -306,9 +306,34 @@ def model_cast_after_wrapping(job: pw.Job) -> dict:
     return pw._expect_error(job, model, ref, opt, ropt, body, loss)
 
 
+def gradient_penalty_through_p_grad(job: pw.Job) -> dict:
+    """From step 3, a penalty on the gradients' norm built from ``p.grad`` after ``backward(create_graph=True)``:
+    refused at that backward, naming a parameter (Note [Gradients with a graph] in gradients.py); nothing
+    launched."""
+    model, ref, opt, ropt = job.make(Net, pw._sgd)
+
+    def loss(m, step, rank):
+        x, y = batch(step, rank)
+        return F.mse_loss(m(x), y)
+
+    def body(step, where):
+        opt.zero_grad()
+        where[0] = f"forward/backward of step {step}"
+        if step < 3:
+            loss(model, step, job.rank).backward()
+        else:
+            loss(model, step, job.rank).backward(create_graph=True)
+            sum(p.grad.pow(2).sum() for p in model.parameters()).backward()
+        where[0] = f"step() of step {step}"
+        job.step(opt)
+
+    return pw._expect_error(job, model, ref, opt, ropt, body, loss)
+
+
 GRADIENT_RAISE = {
     "group_added_to_wrapped_optimizer": group_added_after_wrapping,
     "model_cast_to_bf16_after_wrapping": model_cast_after_wrapping,
+    "gradient_penalty_through_p_grad": gradient_penalty_through_p_grad,
 }
 
 GRADIENT_PATTERNS = {**GRADIENT_WORK, **GRADIENT_RAISE}

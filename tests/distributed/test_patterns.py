@@ -213,6 +213,7 @@ KNOWN_GAPS = {
 GRADIENT_RAISES = {
     "group_added_to_wrapped_optimizer": (("",), ["add_param_group", "before wrapping", "Nothing was applied"]),
     "model_cast_to_bf16_after_wrapping": (NET_PARAMS, ["Cast or move the model first", "Nothing was launched"]),
+    "gradient_penalty_through_p_grad": (NET_PARAMS, ["carries an autograd graph", "torch.autograd.grad("]),
 }
 
 

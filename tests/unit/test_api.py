@@ -889,3 +889,42 @@ def test_the_wrapper_is_horovods_surface_over_one_field_of_its_own():
                    "state", "state_dict", "load_state_dict", "add_param_group", "plan", "replans", "profile",
                    "_step_supports_amp_scaling"}
     wrapped._dc.close()
+
+
+def _penalised(model, x, *, through_p_grad: bool):
+    """A loss with a penalty on its gradients' squared norm: through p.grad after backward(create_graph=True), or
+    through torch.autograd.grad; the backward of the total runs here (the first form's second)."""
+    loss = model(x).pow(2).mean()
+    if through_p_grad:
+        loss.backward(create_graph=True)
+        penalty = sum(p.grad.pow(2).sum() for p in model.parameters())
+    else:
+        grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+        penalty = sum(g.pow(2).sum() for g in grads)
+        penalty = loss + penalty
+    penalty.backward()
+
+
+def test_a_gradient_with_a_graph_is_refused_naming_the_parameter_and_the_way_that_works():
+    # Note [Gradients with a graph]: after backward(create_graph=True), a penalty built from p.grad would be a
+    # constant once p.grad is our averaged gradient. Refused at the first such gradient, before any is reduced;
+    # the same penalty through torch.autograd.grad trains as plain torch does, with the same optimizer.
+    model, inner = model_and_opt(momentum=0.9)
+    ref, ref_opt = model_and_opt(momentum=0.9)
+    opt = dc.DistributedOptimizer(inner, named_parameters=model.named_parameters(), config=FIXED)
+    try:
+        x = [torch.randn(5, 4, generator=torch.Generator().manual_seed(s)) for s in range(4)]
+        opt.zero_grad()
+        with pytest.raises(dc.DCreditError, match=r"parameter '\d\.(weight|bias)' carries an autograd graph"
+                                                  r".*torch\.autograd\.grad\(loss, params, create_graph=True\)"):
+            _penalised(model, x[0], through_p_grad=True)
+        assert not any(opt._dc.backward.marked), "a gradient with a graph was handed to the scheduler"
+        for s in range(4):
+            for m, o in ((model, opt), (ref, ref_opt)):
+                o.zero_grad()
+                _penalised(m, x[s], through_p_grad=False)
+                o.step()
+        opt.synchronize()
+        _check_same(model, ref)
+    finally:
+        opt._dc.close()
