@@ -905,6 +905,7 @@ def _penalised(model, x, *, through_p_grad: bool):
     penalty.backward()
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")  # torch's, for the refused form
 def test_a_gradient_with_a_graph_is_refused_naming_the_parameter_and_the_way_that_works():
     # Note [Gradients with a graph]: after backward(create_graph=True), a penalty built from p.grad would be a
     # constant once p.grad is our averaged gradient. Refused at the first such gradient, before any is reduced;
