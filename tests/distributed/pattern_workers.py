@@ -398,6 +398,32 @@ def _module_pattern(model_fn, opt_fn=_sgd, loss_fn=mse):
     return run
 
 
+def _clamp_grad(p) -> None:
+    p.grad.clamp_(-0.01, 0.01)
+
+
+def post_accumulate_hook_clamps_own_gradient(job: Job) -> dict:
+    """A post-accumulate-grad hook registered after wrapping clamps ``p.grad`` in place. Autograd runs it before
+    the accumulator's own post-hooks, ours (and DDP's reducer's) among them: it clamps this rank's gradient, and
+    the update uses the average of the clamped gradients, as under DDP. The reference clamps each rank's own."""
+    model, ref, opt, ropt = job.make(Net, _sgd)
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(_clamp_grad)
+    params = list(ref.parameters())
+    for step in range(STEPS):
+        opt.zero_grad()
+        mse(model, step, job.rank).backward()
+        job.step(opt)
+        grads = [torch.zeros_like(p) for p in params]
+        for r in range(job.world):
+            for g, own in zip(grads, torch.autograd.grad(mse(ref, step, r), params)):
+                g += own.clamp(-0.01, 0.01) / job.world
+        for p, g in zip(params, grads):
+            p.grad = g
+        ropt.step()
+    return job.result(model, ref, opt)
+
+
 def p4_functional_call_other_weights(job: Job) -> dict:
     model, ref, opt, ropt = job.make(Net, _sgd)
     other = {n: torch.randn_like(p) for n, p in model.named_parameters()}
@@ -1329,6 +1355,7 @@ WORK = {
     "P11_model_zero_grad_set_to_none_false": p11_model_zero_grad_keep,
     "P11b_grad_data_zeroed_after_step": lambda job: p11_model_zero_grad_keep(job, _zero_through_data),
     "P3a_parameterlist_in_parent": _module_pattern(ParamListNet),
+    "post_accumulate_hook_clamps_own_gradient": post_accumulate_hook_clamps_own_gradient,
     "P3b_child_weight_via_F_linear": _module_pattern(FunctionalChildNet),
     "P3c_bare_weight_via_F_linear": _module_pattern(FunctionalBareNet),
     "P4_functional_call_other_weights_first": p4_functional_call_other_weights,
