@@ -202,8 +202,12 @@ class Core:
         stepper.check_groups()
         loss = None
         if closure is not None:  # its forward is the next iteration's: the tracer may be watching it
-            with torch.enable_grad():
-                loss = closure()
+            backward.in_closure = True  # a refused pass there says so (Backward.too_many_passes)
+            try:
+                with torch.enable_grad():
+                    loss = closure()
+            finally:
+                backward.in_closure = False
         self._end_learning()
         if backward.synchronized and not self.skip:
             warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
@@ -300,7 +304,10 @@ class Core:
                 "loss.backward() (or a backward that raised part-way) and before optimizer.step() or "
                 "optimizer.synchronize(). Nothing was changed. To apply them, call optimizer.step(); to skip "
                 "this iteration, call optimizer.synchronize() and then optimizer.zero_grad(), on every rank "
-                "alike (Note [Skipped steps]). If that backward was meant for another model's loss (a GAN's "
+                "alike (Note [Skipped steps]). An optimizer that uses the averaged gradients between passes of "
+                "its own (SAM: first_step(), a second forward and backward, second_step()) needs "
+                "optimizer.synchronize() after each backward, before its own methods (docs/usage.md, 'Two passes "
+                "per update'). If that backward was meant for another model's loss (a GAN's "
                 "generator loss through the discriminator), keep this model's parameters out of it: "
                 "loss.backward(inputs=[...the other model's parameters]), or requires_grad_(False) on these "
                 "parameters during that backward")

@@ -56,6 +56,7 @@ class Backward:
         self.open = False
         self.flushed = False
         self.synchronized = False
+        self.in_closure = False  # step(closure) is running the closure (Core.step)
         self.iteration = 0  # iterations opened so far
         self.python_handovers = 0  # gradients handed over in Python since wrapping (tests and benchmarks read it)
         self.life = Life()
@@ -88,9 +89,15 @@ class Backward:
     # ---- the hooks' Python side --------------------------------------------------------
 
     def too_many_passes(self, i: int) -> DCreditError:
+        closure = (
+            " This pass is the closure's that step(closure) ran: step(closure) reduces the gradients its "
+            "closure computes, so call it without a backward of your own before it. An optimizer that uses the "
+            "averaged gradients between passes of its own (SAM: first_step(), a second forward and backward, "
+            "second_step()) runs without step(): call optimizer.synchronize() after each backward, then its "
+            "own methods (docs/usage.md, 'Two passes per update')." if self.in_closure else "")
         return DCreditError(
             f"gradient of parameter '{self.names[i]}' was computed {self.counts[i] + 1} times before "
-            f"step(), but backward_passes_per_step={self.passes}. Call step() after every "
+            f"step(), but backward_passes_per_step={self.passes}.{closure} Call step() after every "
             f"{self.passes} backward pass(es), or raise backward_passes_per_step. If one of those passes was "
             f"meant for another model's loss (a GAN's generator loss through the discriminator), keep this "
             f"model's parameters out of it: loss.backward(inputs=[...the other model's parameters]), or "

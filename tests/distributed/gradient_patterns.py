@@ -228,6 +228,120 @@ def whole_model_saved_on_rows_path(job, lazy):
     return job.result(model, ref, opt, save_diff=worst[0], rows_path=bool(opt._dc.tally.rows))
 
 
+# ---- two passes per update: sharpness-aware minimisation ------------------------------------------------
+
+
+class SAM(torch.optim.Optimizer):
+    """Sharpness-aware minimisation as its users write it: ``first_step()`` moves each parameter up its
+    gradient by ``rho`` over the gradients' norm, a second forward and backward there, ``second_step()`` puts
+    the weights back and steps the base optimizer (built here over the same groups) with the second gradients.
+    ``step(closure)`` is the same with the second pass in ``closure``."""
+
+    def __init__(self, params, base, rho: float = 0.05, **kw):
+        super().__init__(params, dict(rho=rho, **kw))
+        self.base = base(self.param_groups, **kw)
+        self.param_groups = self.base.param_groups
+
+    @torch.no_grad()
+    def first_step(self, zero_grad: bool = False):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    self.state[p]["before"] = p.detach().clone()
+                    p.add_(p.grad * (g["rho"] / (norm + 1e-12)))
+        if zero_grad:
+            self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self, zero_grad: bool = False):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if "before" in self.state[p]:
+                    p.copy_(self.state[p].pop("before"))
+        self.base.step()
+        if zero_grad:
+            self.zero_grad()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.first_step(zero_grad=True)
+        with torch.enable_grad():
+            closure()
+        self.second_step()
+
+
+def _sam(ps):
+    return SAM(ps, torch.optim.SGD, lr=0.05, momentum=0.9)
+
+
+def _sam_reference(ref, ropt, step: int, world: int) -> None:
+    """Synchronous SAM: both passes' gradients averaged over the ranks."""
+    pw.reference_grads(ref, lambda r: pw.mse(ref, step, r), world)
+    ropt.first_step(zero_grad=True)
+    pw.reference_grads(ref, lambda r: pw.mse(ref, step, r), world)
+    ropt.second_step(zero_grad=True)
+
+
+def sam_two_passes_with_synchronize(job: pw.Job) -> dict:
+    """SAM with ``optimizer.synchronize()`` after each backward, then its own ``first_step()`` and
+    ``second_step()`` (zero_grad after synchronize() ends each pass's iteration: Note [Skipped steps]); rank 1
+    late at random points. Equals synchronous SAM, both passes averaged."""
+    model, ref, opt, ropt = job.make(Net, _sam)
+    skew = pw.Skew(job.rank)
+    for step in range(STEPS):
+        opt.zero_grad()
+        pw.mse(model, step, job.rank).backward()
+        skew()
+        opt.synchronize()
+        opt.first_step(zero_grad=True)
+        pw.mse(model, step, job.rank).backward()
+        skew()
+        opt.synchronize()
+        opt.second_step(zero_grad=True)
+        _sam_reference(ref, ropt, step, job.world)
+    return job.result(model, ref, opt)
+
+
+def sam_first_step_without_synchronize(job: pw.Job) -> dict:
+    """SAM's ``first_step(zero_grad=True)`` right after backward, without ``synchronize()``: its zero_grad
+    would drop gradients still being reduced. Refused there on every rank, naming a parameter and
+    ``synchronize()``."""
+    model, ref, opt, ropt = job.make(Net, _sam)
+
+    def body(step, where):
+        opt.zero_grad()
+        where[0] = f"first backward of step {step}"
+        pw.mse(model, step, job.rank).backward()
+        where[0] = f"first_step() of step {step}"
+        opt.first_step(zero_grad=True)
+        where[0] = f"second backward of step {step}"
+        pw.mse(model, step, job.rank).backward()
+        where[0] = f"second_step() of step {step}"
+        opt.second_step(zero_grad=True)
+        _sam_reference(ref, ropt, step, job.world)
+
+    return pw._expect_error(job, model, ref, opt, ropt, body, loss_fn=None)
+
+
+def sam_step_with_closure(job: pw.Job) -> dict:
+    """SAM's ``step(closure)`` after a backward: ours runs the closure first (as it reduces the gradients a
+    closure computes), a second pass before step(): refused there on every rank, naming a parameter, the
+    closure and ``synchronize()``."""
+    model, ref, opt, ropt = job.make(Net, _sam)
+
+    def body(step, where):
+        opt.zero_grad()
+        where[0] = f"backward of step {step}"
+        pw.mse(model, step, job.rank).backward()
+        where[0] = f"step(closure) of step {step}"
+        opt.step(lambda: pw.mse(model, step, job.rank).backward())
+        _sam_reference(ref, ropt, step, job.world)
+
+    return pw._expect_error(job, model, ref, opt, ropt, body, loss_fn=None)
+
+
 GRADIENT_WORK = {f"{name}_{kind}": run for name, fn in {
     "grad_replaced_scaled": grad_scaled,
     "grad_replaced_noise": grad_noise,
@@ -242,13 +356,16 @@ GRADIENT_WORK = {f"{name}_{kind}": run for name, fn in {
     "whole_model_saved_with_teacher": whole_model_saved,
     "whole_model_saved_on_embedding_rows_path": whole_model_saved_on_rows_path,
 }.items() for kind, run in _both(fn).items()}
+GRADIENT_WORK["sam_two_passes_with_synchronize"] = sam_two_passes_with_synchronize
 
 # Steps that use a replaced gradient are eager by design (Note [Replaced gradients]); with
 # autograd.grad no hook fires, so the tracer never learns reads and every step is eager.
 # With an alias of every slot kept (and p.grad kept: set_to_none=False), step() applies every update itself (Note
 # [Kept aliases] in watched.py).
+# SAM's update is its base optimizer's step(), not ours: nothing is deferred.
 EAGER_BY_DESIGN = {name for name in GRADIENT_WORK if name.endswith("_eager")} | {
-    "autograd_grad_assigned_by_hand_lazy", "grad_alias_kept_and_written_after_zero_grad_in_place_lazy"}
+    "autograd_grad_assigned_by_hand_lazy", "grad_alias_kept_and_written_after_zero_grad_in_place_lazy",
+    "sam_two_passes_with_synchronize"}
 
 
 # ---- refused with DCreditError -----------------------------------------------------------------
@@ -334,6 +451,8 @@ GRADIENT_RAISE = {
     "group_added_to_wrapped_optimizer": group_added_after_wrapping,
     "model_cast_to_bf16_after_wrapping": model_cast_after_wrapping,
     "gradient_penalty_through_p_grad": gradient_penalty_through_p_grad,
+    "sam_first_step_without_synchronize": sam_first_step_without_synchronize,
+    "sam_step_with_closure": sam_step_with_closure,
 }
 
 GRADIENT_PATTERNS = {**GRADIENT_WORK, **GRADIENT_RAISE}

@@ -214,6 +214,10 @@ GRADIENT_RAISES = {
     "group_added_to_wrapped_optimizer": (("",), ["add_param_group", "before wrapping", "Nothing was applied"]),
     "model_cast_to_bf16_after_wrapping": (NET_PARAMS, ["Cast or move the model first", "Nothing was launched"]),
     "gradient_penalty_through_p_grad": (NET_PARAMS, ["carries an autograd graph", "torch.autograd.grad("]),
+    "sam_first_step_without_synchronize": (NET_PARAMS, ["while this iteration's gradients are being reduced",
+                                                        "synchronize() after each backward", "SAM"]),
+    "sam_step_with_closure": (NET_PARAMS, ["the closure's that step(closure) ran",
+                                           "synchronize() after each backward", "SAM"]),
 }
 
 
