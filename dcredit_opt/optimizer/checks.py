@@ -21,9 +21,10 @@ from ..world import runtime
 
 
 def named_tracked_params(optimizer, named_parameters):
-    """Parameters we reduce, in forward (registration) order, with their names; and the optimizer's
-    frozen ones (``requires_grad=False`` now), as (name, parameter), so that ``step()`` can refuse one
-    that was unfrozen later."""
+    """Parameters we reduce, in forward (registration) order, with their names; the optimizer's frozen ones
+    (``requires_grad=False`` now), as (name, parameter), so that ``step()`` can refuse one that was unfrozen
+    later; and the named parameters that are not the optimizer's but require gradients, as (name, parameter),
+    whose weights are compared too (Note [Parameters outside the optimizer])."""
     in_optimizer = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -48,11 +49,16 @@ def named_tracked_params(optimizer, named_parameters):
             raise ValueError(f"named_parameters was specified, but {len(unnamed)} model parameter(s) were not "
                              f"named (shapes {shapes}). Python object ids: "
                              f"{', '.join(str(id(p)) for p in unnamed[:5])}")
-    names, params, frozen, seen = [], [], [], set()
+    names, params, frozen, outside, seen = [], [], [], [], set()
     for name, p in named:
-        if id(p) in seen or id(p) not in in_optimizer:
-            continue  # tied weights once; foreign parameters never
+        if id(p) in seen:
+            continue  # tied weights once
         seen.add(id(p))
+        if id(p) not in in_optimizer:
+            if (isinstance(p, torch.Tensor) and p.requires_grad
+                    and not isinstance(p, torch.nn.parameter.UninitializedParameter)):
+                outside.append((name, p))
+            continue
         if isinstance(p, torch.nn.parameter.UninitializedParameter):
             raise ValueError(  # noqa: TRY004 - not yet initialized is a question of value here
                 f"parameter '{name}' is not initialized yet (a lazy module's, such as nn.LazyLinear): its "
@@ -63,7 +69,53 @@ def named_tracked_params(optimizer, named_parameters):
             continue
         names.append(name)
         params.append(p)
-    return names, params, frozen
+    if params:  # compared on the parameters' device, with theirs (Note [Same weights])
+        outside = [(n, p) for n, p in outside if p.device == params[0].device]
+    return names, params, frozen, outside
+
+
+# Note [Parameters outside the optimizer]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A script that trains with two optimizers and wraps only one (a head or an embedding on an optimizer of its own,
+# as a DDP user may write, since DDP averages every gradient whatever trains it) updates the other's parameters
+# from each rank's own gradient: the ranks drift apart, and nothing in our path sees it. Where named_parameters
+# names such parameters (model.named_parameters(), the usual argument), they are known: named, requiring a
+# gradient, not in this optimizer. Their weights ride in the weights check with ours (Note [Same weights] in
+# usage.py), so a drift stops every rank at the next check with a DCreditError that names the parameter and says
+# to wrap every optimizer; and, much earlier, the first step() that finds one changed since the last (its version
+# counter moved) while no DistributedOptimizer of ours reduces it logs a warning, once. Not a refusal there: a
+# script may change such a parameter alike on every rank (a schedule written into it), or another library's
+# distributed optimizer may reduce it. Ranks that name different such parameters compare none of them (one
+# notice): the tally's length must be the same everywhere.
+
+
+class Outside:
+    """Note [Parameters outside the optimizer]: the named parameters this optimizer does not train, watched for
+    changes between ``step()`` calls. ``reduced_elsewhere(p)``: whether another live DistributedOptimizer of ours
+    reduces ``p``'s gradient."""
+
+    def __init__(self, names, params, reduced_elsewhere):
+        self.names = names
+        self.params = params
+        self._reduced_elsewhere = reduced_elsewhere
+        self._versions = None  # from the first step(): a broadcast of the weights before it changes them once
+        self._warned = False
+
+    def changed_unreduced(self) -> str | None:
+        """At a ``step()``: the name of the first parameter changed since the last one that no optimizer of ours
+        reduces, once (None after, and where there is none)."""
+        if self._warned:
+            return None
+        versions = [p._version for p in self.params]
+        last, self._versions = self._versions, versions
+        if last is None:
+            return None
+        changed = [i for i, (a, b) in enumerate(zip(versions, last)) if a != b]
+        for i in changed:
+            if not self._reduced_elsewhere(self.params[i]):
+                self._warned = True
+                return self.names[i]
+        return None
 
 
 def copied_fields(optimizer) -> dict:
@@ -133,24 +185,28 @@ class LoadInPlace:
             optimizer.__dict__["param_groups"] = groups
 
 
-def check_same_model_on_all_ranks(names, params, plane=None) -> None:
+def check_same_model_on_all_ranks(names, params, plane=None, outside=()) -> bool:
     """Compare names, shapes and dtypes across ranks before any gradient moves.
 
     A mismatch would otherwise surface as a hang or as silently mixed
     gradients. Only fixed-size integer tensors cross the network. ``plane``:
     a process set's ranks (``process_sets``), every rank by default.
+    ``outside``: the named parameters not in the optimizer, as (name,
+    parameter); whether every rank has the same ones is returned (Note
+    [Parameters outside the optimizer]), not raised.
     """
     plane = plane or _everyone()
     world = plane.size
     if world == 1:
-        return
+        return True
     device = plane.control_device()
     digests = [digest(f"{n}|{tuple(p.shape)}|{p.dtype}") for n, p in zip(names, params)]
     total = digest("/".join(str(d) for d in digests))
-    mine = torch.tensor([len(params), total], dtype=torch.int64, device=device)
+    others = digest("/".join(f"{n}|{tuple(p.shape)}|{p.dtype}" for n, p in outside))
+    mine = torch.tensor([len(params), total, len(outside), others], dtype=torch.int64, device=device)
     gathered = plane.all_gather(mine, name="model.summary")
-    if all(bool(torch.equal(g, gathered[0])) for g in gathered):
-        return
+    if all(bool(torch.equal(g[:2], gathered[0][:2])) for g in gathered):
+        return all(bool(torch.equal(g[2:], gathered[0][2:])) for g in gathered)
     longest = max(int(g[0]) for g in gathered)
     padded = torch.full((longest + 1,), -1, dtype=torch.int64, device=device)
     padded[: len(digests)] = torch.tensor(digests, dtype=torch.int64)

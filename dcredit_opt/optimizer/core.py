@@ -57,7 +57,8 @@ class Core:
     the parts, read by the wrapper, the model's hooks and the runtime; only the core's methods assign them."""
 
     def __init__(self, optimizer, base: type, names, params, frozen, passes: int, op, predivide: float, config,
-                 sparse_as_dense: bool, wire, group_of, process_set=None, step_noted=None):
+                 sparse_as_dense: bool, wire, group_of, process_set=None, step_noted=None, outside=(),
+                 reduced_elsewhere=None):
         job.init(timeout_s=config.timeout_s, backend=config.backend)
         devices.check_world(names, params, config.backend)  # before any collective
         # Note [Process sets]: the ranks reduced over, their control plane and channels.
@@ -73,12 +74,21 @@ class Core:
         reduction = block_reduction(op)
         prescale = 1.0 / predivide if op == Average else 1.0
         postscale = predivide / world if op == Average else 1.0
-        checks.check_same_model_on_all_ranks(names, params, members)
+        # Note [Parameters outside the optimizer] in checks.py: compared only where every rank names the same ones.
+        outside_agreed = checks.check_same_model_on_all_ranks(names, params, members, outside)
         checks.check_same_setup_on_all_ranks(config, members, backward_passes_per_step=passes, op=op.value,
                                               gradient_predivide_factor=predivide,
                                               sparse_as_dense=sparse_as_dense, compression=str(wire),
                                               groups=group_of)
         self.told = Notices()
+        if outside and not outside_agreed:
+            self.told.tell("outside differ", f"dcredit_opt: the parameters named in named_parameters but not in this "
+                                             f"{base.__name__} (such as '{outside[0][0]}') differ between ranks, so their "
+                                             "weights are not compared between ranks "
+                                             "(Note [Parameters outside the optimizer] in checks.py)")
+            outside = ()
+        self.outside = (checks.Outside([n for n, _ in outside], [p for _, p in outside], reduced_elsewhere)
+                        if outside and reduced_elsewhere is not None else None)
         self._optimizer = weakref.ref(optimizer)
         self._step_noted = step_noted  # checks.StepNoted, for an LR scheduler built before wrapping
         self.skip = False  # inside optimizer.skip_synchronize()
@@ -96,7 +106,7 @@ class Core:
         self.engine = self.backend.engine
         # Note [Global usage] and Note [Embedding rows]: which gradients exist where, and the rows agreed on.
         self.tally = UsageTally(names, params, world, self.backend, config, self.told, WeakMethod(me, "rows_arrived"),
-                                rows=reduction == "sum")
+                                rows=reduction == "sum", outside=self.outside)
         # The memory behind every gradient, laid out by the plan; the engine reduces in it.
         self.buffers = GradientBuffers(names, params, self.engine, self.backend, config, self.lazy.keeper,
                                        prescale=prescale, postscale=postscale, wire=wire, groups=group_of,
@@ -202,12 +212,8 @@ class Core:
         stepper.check_groups()
         loss = None
         if closure is not None:  # its forward is the next iteration's: the tracer may be watching it
-            backward.in_closure = True  # a refused pass there says so (Backward.too_many_passes)
-            try:
-                with torch.enable_grad():
-                    loss = closure()
-            finally:
-                backward.in_closure = False
+            with backward.running_closure(), torch.enable_grad():  # a refused pass there says so
+                loss = closure()
         self._end_learning()
         if backward.synchronized and not self.skip:
             warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
@@ -231,6 +237,8 @@ class Core:
         if self.timeline is not None:
             self.timeline.settle()  # Note [Timeline writer] in timeline.py
         stepper.check_frozen()
+        if self.outside is not None:
+            self._watch_outside()
         if not backward.flushed:
             backward.release()  # the last step()'s updates this forward did not read, then every block
         if not backward.synchronized:
@@ -291,6 +299,18 @@ class Core:
     # the tally and are compared at each flush (Note [Same updates] in
     # usage.py), so that mistake stops every rank with an error at the next
     # iteration's flush.
+
+    def _watch_outside(self) -> None:
+        """Note [Parameters outside the optimizer] in checks.py: a named parameter not ours, changed since the last
+        step() while no optimizer of ours reduces it, is said once."""
+        name = self.outside.changed_unreduced()
+        if name is not None:
+            log.warning("dcredit_opt: parameter '%s' is named in named_parameters but is not in this %s, and it "
+                        "changed since the last step(): if another optimizer trains it, its gradient is this rank's "
+                        "own and the ranks drift apart. Wrap every optimizer that trains the model with "
+                        "dc.DistributedOptimizer. Its weights are compared between ranks every "
+                        "Config(check_weights_every) iterations, and a difference stops every rank (Note "
+                        "[Parameters outside the optimizer] in checks.py). Said once.", name, self.kind)
 
     def zero_grad(self, set_to_none: bool) -> None:
         backward = self.backward

@@ -15,6 +15,7 @@ and the lazy updates.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -87,6 +88,16 @@ class Backward:
         self.path.set_passes_per_step(passes)
 
     # ---- the hooks' Python side --------------------------------------------------------
+
+    @contextlib.contextmanager
+    def running_closure(self):
+        """While ``step(closure)`` runs its closure: a backward pass there that is one too many says so
+        (:meth:`too_many_passes`)."""
+        self.in_closure = True
+        try:
+            yield
+        finally:
+            self.in_closure = False
 
     def too_many_passes(self, i: int) -> DCreditError:
         closure = (

@@ -189,7 +189,8 @@ class UsageTally:
     to the caller and is passed in.
     """
 
-    def __init__(self, names, params, world: int, backend, config, notices, on_rows_grad, *, rows: bool = True):
+    def __init__(self, names, params, world: int, backend, config, notices, on_rows_grad, *, rows: bool = True,
+                 outside=None):
         T = len(params)
         self._world_size = world  # ranks in the job
         self._rows_allowed = rows  # False where blocks are not summed (Note [Reduce ops] in reduce_ops.py)
@@ -214,6 +215,10 @@ class UsageTally:
         # Note [Same weights]: every this many tallies carries the weights' fingerprints
         self._check_weights = int(config.check_weights_every)
         self._weights_matched = 0  # the last iteration (tally) whose weights matched on every rank, 0: none yet
+        # The weights compared: ours, then the named parameters outside the optimizer (checks.Outside; Note
+        # [Parameters outside the optimizer] in checks.py).
+        self._compared = (list(params), list(names)) if outside is None else (
+            [*params, *outside.params], [*names, *outside.names])
         self._fingerprinting: _Fingerprinting | None = None  # taken at the last flush, sent at the next
         # Note [Sparse gradients]: this rank's sparse gradients of the first iteration, until the first flush
         # agrees which tensors are sparse (None after it, or when sparse gradients are reduced dense).
@@ -381,7 +386,7 @@ class UsageTally:
         taken_at, self._fingerprinting = self._fingerprinting, None
         weights = None if taken_at is None else taken_at.values()
         if self._check_weights and not self._starts % self._check_weights:
-            self._fingerprinting = _Fingerprinting(self._params, self._starts)
+            self._fingerprinting = _Fingerprinting(self._compared[0], self._starts)
         last = self._usage
         if self._turns is not None and weights is None and (
                 last is None or last.weights is None and (self._agreed or not self._proposing)):
@@ -456,6 +461,16 @@ class UsageTally:
             self._weights_matched = last.weights_at
             return
         i = differ[0]
+        if i >= len(self._params):  # Note [Parameters outside the optimizer] in checks.py
+            raise DCreditError(
+                f"parameter '{self._compared[1][i]}' differs between ranks at iteration {last.weights_at}. It is "
+                "named in named_parameters but is not in this optimizer, so its gradient is not averaged here: "
+                "another optimizer that is not wrapped trains it from each rank's own gradient, or a write changed "
+                "it on some ranks only. Wrap every optimizer that trains the model with dc.DistributedOptimizer "
+                "(each its own), and broadcast the weights from one rank once (dc.broadcast_parameters("
+                "model.state_dict(), root_rank=0)); leave the parameter out of named_parameters only if it is meant "
+                "to differ between ranks. Config(check_weights_every=...) sets how often this is checked (Note "
+                "[Same weights])")
         if self._weights_matched:
             since = (f"after the same updates on every rank (Note [Same updates]), and they were equal at iteration "
                      f"{self._weights_matched} (the check before)")

@@ -101,7 +101,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
         raise ValueError(f"Config(policy='deft') adds each delayed gradient to the next iteration's, which "
                          f"op={op.value.capitalize()} has no meaning for: use op=Average or op=Sum with it, or "
                          "another policy")
-    names, params, frozen = checks.named_tracked_params(optimizer, named_parameters)
+    names, params, frozen, outside = checks.named_tracked_params(optimizer, named_parameters)
     owners = _earlier_owners(names, params)
     group_of = grouping.tensor_groups(groups if groups is not None else (num_groups or None), names, params)
     _check_devices(names, params)
@@ -117,7 +117,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
     wrapped.__dict__.update(checks.copied_fields(optimizer))
     wrapped._dc = Core(wrapped, base, names, params, frozen, backward_passes_per_step, op,
                        float(gradient_predivide_factor), config, sparse_as_dense, wire, group_of, process_set,
-                       step_noted=checks.StepNoted.of(optimizer))
+                       step_noted=checks.StepNoted.of(optimizer), outside=outside, reduced_elsewhere=_reduced_elsewhere)
     checks.LoadInPlace.install(wrapped)
     return _marked(wrapped, params)
 
@@ -140,6 +140,13 @@ def _reduced_by(p):
     if entry is None or entry[0]() is not p:
         return None
     return entry[1]()
+
+
+def _reduced_elsewhere(p) -> bool:
+    """Whether a live DistributedOptimizer of ours reduces ``p``'s gradient (Note [Parameters outside the optimizer]
+    in checks.py)."""
+    other = _reduced_by(p)
+    return other is not None and not other.closed
 
 
 def _mark_reduced_by(p, ref) -> None:

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import dcredit_opt as dc
+
 from . import pattern_workers as pw
 from .workers import Net, batch
 
@@ -342,6 +344,71 @@ def sam_step_with_closure(job: pw.Job) -> dict:
     return pw._expect_error(job, model, ref, opt, ropt, body, loss_fn=None)
 
 
+# ---- two optimizers, named_parameters the whole model's ---------------------------------------------------
+
+
+def _two_optimizers(job: pw.Job, wrap_second: bool):
+    """``Net`` trained by two SGD optimizers, the output layer's its own; the first wrapped with the whole
+    model's ``named_parameters`` (the usual argument), the second wrapped (each its own) or left plain."""
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    body = [p for n, p in model.named_parameters() if not n.startswith("out.")]
+    first = job.wrap(pw._sgd(body), model)
+    second = pw._sgd(model.out.parameters())
+    if wrap_second:
+        second = dc.DistributedOptimizer(second, named_parameters=model.out.named_parameters(prefix="out"),
+                                         config=job.config())
+        job.opts.append(second)
+    ref_opts = [pw._sgd([p for n, p in ref.named_parameters() if not n.startswith("out.")]),
+                pw._sgd(ref.out.parameters())]
+    return model, ref, first, second, ref_opts
+
+
+def two_optimizers_both_wrapped(job: pw.Job) -> dict:
+    """Both optimizers wrapped, the first naming the whole model: the output layer's weights, outside the first,
+    are compared with its own every other iteration (Note [Parameters outside the optimizer] in checks.py) and
+    never differ; equals synchronous training."""
+    model, ref, first, second, ref_opts = _two_optimizers(job, wrap_second=True)
+    skew = pw.Skew(job.rank)
+    for step in range(STEPS):
+        first.zero_grad()
+        second.zero_grad()
+        pw.mse(model, step, job.rank).backward()
+        skew()
+        job.step(first)
+        second.step()
+        skew()
+        pw.reference_grads(ref, lambda r, step=step: pw.mse(ref, step, r), job.world)
+        for o in ref_opts:
+            o.step()
+    out = job.result(model, ref, first)
+    second._dc.close()
+    return out
+
+
+def second_optimizer_not_wrapped(job: pw.Job) -> dict:
+    """The output layer on a plain torch optimizer beside the wrapped one (a DDP script's second optimizer left
+    as it was): its updates use each rank's own gradient and the ranks drift apart. The first optimizer names
+    the whole model, so the output layer's weights are compared between ranks with its own: refused at the
+    first comparison after they differ, on every rank, naming it and saying to wrap every optimizer."""
+    model, ref, first, second, ref_opts = _two_optimizers(job, wrap_second=False)
+
+    def body(step, where):
+        first.zero_grad()
+        second.zero_grad()
+        where[0] = f"forward/backward of step {step}"
+        pw.mse(model, step, job.rank).backward()
+        where[0] = f"step() of step {step}"
+        job.step(first)
+        second.step()
+        pw.reference_grads(ref, lambda r: pw.mse(ref, step, r), job.world)
+        for o in ref_opts:
+            o.step()
+
+    return pw._expect_error(job, model, ref, first, None, body, loss_fn=None)
+
+
 GRADIENT_WORK = {f"{name}_{kind}": run for name, fn in {
     "grad_replaced_scaled": grad_scaled,
     "grad_replaced_noise": grad_noise,
@@ -357,6 +424,7 @@ GRADIENT_WORK = {f"{name}_{kind}": run for name, fn in {
     "whole_model_saved_on_embedding_rows_path": whole_model_saved_on_rows_path,
 }.items() for kind, run in _both(fn).items()}
 GRADIENT_WORK["sam_two_passes_with_synchronize"] = sam_two_passes_with_synchronize
+GRADIENT_WORK["two_optimizers_both_wrapped_first_names_the_whole_model"] = two_optimizers_both_wrapped
 
 # Steps that use a replaced gradient are eager by design (Note [Replaced gradients]); with
 # autograd.grad no hook fires, so the tracer never learns reads and every step is eager.
@@ -453,6 +521,7 @@ GRADIENT_RAISE = {
     "gradient_penalty_through_p_grad": gradient_penalty_through_p_grad,
     "sam_first_step_without_synchronize": sam_first_step_without_synchronize,
     "sam_step_with_closure": sam_step_with_closure,
+    "second_optimizer_not_wrapped": second_optimizer_not_wrapped,
 }
 
 GRADIENT_PATTERNS = {**GRADIENT_WORK, **GRADIENT_RAISE}

@@ -218,6 +218,9 @@ GRADIENT_RAISES = {
                                                         "synchronize() after each backward", "SAM"]),
     "sam_step_with_closure": (NET_PARAMS, ["the closure's that step(closure) ran",
                                            "synchronize() after each backward", "SAM"]),
+    "second_optimizer_not_wrapped": (("out.weight", "out.bias"), ["differs between ranks",
+                                                                  "is not in this optimizer",
+                                                                  "Wrap every optimizer"]),
 }
 
 

@@ -154,6 +154,62 @@ def test_zero_grad_while_reducing_is_refused():
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
 
 
+
+def _two_optimizers(wrap_second: bool):
+    """The model's last layer on an optimizer of its own; the first optimizer wrapped, naming the whole model."""
+    model, _ = model_and_opt()
+    first = dc.DistributedOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1),
+                                    named_parameters=model.named_parameters(), config=FIXED)
+    second = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    if wrap_second:
+        second = dc.DistributedOptimizer(second, named_parameters=model[2].named_parameters(prefix="2"), config=FIXED)
+    return model, first, second
+
+
+@pytest.mark.parametrize("wrap_second, told", [(False, True), (True, False)])
+def test_a_named_parameter_that_an_unwrapped_optimizer_trains_is_told_once(caplog, wrap_second, told):
+    """Note [Parameters outside the optimizer] in checks.py: the second step() that finds a named parameter outside
+    the optimizer changed, with no optimizer of ours reducing it, warns once, naming it; not where the other
+    optimizer is wrapped too."""
+    model, first, second = _two_optimizers(wrap_second)
+    assert first._dc.outside.names == ["2.weight", "2.bias"]
+    with caplog.at_level("WARNING", logger="dcredit_opt"):
+        for seed in range(4):
+            first.zero_grad()
+            second.zero_grad()
+            model(torch.randn(5, 4, generator=torch.Generator().manual_seed(seed))).pow(2).mean().backward()
+            first.step()
+            second.step()
+    warned = [r.getMessage() for r in caplog.records if "is named in named_parameters but is not in" in r.getMessage()]
+    if told:
+        assert len(warned) == 1 and "parameter '2.weight'" in warned[0] and "Wrap every optimizer" in warned[0], \
+            warned
+    else:
+        assert not warned, warned
+    first._dc.close()
+    if wrap_second:
+        second._dc.close()
+
+
+def test_named_parameters_outside_the_optimizer_are_those_that_need_a_gradient(caplog):
+    """A named parameter outside the optimizer that no one changes is never told; frozen ones, the optimizer's own
+    and a tied one counted once are not among those compared."""
+    model, _ = model_and_opt()
+    model[2].bias.requires_grad_(False)
+    named = [*model.named_parameters(), ("tied.weight", model[2].weight)]  # the same parameter under a second name
+    opt = dc.DistributedOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1), named_parameters=named,
+                                  config=FIXED)
+    assert opt._dc.outside.names == ["2.weight"]
+    with caplog.at_level("WARNING", logger="dcredit_opt"):
+        for seed in range(3):
+            train_step(model, opt, seed)
+    assert not [r for r in caplog.records if "is named in named_parameters" in r.getMessage()]
+    opt._dc.close()
+    everything = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters(), config=FIXED)
+    assert everything._dc.outside is None
+    everything._dc.close()
+
 def test_sparse_gradients_train_with_or_without_sparse_as_dense():
     # Note [Sparse gradients]: reduced as rows (one rank: its own), or dense with sparse_as_dense=True; SparseAdam
     # and SGD get them sparse either way and train as plain torch does.
