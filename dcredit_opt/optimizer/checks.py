@@ -82,12 +82,12 @@ def named_tracked_params(optimizer, named_parameters):
 # names such parameters (model.named_parameters(), the usual argument), they are known: named, requiring a
 # gradient, not in this optimizer. Their weights ride in the weights check with ours (Note [Same weights] in
 # usage.py), so a drift stops every rank at the next check with a DCreditError that names the parameter and says
-# to wrap every optimizer; and, much earlier, the first step() that finds one changed since the last (its version
-# counter moved) while no DistributedOptimizer of ours reduces it logs a warning, once. Not a refusal there: a
-# script may change such a parameter alike on every rank (a schedule written into it), or another library's
-# distributed optimizer may reduce it. Ranks that name different such parameters compare none of them (one
-# notice): the tally's length must be the same everywhere.
-
+# to wrap every optimizer. Those another live optimizer of ours reduces are sent as 0, unread: that one compares
+# them, over its own ranks (a process set's may be fewer). And much earlier, the first step() that finds one
+# changed since the last (its version counter moved) while no optimizer of ours reduces it logs a warning, once.
+# Not a refusal there: a script may change such a parameter alike on every rank (a schedule written into it), or
+# another library's distributed optimizer may reduce it. Ranks that name different such parameters compare none
+# of them (one notice): the tally's length must be the same everywhere.
 
 class Outside:
     """Note [Parameters outside the optimizer]: the named parameters this optimizer does not train, watched for
@@ -100,6 +100,10 @@ class Outside:
         self._reduced_elsewhere = reduced_elsewhere
         self._versions = None  # from the first step(): a broadcast of the weights before it changes them once
         self._warned = False
+
+    def reduced_elsewhere(self) -> list[int]:
+        """Positions of the parameters another live optimizer of ours reduces (and compares, over its ranks)."""
+        return [i for i, p in enumerate(self.params) if self._reduced_elsewhere(p)]
 
     def changed_unreduced(self) -> str | None:
         """At a ``step()``: the name of the first parameter changed since the last one that no optimizer of ours

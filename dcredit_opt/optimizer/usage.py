@@ -160,8 +160,12 @@ class _Fingerprinting:
     GPU the sums run on the device and come back with a copy the host does not wait for at the flush that
     starts them."""
 
-    def __init__(self, params, iteration: int):
+    def __init__(self, params, iteration: int, skipped=()):
         self.iteration = iteration  # the flush (tally) whose weights these are, counted from 1
+        if skipped:  # positions sent as 0, unread: weights another optimizer of ours compares
+            params = list(params)
+            for i in skipped:  # no operation on the parameter: its optimizer's read guard would apply its update
+                params[i] = torch.empty(0, dtype=torch.uint8, device=params[i].device)
         sums = _word_sums(params)
         self._event = None
         if sums.is_cuda:
@@ -219,6 +223,7 @@ class UsageTally:
         # [Parameters outside the optimizer] in checks.py).
         self._compared = (list(params), list(names)) if outside is None else (
             [*params, *outside.params], [*names, *outside.names])
+        self._outside = outside
         self._fingerprinting: _Fingerprinting | None = None  # taken at the last flush, sent at the next
         # Note [Sparse gradients]: this rank's sparse gradients of the first iteration, until the first flush
         # agrees which tensors are sparse (None after it, or when sparse gradients are reduced dense).
@@ -386,7 +391,9 @@ class UsageTally:
         taken_at, self._fingerprinting = self._fingerprinting, None
         weights = None if taken_at is None else taken_at.values()
         if self._check_weights and not self._starts % self._check_weights:
-            self._fingerprinting = _Fingerprinting(self._compared[0], self._starts)
+            # Those another optimizer of ours reduces, it compares, over its own ranks (a process set's).
+            skipped = () if self._outside is None else [len(self._params) + i for i in self._outside.reduced_elsewhere()]
+            self._fingerprinting = _Fingerprinting(self._compared[0], self._starts, skipped)
         last = self._usage
         if self._turns is not None and weights is None and (
                 last is None or last.weights is None and (self._agreed or not self._proposing)):

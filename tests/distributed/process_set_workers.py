@@ -198,3 +198,53 @@ def _two_optimizers(mine: list, process_set=None) -> dict:
         opt._dc.close()
     return {"diff": max(diffs), "checksum": w.checksum(models[0]), "checksum_all": w.checksum(models[1]),
             "moved": 1.0}
+
+
+def head_on_a_set_of_its_own(steps: int = 6) -> dict:
+    """Each rank's output layer on an optimizer over a process set of its own rank (its head, trained alone: the
+    ranks' heads differ by design), the rest of the model on an optimizer over every rank that names the whole
+    model. The heads are outside the first optimizer but reduced by ours: it leaves their comparison to theirs
+    (Note [Parameters outside the optimizer] in checks.py), so nothing is refused; both parts equal training by
+    hand (every rank's model simulated: the body's gradients averaged over them, each head on its own)."""
+    dc.init()
+    torch.manual_seed(0)
+    model = w.Net()
+    me, world = dc.rank(), dc.size()
+    refs = [copy.deepcopy(model) for _ in range(world)]
+    ropts = [torch.optim.SGD(r.parameters(), lr=0.05) for r in refs]
+    cfg = dc.Config(**CONFIG, check_weights_every=2)
+    body = [p for n, p in model.named_parameters() if not n.startswith("out.")]
+    first = dc.DistributedOptimizer(torch.optim.SGD(body, lr=0.05), named_parameters=model.named_parameters(),
+                                    config=cfg)
+    head = dc.DistributedOptimizer(torch.optim.SGD(model.out.parameters(), lr=0.05),
+                                   named_parameters=model.out.named_parameters(prefix="out"),
+                                   process_set=dc.ProcessSet([me]), config=cfg)
+    out = {"raised": None}
+    try:
+        for step in range(steps):
+            first.zero_grad()
+            head.zero_grad()
+            w.loss_of(model, w.batch(step, me)).backward()
+            first.step()
+            head.step()
+            for r, ref in enumerate(refs):
+                ref.zero_grad()
+                w.loss_of(ref, w.batch(step, r)).backward()
+            for name, _ in model.named_parameters():
+                if not name.startswith("out."):
+                    grads = [r.get_parameter(name).grad for r in refs]
+                    for g in grads[1:]:
+                        grads[0] += g
+                    for r in refs:
+                        r.get_parameter(name).grad = grads[0] / world
+            for ropt in ropts:
+                ropt.step()
+        first.synchronize()
+        head.synchronize()
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        out["raised"] = f"{type(e).__name__}: {e}"
+    out["diff"] = w.max_diff(model, refs[me])
+    out["head"] = [float(v) for v in model.out.bias.detach()]
+    first._dc.close()
+    head._dc.close()
+    return out
