@@ -269,7 +269,8 @@ class GradientBuffers:
                 "applied. Change gradients between loss.backward() and step() through p.grad, or reduce first: "
                 "optimizer.synchronize(); <change>; `with optimizer.skip_synchronize(): optimizer.step()` (the "
                 "Horovod recipe). To clear gradients use optimizer.zero_grad() or model.zero_grad() with "
-                "set_to_none=True")
+                "set_to_none=True. A torch DistributedDataParallel around the model writes its own average into "
+                "p.grad this way: dcredit_opt averages the gradients itself, so train the module without DDP")
 
     def check_casts(self, moved: int) -> None:
         """A model cast or moved after wrapping (``model.to(torch.bfloat16)``, ``.cuda()``): its gradients

@@ -409,6 +409,27 @@ def second_optimizer_not_wrapped(job: pw.Job) -> dict:
     return pw._expect_error(job, model, ref, first, None, body, loss_fn=None)
 
 
+def model_also_in_ddp(job: pw.Job) -> dict:
+    """The model still wrapped in torch's DistributedDataParallel (a DDP script half migrated): DDP's reducer
+    writes its own average into p.grad, which is our slot's alias by then. Refused at step() on every rank,
+    naming a parameter and DDP."""
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = job.wrap(pw._sgd(ddp.parameters()), ddp)
+    ropt = pw._sgd(ref.parameters())
+
+    def body(step, where):
+        opt.zero_grad()
+        where[0] = f"forward/backward of step {step}"
+        pw.mse(ddp, step, job.rank).backward()
+        where[0] = f"step() of step {step}"
+        job.step(opt)
+
+    return pw._expect_error(job, model, ref, opt, ropt, body)
+
+
 GRADIENT_WORK = {f"{name}_{kind}": run for name, fn in {
     "grad_replaced_scaled": grad_scaled,
     "grad_replaced_noise": grad_noise,
@@ -522,6 +543,7 @@ GRADIENT_RAISE = {
     "sam_first_step_without_synchronize": sam_first_step_without_synchronize,
     "sam_step_with_closure": sam_step_with_closure,
     "second_optimizer_not_wrapped": second_optimizer_not_wrapped,
+    "model_also_wrapped_in_ddp": model_also_in_ddp,
 }
 
 GRADIENT_PATTERNS = {**GRADIENT_WORK, **GRADIENT_RAISE}

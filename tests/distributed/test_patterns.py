@@ -221,6 +221,8 @@ GRADIENT_RAISES = {
     "second_optimizer_not_wrapped": (("out.weight", "out.bias"), ["differs between ranks",
                                                                   "is not in this optimizer",
                                                                   "Wrap every optimizer"]),
+    "model_also_wrapped_in_ddp": (tuple(f"module.{n}" for n in NET_PARAMS), ["DistributedDataParallel",
+                                                                            "without DDP"]),
 }
 
 
