@@ -84,7 +84,8 @@ def named_tracked_params(optimizer, named_parameters):
 # usage.py), so a drift stops every rank at the next check with a DCreditError that names the parameter and says
 # to wrap every optimizer. Those another live optimizer of ours reduces are sent as 0, unread: that one compares
 # them, over its own ranks (a process set's may be fewer). And much earlier, the first step() that finds one
-# changed since the last (its version counter moved) while no optimizer of ours reduces it logs a warning, once.
+# changed since the last (its version counter moved) with a gradient (an average of the weights kept in the model
+# gets none) while no optimizer of ours reduces it logs a warning, once.
 # Not a refusal there: a script may change such a parameter alike on every rank (a schedule written into it), or
 # another library's distributed optimizer may reduce it. Ranks that name different such parameters compare none
 # of them (one notice): the tally's length must be the same everywhere.
@@ -116,7 +117,9 @@ class Outside:
             return None
         changed = [i for i, (a, b) in enumerate(zip(versions, last)) if a != b]
         for i in changed:
-            if not self._reduced_elsewhere(self.params[i]):
+            p = self.params[i]
+            # Trained: a gradient too (an average kept in the model, updated from the weights, gets none).
+            if p.grad is not None and not self._reduced_elsewhere(p):
                 self._warned = True
                 return self.names[i]
         return None

@@ -192,8 +192,9 @@ def test_a_named_parameter_that_an_unwrapped_optimizer_trains_is_told_once(caplo
 
 
 def test_named_parameters_outside_the_optimizer_are_those_that_need_a_gradient(caplog):
-    """A named parameter outside the optimizer that no one changes is never told; frozen ones, the optimizer's own
-    and a tied one counted once are not among those compared."""
+    """A named parameter outside the optimizer that no one changes is never told, nor one changed every step
+    without a gradient (an average of the weights kept in the model); frozen ones, the optimizer's own and a tied
+    one counted once are not among those compared."""
     model, _ = model_and_opt()
     model[2].bias.requires_grad_(False)
     named = [*model.named_parameters(), ("tied.weight", model[2].weight)]  # the same parameter under a second name
@@ -203,6 +204,13 @@ def test_named_parameters_outside_the_optimizer_are_those_that_need_a_gradient(c
     with caplog.at_level("WARNING", logger="dcredit_opt"):
         for seed in range(3):
             train_step(model, opt, seed)
+        model[2].weight.grad = None
+        for seed in range(3):
+            opt.zero_grad()
+            model[0](torch.randn(5, 4)).pow(2).mean().backward()  # the last layer gets no gradient
+            opt.step()
+            with torch.no_grad():
+                model[2].weight.mul_(0.9).add_(model[0].weight[:3, :].T[:, :3].sum() * 0.1)  # moved every step
     assert not [r for r in caplog.records if "is named in named_parameters" in r.getMessage()]
     opt._dc.close()
     everything = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
