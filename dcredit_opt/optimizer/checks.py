@@ -107,8 +107,8 @@ class Outside:
         return [i for i, p in enumerate(self.params) if self._reduced_elsewhere(p)]
 
     def changed_unreduced(self) -> str | None:
-        """At a ``step()``: the name of the first parameter changed since the last one that no optimizer of ours
-        reduces, once (None after, and where there is none)."""
+        """At a ``step()``: the name of the first parameter changed since the last ``step()`` that has a gradient
+        and that no optimizer of ours reduces, once (None after, and where there is none)."""
         if self._warned:
             return None
         versions = [p._version for p in self.params]

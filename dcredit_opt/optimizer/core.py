@@ -302,7 +302,7 @@ class Core:
 
     def _watch_outside(self) -> None:
         """Note [Parameters outside the optimizer] in checks.py: a named parameter not ours, changed since the last
-        step() while no optimizer of ours reduces it, is said once."""
+        step() with a gradient while no optimizer of ours reduces it, is said once."""
         name = self.outside.changed_unreduced()
         if name is not None:
             log.warning("dcredit_opt: parameter '%s' is named in named_parameters but is not in this %s, and it "
