@@ -17,8 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import dcredit_opt as dc
-
 from . import pattern_workers as pw
 from .workers import Net, batch
 
@@ -357,9 +355,7 @@ def _two_optimizers(job: pw.Job, wrap_second: bool):
     first = job.wrap(pw._sgd(body), model)
     second = pw._sgd(model.out.parameters())
     if wrap_second:
-        second = dc.DistributedOptimizer(second, named_parameters=model.out.named_parameters(prefix="out"),
-                                         config=job.config())
-        job.opts.append(second)
+        second = job.wrap(second, model.out)
     ref_opts = [pw._sgd([p for n, p in ref.named_parameters() if not n.startswith("out.")]),
                 pw._sgd(ref.out.parameters())]
     return model, ref, first, second, ref_opts
