@@ -221,8 +221,8 @@ class UsageTally:
         self._weights_matched = 0  # the last iteration (tally) whose weights matched on every rank, 0: none yet
         # The weights compared: ours, then the named parameters outside the optimizer (checks.Outside; Note
         # [Parameters outside the optimizer] in checks.py).
-        self._compared = (list(params), list(names)) if outside is None else (
-            [*params, *outside.params], [*names, *outside.names])
+        self._compared_params = [*params, *(() if outside is None else outside.params)]
+        self._compared_names = [*names, *(() if outside is None else outside.names)]
         self._outside = outside
         self._fingerprinting: _Fingerprinting | None = None  # taken at the last flush, sent at the next
         # Note [Sparse gradients]: this rank's sparse gradients of the first iteration, until the first flush
@@ -393,7 +393,7 @@ class UsageTally:
         if self._check_weights and not self._starts % self._check_weights:
             # Those another optimizer of ours reduces, it compares, over its own ranks (a process set's).
             skipped = () if self._outside is None else [len(self._params) + i for i in self._outside.reduced_elsewhere()]
-            self._fingerprinting = _Fingerprinting(self._compared[0], self._starts, skipped)
+            self._fingerprinting = _Fingerprinting(self._compared_params, self._starts, skipped)
         last = self._usage
         if self._turns is not None and weights is None and (
                 last is None or last.weights is None and (self._agreed or not self._proposing)):
@@ -470,7 +470,7 @@ class UsageTally:
         i = differ[0]
         if i >= len(self._params):  # Note [Parameters outside the optimizer] in checks.py
             raise DCreditError(
-                f"parameter '{self._compared[1][i]}' differs between ranks at iteration {last.weights_at}. It is "
+                f"parameter '{self._compared_names[i]}' differs between ranks at iteration {last.weights_at}. It is "
                 "named in named_parameters but is not in this optimizer, so its gradient is not averaged here: "
                 "another optimizer that is not wrapped trains it from each rank's own gradient, or a write changed "
                 "it on some ranks only. Wrap every optimizer that trains the model with dc.DistributedOptimizer "
