@@ -85,43 +85,93 @@ def named_tracked_params(optimizer, named_parameters):
 # to wrap every optimizer. Those another live optimizer of ours reduces are sent as 0, unread: that one compares
 # them, over its own ranks (a process set's may be fewer). And much earlier, the first step() that finds one
 # changed since the last (its version counter moved) with a gradient (an average of the weights kept in the model
-# gets none) while no optimizer of ours reduces it logs a warning, once.
+# gets none) while no optimizer of ours reduces it logs a warning, once (looked for in the first WATCHED_STEPS
+# step() calls: a version read per such parameter each; the weights check covers the later ones).
 # Not a refusal there: a script may change such a parameter alike on every rank (a schedule written into it), or
 # another library's distributed optimizer may reduce it. Ranks that name different such parameters compare none
 # of them (one notice): the tally's length must be the same everywhere.
+#
+# Where named_parameters does not name them (model.body.named_parameters(), or Horovod's call without
+# named_parameters), they are found: the first forward after step() is watched anyway (Note [First read] in
+# reads.py), and every module it begins at (no module's forward around it) that holds a parameter of ours is the
+# model, or a part of it that holds ours. Its other parameters that need a gradient, on our device, neither ours,
+# nor named, nor reduced by another live optimizer of ours then, are *found*: watched for the same warning, and compared in the weights check as one pooled fingerprint
+# (the integer sum of their word sums: Note [Same weights]), beside a digest of their names, shapes and dtypes.
+# The pooled fingerprint is read only where every rank sent the same digest (the same found parameters, in the
+# same order): otherwise none are compared (one notice). A difference stops every rank, naming the found
+# parameters (the pool cannot say which one of them differs). Teachers and other models the forward runs that
+# hold none of ours are not looked at.
+
+WATCHED_STEPS = 100
+"""Note [Parameters outside the optimizer]: the warning looks at the first this many ``step()`` calls (a version
+read per parameter outside the optimizer each); the weights check covers every later one."""
+
 
 class Outside:
-    """Note [Parameters outside the optimizer]: the named parameters this optimizer does not train, watched for
-    changes between ``step()`` calls. ``reduced_elsewhere(p)``: whether another live DistributedOptimizer of ours
-    reduces ``p``'s gradient."""
+    """Note [Parameters outside the optimizer]: the parameters of the model that this optimizer does not train,
+    named (``names``, ``params``) or found later in the model the forward runs (``found_names``,
+    ``found_params``), watched for changes between ``step()`` calls. ``reduced_elsewhere(p)``: whether another
+    live DistributedOptimizer of ours reduces ``p``'s gradient."""
 
     def __init__(self, names, params, reduced_elsewhere):
         self.names = names
         self.params = params
+        self.found_names: list[str] = []
+        self.found_params: list = []
         self._reduced_elsewhere = reduced_elsewhere
         self._versions = None  # from the first step(): a broadcast of the weights before it changes them once
-        self._warned = False
+        self.watching = bool(params)  # step() asks changed_unreduced(): where there is any, until it warned
+        self._watched = 0  # step() calls that asked; the weights check alone is left after WATCHED_STEPS
 
     def reduced_elsewhere(self) -> list[int]:
         """Positions of the parameters another live optimizer of ours reduces (and compares, over its ranks)."""
         return [i for i, p in enumerate(self.params) if self._reduced_elsewhere(p)]
 
-    def changed_unreduced(self) -> str | None:
-        """At a ``step()``: the name of the first parameter changed since the last ``step()`` that has a gradient
-        and that no optimizer of ours reduces, once (None after, and where there is none)."""
-        if self._warned:
-            return None
-        versions = [p._version for p in self.params]
+    def find(self, roots, ours, device) -> None:
+        """The parameters of modules ``roots`` (where the forward began, each holding some of ``ours``, a set of
+        ids) that need a gradient, lie on ``device`` and are neither ours, nor named, nor reduced by another
+        optimizer of ours: found once, in the order of the roots' ``named_parameters()``."""
+        seen = set(ours) | {id(p) for p in self.params}
+        for root in roots:
+            for name, p in root.named_parameters():
+                if id(p) not in seen and p.requires_grad and p.device == device and not self._reduced_elsewhere(p):
+                    seen.add(id(p))
+                    self.found_names.append(name)
+                    self.found_params.append(p)
+        if self.found_params:
+            self.watching = True
+            self._versions = None  # the next step() takes every version afresh
+
+    def pooled(self) -> tuple[list[str], list, list[int]]:
+        """The found parameters compared now (those no other optimizer of ours reduces), their names, and the
+        digest of their names, shapes and dtypes as two numbers below 64, which every rank must send alike before
+        the pool is read (no found parameter: none, and a digest of zeros)."""
+        kept = [(n, p) for n, p in zip(self.found_names, self.found_params) if not self._reduced_elsewhere(p)]
+        if not kept:
+            return [], [], [0, 0]
+        d = digest("/".join(f"{n}|{tuple(p.shape)}|{p.dtype}" for n, p in kept))
+        return [n for n, _ in kept], [p for _, p in kept], [d & 63, (d >> 6) & 63]
+
+    def changed_unreduced(self) -> tuple[str, bool] | None:
+        """At a ``step()``: the first parameter changed since the last ``step()`` that has a gradient and that no
+        optimizer of ours reduces, as (its name, whether named_parameters names it), once (None after, and where
+        there is none)."""
+        self._watched += 1
+        if self._watched >= WATCHED_STEPS:
+            self.watching = False
+        named = len(self.params)
+        watched = [*self.params, *self.found_params]
+        versions = [p._version for p in watched]
         last, self._versions = self._versions, versions
         if last is None:
             return None
         changed = [i for i, (a, b) in enumerate(zip(versions, last)) if a != b]
         for i in changed:
-            p = self.params[i]
+            p = watched[i]
             # Trained: a gradient too (an average kept in the model, updated from the weights, gets none).
             if p.grad is not None and not self._reduced_elsewhere(p):
-                self._warned = True
-                return self.names[i]
+                self.watching = False
+                return (self.names[i], True) if i < named else (self.found_names[i - named], False)
         return None
 
 

@@ -44,7 +44,7 @@ from . import checks, devices
 from .buffers import GradientBuffers
 from .gradients import Backward, WeakMethod
 from .layout import fixed_plan
-from .lazy import Stepper, watch_module_hooks_when_compiled
+from .lazy import Stepper, holds_any, watch_module_hooks_when_compiled
 from .notices import Notices
 from .updates import LazyUpdates
 from .usage import UsageTally
@@ -87,8 +87,9 @@ class Core:
                                              "weights are not compared between ranks "
                                              "(Note [Parameters outside the optimizer] in checks.py)")
             outside = ()
+        # Named ones now, and the model's others once its forward is watched (Core._end_learning).
         self.outside = (checks.Outside([n for n, _ in outside], [p for _, p in outside], reduced_elsewhere)
-                        if outside and reduced_elsewhere is not None else None)
+                        if reduced_elsewhere is not None else None)
         self._optimizer = weakref.ref(optimizer)
         self._step_noted = step_noted  # checks.StepNoted, for an LR scheduler built before wrapping
         self.skip = False  # inside optimizer.skip_synchronize()
@@ -237,7 +238,7 @@ class Core:
         if self.timeline is not None:
             self.timeline.settle()  # Note [Timeline writer] in timeline.py
         stepper.check_frozen()
-        if self.outside is not None:
+        if self.outside is not None and self.outside.watching:
             self._watch_outside()
         if not backward.flushed:
             backward.release()  # the last step()'s updates this forward did not read, then every block
@@ -301,16 +302,20 @@ class Core:
     # iteration's flush.
 
     def _watch_outside(self) -> None:
-        """Note [Parameters outside the optimizer] in checks.py: a named parameter not ours, changed since the last
-        step() with a gradient while no optimizer of ours reduces it, is said once."""
-        name = self.outside.changed_unreduced()
-        if name is not None:
-            log.warning("dcredit_opt: parameter '%s' is named in named_parameters but is not in this %s, and it "
-                        "changed since the last step(): if another optimizer trains it, its gradient is this rank's "
-                        "own and the ranks drift apart. Wrap every optimizer that trains the model with "
-                        "dc.DistributedOptimizer. Its weights are compared between ranks every "
-                        "Config(check_weights_every) iterations, and a difference stops every rank (Note "
-                        "[Parameters outside the optimizer] in checks.py). Said once.", name, self.kind)
+        """Note [Parameters outside the optimizer] in checks.py: a parameter of the model not ours, changed since
+        the last step() with a gradient while no optimizer of ours reduces it, is said once."""
+        changed = self.outside.changed_unreduced()
+        if changed is None:
+            return
+        name, named = changed
+        how = ("is named in named_parameters but is not in this {kind}" if named else
+               "belongs to the model whose forward runs this {kind}'s parameters, but is neither in it nor named in "
+               "its named_parameters").format(kind=self.kind)
+        log.warning("dcredit_opt: parameter '%s' %s, and it changed since the last step(): if another optimizer "
+                    "trains it, its gradient is this rank's own and the ranks drift apart. Wrap every optimizer "
+                    "that trains the model with dc.DistributedOptimizer. Its weights are compared between ranks "
+                    "every Config(check_weights_every) iterations, and a difference stops every rank (Note "
+                    "[Parameters outside the optimizer] in checks.py). Said once.", name, how)
 
     def zero_grad(self, set_to_none: bool) -> None:
         backward = self.backward
@@ -540,7 +545,12 @@ class Core:
                                       "costs some microseconds more (Note [Gradient path]). Said once.")
 
     def _end_learning(self) -> None:
-        self.stepper.end_learning(self.recorder, self.closed)
+        tracer = self.stepper.end_learning(self.recorder, self.closed)
+        if tracer is not None and self.outside is not None and self.params:
+            # Note [Parameters outside the optimizer] in checks.py: the model's other parameters, found.
+            ours = {id(p) for p in self.params}
+            roots = [m for m in (ref() for ref in tracer.entries) if m is not None and holds_any(m, ours)]
+            self.outside.find(roots, ours, self.params[0].device)
 
     # ---- profiling, planning, timeline ---------------------------------------
 

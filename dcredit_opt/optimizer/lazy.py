@@ -405,11 +405,13 @@ class Stepper:
 
     # ---- learning where parameters are first read (Note [First read]) ---------------
 
-    def end_learning(self, recorder, closed: bool) -> None:
-        """Leave the tracer (on the training thread) and install the apply points it found."""
+    def end_learning(self, recorder, closed: bool):
+        """Leave the tracer (on the training thread) and install the apply points it found. Returns the tracer
+        where it has just learned them (for what else it saw), else None."""
         tracer = self._lazy.end_learning(recorder, closed)
         if tracer is not None:
             self._propose_rows(tracer)
+        return tracer
 
     def _propose_rows(self, tracer) -> None:
         """What this rank proposes for Note [Embedding rows] (in rows.py), from what the tracer saw; every

@@ -160,13 +160,18 @@ class _Fingerprinting:
     GPU the sums run on the device and come back with a copy the host does not wait for at the flush that
     starts them."""
 
-    def __init__(self, params, iteration: int, skipped=()):
+    def __init__(self, params, iteration: int, skipped=(), pooled=(), digest=(0, 0)):
         self.iteration = iteration  # the flush (tally) whose weights these are, counted from 1
         if skipped:  # positions sent as 0, unread: weights another optimizer of ours compares
             params = list(params)
             for i in skipped:  # no operation on the parameter: its optimizer's read guard would apply its update
                 params[i] = torch.empty(0, dtype=torch.uint8, device=params[i].device)
+        # Then the found parameters' pool (one sum of their sums, modulo 2**64; Note [Parameters outside the
+        # optimizer] in checks.py), and the digest that says which they are.
         sums = _word_sums(params)
+        pool = _word_sums(pooled).sum().view(1) if pooled else torch.zeros(1, dtype=torch.int64)
+        sums = torch.cat([sums, pool.to(sums.device)])
+        self._digest = list(digest)
         self._event = None
         if sums.is_cuda:
             self._host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
@@ -179,7 +184,7 @@ class _Fingerprinting:
     def values(self) -> list[int]:
         if self._event is not None:
             self._event.synchronize()  # recorded a whole iteration ago: long done
-        return [_mix(t) for t in self._host.tolist()]
+        return [*(_mix(t) for t in self._host.tolist()), *self._digest]
 
 
 class UsageTally:
@@ -219,8 +224,9 @@ class UsageTally:
         # Note [Same weights]: every this many tallies carries the weights' fingerprints
         self._check_weights = int(config.check_weights_every)
         self._weights_matched = 0  # the last iteration (tally) whose weights matched on every rank, 0: none yet
-        # The weights compared: ours, then the named parameters outside the optimizer (checks.Outside; Note
-        # [Parameters outside the optimizer] in checks.py).
+        # The weights compared: ours, then the named parameters outside the optimizer, then (added by
+        # _Fingerprinting) the pool of those found in the model and its digest (checks.Outside; Note [Parameters
+        # outside the optimizer] in checks.py).
         self._compared_params = [*params, *(() if outside is None else outside.params)]
         self._compared_names = [*names, *(() if outside is None else outside.names)]
         self._outside = outside
@@ -392,8 +398,10 @@ class UsageTally:
         weights = None if taken_at is None else taken_at.values()
         if self._check_weights and not self._starts % self._check_weights:
             # Those another optimizer of ours reduces, it compares, over its own ranks (a process set's).
-            skipped = () if self._outside is None else [len(self._params) + i for i in self._outside.reduced_elsewhere()]
-            self._fingerprinting = _Fingerprinting(self._compared_params, self._starts, skipped)
+            outside = self._outside
+            skipped = () if outside is None else [len(self._params) + i for i in outside.reduced_elsewhere()]
+            _, pooled, digest = ([], [], (0, 0)) if outside is None else outside.pooled()
+            self._fingerprinting = _Fingerprinting(self._compared_params, self._starts, skipped, pooled, digest)
         last = self._usage
         if self._turns is not None and weights is None and (
                 last is None or last.weights is None and (self._agreed or not self._proposing)):
@@ -464,6 +472,15 @@ class UsageTally:
         if last.weights is None:
             return
         differ = _disagreeing(last.values[3 * len(self._params) + 2:], last.weights, self._world_size)
+        n = len(self._compared_params)  # then the found parameters' pool, then its digest (two numbers)
+        pool_differs = n in differ and not {n + 1, n + 2} & set(differ)
+        if {n + 1, n + 2} & set(differ):
+            self._notices.tell("found differ", "dcredit_opt: the ranks' models hold different parameters outside "
+                                               "this optimizer, so those are not compared between ranks (Note "
+                                               "[Parameters outside the optimizer] in checks.py)")
+        differ = [i for i in differ if i < n]
+        if not differ and pool_differs:
+            raise self._found_differ(last.weights_at)
         if not differ:
             self._weights_matched = last.weights_at
             return
@@ -492,6 +509,24 @@ class UsageTally:
             "rank's own condition): change parameters on every rank alike, or broadcast them from one rank "
             "after the change. The weights no longer equal synchronous training's; "
             "Config(check_weights_every=...) sets how often this is checked (Note [Same weights])")
+
+    def _found_differ(self, iteration: int) -> DCreditError:
+        """Note [Parameters outside the optimizer] in checks.py: the error every rank raises where the pooled
+        fingerprint of the found parameters differs between ranks."""
+        names = self._outside.pooled()[0]
+        shown = ", ".join(f"'{n}'" for n in names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        which = (f"parameter {shown} differs" if len(names) == 1 else
+                 f"parameters {shown} differ (one of them at least: they are compared together)")
+        return DCreditError(
+            f"{which} between ranks at iteration {iteration}. They belong to the model whose forward runs this "
+            "optimizer's parameters but are neither in it nor named in its named_parameters, so their gradients "
+            "are not averaged here: another optimizer that is not wrapped trains them from each rank's own "
+            "gradient, or a write changed them on some ranks only. Wrap every optimizer that trains the model "
+            "with dc.DistributedOptimizer (each its own, with named_parameters=model.named_parameters()), and "
+            "broadcast the weights from one rank once (dc.broadcast_parameters(model.state_dict(), root_rank=0)). "
+            "Parameters meant to differ between ranks belong in a module of their own, outside the model; "
+            "Config(check_weights_every=...) sets how often this is checked, 0 never "
+            "(Note [Parameters outside the optimizer] in checks.py)")
 
     def _counts(self, here: bytes, updates: int, weights: list | None = None):
         """What this rank adds to the tally, as a tensor and a memoryview over it: per tensor, whether it had a

@@ -345,14 +345,16 @@ def sam_step_with_closure(job: pw.Job) -> dict:
 # ---- two optimizers, named_parameters the whole model's ---------------------------------------------------
 
 
-def _two_optimizers(job: pw.Job, wrap_second: bool):
+def _two_optimizers(job: pw.Job, wrap_second: bool, named: str = "model"):
     """``Net`` trained by two SGD optimizers, the output layer's its own; the first wrapped with the whole
-    model's ``named_parameters`` (the usual argument), the second wrapped (each its own) or left plain."""
+    model's ``named_parameters`` (``named="model"``, the usual argument), its own parameters' only
+    (``"body"``) or none (``"none"``, Horovod's call without them); the second wrapped (each its own) or left
+    plain."""
     torch.manual_seed(0)
     model = Net()
     ref = copy.deepcopy(model)
-    body = [p for n, p in model.named_parameters() if not n.startswith("out.")]
-    first = job.wrap(pw._sgd(body), model)
+    body = [(n, p) for n, p in model.named_parameters() if not n.startswith("out.")]
+    first = job.wrap(pw._sgd([p for _, p in body]), {"model": model, "body": body, "none": None}[named])
     second = pw._sgd(model.out.parameters())
     if wrap_second:
         second = job.wrap(second, model.out)
@@ -361,48 +363,62 @@ def _two_optimizers(job: pw.Job, wrap_second: bool):
     return model, ref, first, second, ref_opts
 
 
-def two_optimizers_both_wrapped(job: pw.Job) -> dict:
-    """Both optimizers wrapped, the first naming the whole model: the output layer's weights, outside the first,
-    are compared with its own every other iteration (Note [Parameters outside the optimizer] in checks.py) and
-    never differ; equals synchronous training."""
-    model, ref, first, second, ref_opts = _two_optimizers(job, wrap_second=True)
-    skew = pw.Skew(job.rank)
-    for step in range(STEPS):
-        first.zero_grad()
-        second.zero_grad()
-        pw.mse(model, step, job.rank).backward()
-        skew()
-        job.step(first)
-        second.step()
-        skew()
-        pw.reference_grads(ref, lambda r, step=step: pw.mse(ref, step, r), job.world)
-        for o in ref_opts:
-            o.step()
-    out = job.result(model, ref, first)
-    second._dc.close()
-    return out
+def two_optimizers(named: str = "model", by_hand: bool = False):
+    """Both optimizers wrapped, the first naming the whole model (``named``: see ``_two_optimizers``): the output
+    layer's weights, outside the first, are compared with its own every other iteration (Note [Parameters outside
+    the optimizer] in checks.py) where named, left to the second where found (it compares them), and never differ;
+    equals synchronous training. ``by_hand``: the second is a plain torch optimizer whose gradients the script
+    averages itself (all_reduce, as another library's distributed optimizer would): found in the first's model and
+    compared there, equal on every rank, nothing refused."""
+    def run(job: pw.Job) -> dict:
+        model, ref, first, second, ref_opts = _two_optimizers(job, wrap_second=not by_hand, named=named)
+        skew = pw.Skew(job.rank)
+        for step in range(STEPS):
+            first.zero_grad()
+            second.zero_grad()
+            pw.mse(model, step, job.rank).backward()
+            skew()
+            job.step(first)
+            if by_hand:
+                for p in model.out.parameters():
+                    torch.distributed.all_reduce(p.grad)
+                    p.grad /= job.world
+            second.step()
+            skew()
+            pw.reference_grads(ref, lambda r, step=step: pw.mse(ref, step, r), job.world)
+            for o in ref_opts:
+                o.step()
+        out = job.result(model, ref, first)
+        if not by_hand:
+            second._dc.close()
+        return out
+    return run
 
 
-def second_optimizer_not_wrapped(job: pw.Job) -> dict:
+def second_optimizer_not_wrapped(named: str = "model"):
     """The output layer on a plain torch optimizer beside the wrapped one (a DDP script's second optimizer left
-    as it was): its updates use each rank's own gradient and the ranks drift apart. The first optimizer names
-    the whole model, so the output layer's weights are compared between ranks with its own: refused at the
-    first comparison after they differ, on every rank, naming it and saying to wrap every optimizer."""
-    model, ref, first, second, ref_opts = _two_optimizers(job, wrap_second=False)
+    as it was): its updates use each rank's own gradient and the ranks drift apart. The output layer's weights
+    are compared between ranks with the first optimizer's own, whether its named_parameters names them (the whole
+    model's) or not (its own parameters' only, or none: found in the model its forward runs): refused at the first
+    comparison after they differ, on every rank, naming them and saying to wrap every optimizer (Note [Parameters
+    outside the optimizer] in checks.py)."""
+    def run(job: pw.Job) -> dict:
+        model, ref, first, second, ref_opts = _two_optimizers(job, wrap_second=False, named=named)
 
-    def body(step, where):
-        first.zero_grad()
-        second.zero_grad()
-        where[0] = f"forward/backward of step {step}"
-        pw.mse(model, step, job.rank).backward()
-        where[0] = f"step() of step {step}"
-        job.step(first)
-        second.step()
-        pw.reference_grads(ref, lambda r: pw.mse(ref, step, r), job.world)
-        for o in ref_opts:
-            o.step()
+        def body(step, where):
+            first.zero_grad()
+            second.zero_grad()
+            where[0] = f"forward/backward of step {step}"
+            pw.mse(model, step, job.rank).backward()
+            where[0] = f"step() of step {step}"
+            job.step(first)
+            second.step()
+            pw.reference_grads(ref, lambda r: pw.mse(ref, step, r), job.world)
+            for o in ref_opts:
+                o.step()
 
-    return pw._expect_error(job, model, ref, first, None, body, loss_fn=None)
+        return pw._expect_error(job, model, ref, first, None, body, loss_fn=None)
+    return run
 
 
 def model_also_in_ddp(job: pw.Job) -> dict:
@@ -441,7 +457,9 @@ GRADIENT_WORK = {f"{name}_{kind}": run for name, fn in {
     "whole_model_saved_on_embedding_rows_path": whole_model_saved_on_rows_path,
 }.items() for kind, run in _both(fn).items()}
 GRADIENT_WORK["sam_two_passes_with_synchronize"] = sam_two_passes_with_synchronize
-GRADIENT_WORK["two_optimizers_both_wrapped_first_names_the_whole_model"] = two_optimizers_both_wrapped
+GRADIENT_WORK["two_optimizers_both_wrapped_first_names_the_whole_model"] = two_optimizers()
+GRADIENT_WORK["two_optimizers_both_wrapped_first_names_none"] = two_optimizers("none")
+GRADIENT_WORK["second_optimizer_averaged_by_hand_first_names_its_own"] = two_optimizers("body", by_hand=True)
 
 # Steps that use a replaced gradient are eager by design (Note [Replaced gradients]); with
 # autograd.grad no hook fires, so the tracer never learns reads and every step is eager.
@@ -538,7 +556,9 @@ GRADIENT_RAISE = {
     "gradient_penalty_through_p_grad": gradient_penalty_through_p_grad,
     "sam_first_step_without_synchronize": sam_first_step_without_synchronize,
     "sam_step_with_closure": sam_step_with_closure,
-    "second_optimizer_not_wrapped": second_optimizer_not_wrapped,
+    "second_optimizer_not_wrapped": second_optimizer_not_wrapped(),
+    "second_optimizer_not_wrapped_first_names_its_own": second_optimizer_not_wrapped("body"),
+    "second_optimizer_not_wrapped_first_names_none": second_optimizer_not_wrapped("none"),
     "model_also_wrapped_in_ddp": model_also_in_ddp,
 }
 

@@ -331,8 +331,10 @@ class Job:
         return model, ref, opt, opt_fn(ref.parameters())
 
     def wrap(self, torch_opt, model, config=None, **wrap):
-        opt = dc.DistributedOptimizer(torch_opt, named_parameters=model.named_parameters(),
-                                      config=config or self.config(), **wrap)
+        """``torch_opt`` wrapped, with ``model``'s ``named_parameters()``; ``model`` may instead be the (name,
+        parameter) pairs to name, or None to name none (Horovod's call without ``named_parameters``)."""
+        named = model.named_parameters() if isinstance(model, nn.Module) else model
+        opt = dc.DistributedOptimizer(torch_opt, named_parameters=named, config=config or self.config(), **wrap)
         self.opts.append(opt)
         return opt
 

@@ -200,12 +200,13 @@ def _two_optimizers(mine: list, process_set=None) -> dict:
             "moved": 1.0}
 
 
-def head_on_a_set_of_its_own(steps: int = 6) -> dict:
+def head_on_a_set_of_its_own(steps: int = 6, whole: bool = True) -> dict:
     """Each rank's output layer on an optimizer over a process set of its own rank (its head, trained alone: the
     ranks' heads differ by design), the rest of the model on an optimizer over every rank that names the whole
-    model. The heads are outside the first optimizer but reduced by ours: it leaves their comparison to theirs
-    (Note [Parameters outside the optimizer] in checks.py), so nothing is refused; both parts equal training by
-    hand (every rank's model simulated: the body's gradients averaged over them, each head on its own)."""
+    model (``whole``), or only its own parameters (the heads are then found in the model its forward runs). The
+    heads are outside the first optimizer but reduced by ours: it leaves their comparison to theirs (Note
+    [Parameters outside the optimizer] in checks.py), so nothing is refused; both parts equal training by hand
+    (every rank's model simulated: the body's gradients averaged over them, each head on its own)."""
     dc.init()
     torch.manual_seed(0)
     model = w.Net()
@@ -213,9 +214,9 @@ def head_on_a_set_of_its_own(steps: int = 6) -> dict:
     refs = [copy.deepcopy(model) for _ in range(world)]
     ropts = [torch.optim.SGD(r.parameters(), lr=0.05) for r in refs]
     cfg = dc.Config(**CONFIG, check_weights_every=2)
-    body = [p for n, p in model.named_parameters() if not n.startswith("out.")]
-    first = dc.DistributedOptimizer(torch.optim.SGD(body, lr=0.05), named_parameters=model.named_parameters(),
-                                    config=cfg)
+    body = [(n, p) for n, p in model.named_parameters() if not n.startswith("out.")]
+    first = dc.DistributedOptimizer(torch.optim.SGD([p for _, p in body], lr=0.05),
+                                    named_parameters=model.named_parameters() if whole else body, config=cfg)
     head = dc.DistributedOptimizer(torch.optim.SGD(model.out.parameters(), lr=0.05),
                                    named_parameters=model.out.named_parameters(prefix="out"),
                                    process_set=dc.ProcessSet([me]), config=cfg)

@@ -221,6 +221,10 @@ GRADIENT_RAISES = {
     "second_optimizer_not_wrapped": (("out.weight", "out.bias"), ["differs between ranks",
                                                                   "is not in this optimizer",
                                                                   "Wrap every optimizer"]),
+    "second_optimizer_not_wrapped_first_names_its_own": (("out.weight", "out.bias"), [
+        "between ranks at iteration", "neither in it nor named", "Wrap every optimizer"]),
+    "second_optimizer_not_wrapped_first_names_none": (("out.weight", "out.bias"), [
+        "between ranks at iteration", "neither in it nor named", "Wrap every optimizer"]),
     "model_also_wrapped_in_ddp": (tuple(f"module.{n}" for n in NET_PARAMS), ["DistributedDataParallel",
                                                                             "without DDP"]),
 }

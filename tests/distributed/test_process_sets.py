@@ -220,10 +220,12 @@ def test_horovod_rank_outside_its_set_steps_alone_as_in_horovod(launcher):
 
 
 @pytest.mark.timeout(240)
-def test_a_head_per_rank_on_a_set_of_its_own_beside_an_optimizer_that_names_the_whole_model():
+@pytest.mark.parametrize("whole", [True, False], ids=["naming_the_whole_model", "naming_its_own"])
+def test_a_head_per_rank_on_a_set_of_its_own_beside_an_optimizer_over_every_rank(whole):
     """Note [Parameters outside the optimizer]: the heads differ between ranks by design; the optimizer over every
-    rank names them but leaves their comparison to the optimizer that reduces them, over its own set."""
-    per_rank = spawn.run(pw.head_on_a_set_of_its_own, 2, timeout_s=200)
+    rank names them (or finds them in the model its forward runs) but leaves their comparison to the optimizer
+    that reduces them, over its own set."""
+    per_rank = spawn.run(pw.head_on_a_set_of_its_own, 2, timeout_s=200, whole=whole)
     for rank, r in enumerate(per_rank):
         assert r["raised"] is None, f"rank {rank}: {r['raised']}"
         assert r["diff"] < 2e-5, f"rank {rank}: differs from training by hand by {r['diff']}"

@@ -155,24 +155,29 @@ def test_zero_grad_while_reducing_is_refused():
 
 
 
-def _two_optimizers(wrap_second: bool):
-    """The model's last layer on an optimizer of its own; the first optimizer wrapped, naming the whole model."""
+def _two_optimizers(wrap_second: bool, named: bool = True):
+    """The model's last layer on an optimizer of its own; the first optimizer wrapped, naming the whole model
+    (``named``) or only its own parameters."""
     model, _ = model_and_opt()
-    first = dc.DistributedOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1),
-                                    named_parameters=model.named_parameters(), config=FIXED)
+    first = dc.DistributedOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1), config=FIXED,
+                                    named_parameters=model.named_parameters() if named else
+                                    model[0].named_parameters(prefix="0"))
     second = torch.optim.SGD(model[2].parameters(), lr=0.1)
     if wrap_second:
         second = dc.DistributedOptimizer(second, named_parameters=model[2].named_parameters(prefix="2"), config=FIXED)
     return model, first, second
 
 
+@pytest.mark.parametrize("named", [True, False], ids=["named", "found"])
 @pytest.mark.parametrize("wrap_second, told", [(False, True), (True, False)])
-def test_a_named_parameter_that_an_unwrapped_optimizer_trains_is_told_once(caplog, wrap_second, told):
-    """Note [Parameters outside the optimizer] in checks.py: the second step() that finds a named parameter outside
-    the optimizer changed, with no optimizer of ours reducing it, warns once, naming it; not where the other
-    optimizer is wrapped too."""
-    model, first, second = _two_optimizers(wrap_second)
-    assert first._dc.outside.names == ["2.weight", "2.bias"]
+def test_a_parameter_of_the_model_that_an_unwrapped_optimizer_trains_is_told_once(caplog, wrap_second, told, named):
+    """Note [Parameters outside the optimizer] in checks.py: the second step() that finds a parameter of the model
+    outside the optimizer changed, with no optimizer of ours reducing it, warns once, naming it; not where the
+    other optimizer is wrapped too. Whether named_parameters names it or it is found in the model the forward
+    runs."""
+    model, first, second = _two_optimizers(wrap_second, named)
+    outside = first._dc.outside
+    assert (outside.names, outside.found_names) == ((["2.weight", "2.bias"], []) if named else ([], []))
     with caplog.at_level("WARNING", logger="dcredit_opt"):
         for seed in range(4):
             first.zero_grad()
@@ -180,7 +185,10 @@ def test_a_named_parameter_that_an_unwrapped_optimizer_trains_is_told_once(caplo
             model(torch.randn(5, 4, generator=torch.Generator().manual_seed(seed))).pow(2).mean().backward()
             first.step()
             second.step()
-    warned = [r.getMessage() for r in caplog.records if "is named in named_parameters but is not in" in r.getMessage()]
+    if not named:  # found in the first forward after step(): the model's (where it began) others, not ours
+        assert outside.found_names == ([] if wrap_second else ["2.weight", "2.bias"])
+    how = "is named in named_parameters but is not in" if named else "neither in it nor named"
+    warned = [r.getMessage() for r in caplog.records if how in r.getMessage()]
     if told:
         assert len(warned) == 1 and "parameter '2.weight'" in warned[0] and "Wrap every optimizer" in warned[0], \
             warned
@@ -215,8 +223,33 @@ def test_named_parameters_outside_the_optimizer_are_those_that_need_a_gradient(c
     opt._dc.close()
     everything = dc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                          named_parameters=model.named_parameters(), config=FIXED)
-    assert everything._dc.outside is None
+    for seed in range(3):
+        train_step(model, everything, seed)
+    outside = everything._dc.outside
+    assert (outside.names, outside.found_names, outside.watching) == ([], [], False)
     everything._dc.close()
+
+
+def test_the_parameters_found_outside_the_optimizer_are_the_models_others_that_need_a_gradient():
+    """Note [Parameters outside the optimizer] in checks.py: where named_parameters names only some, the others
+    found are the parameters of the module where the forward began that need a gradient and are neither ours
+    nor named: not frozen ones, not a teacher's whose forward also ran (it holds none of ours), each once."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+    teacher = nn.Linear(4, 3)
+    model[4].bias.requires_grad_(False)
+    named = [("first.weight", model[0].weight), ("first.bias", model[0].bias), ("mid.weight", model[2].weight)]
+    opt = dc.DistributedOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1), named_parameters=named,
+                                  config=FIXED)
+    for seed in range(3):
+        opt.zero_grad()
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(seed))
+        (model(x) - teacher(x).detach()).pow(2).mean().backward()
+        opt.step()
+    outside = opt._dc.outside
+    assert outside.names == ["mid.weight"]
+    assert outside.found_names == ["2.bias", "4.weight"]
+    opt._dc.close()
 
 def test_sparse_gradients_train_with_or_without_sparse_as_dense():
     # Note [Sparse gradients]: reduced as rows (one rank: its own), or dense with sparse_as_dense=True; SparseAdam
