@@ -16,7 +16,7 @@ import weakref
 import torch
 
 from ..config import Config
-from ..errors import MismatchError
+from ..errors import DCreditError, MismatchError
 from ..world import runtime
 
 
@@ -201,6 +201,48 @@ class StepNoted:
         watched = self._watched()
         if watched is not None:
             watched._opt_called = True
+
+
+# Note [The wrapped object's own step]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A script that keeps the optimizer it wrapped under a name of its own and calls that object's step()
+# (scaler.step(inner), or the old name after opt = DistributedOptimizer(inner, ...)) would update the parameters
+# from this rank's own gradient, still being reduced, and the ranks would part. The two objects share their hook
+# dicts (copied_fields), so a step pre-hook sees every step() of either: one on the object that was wrapped, while
+# an iteration's gradients are being reduced (after a backward, before our step() or synchronize()), is refused
+# before it changes anything, saying which object to step. Our own steps run the wrapped class's step() on the
+# wrapper; a step of the wrapped object with nothing being reduced (Horovod's broadcast_optimizer_state() making
+# the state from zero gradients, a step after synchronize()) goes on as it would.
+
+class InnerStep:
+    """Note [The wrapped object's own step]: the step pre-hook that refuses a ``step()`` of the object that was
+    wrapped while gradients are being reduced."""
+
+    def __init__(self, wrapped, core):
+        self._wrapped = weakref.ref(wrapped)
+        self._core = weakref.ref(core)
+
+    @classmethod
+    def install(cls, wrapped, core) -> None:
+        """On ``wrapped`` (the DistributedOptimizer), whose hook dicts are those of the object it wraps, and whose
+        ``core`` says whether gradients are being reduced."""
+        wrapped.register_step_pre_hook(cls(wrapped, core))
+
+    def __call__(self, optimizer, args, kwargs) -> None:
+        core = self._core()
+        if optimizer is self._wrapped() or core is None:
+            return
+        backward = core.backward
+        if core.closed or not backward.open or backward.synchronized:
+            return
+        first = next((f" (that of '{core.names[i]}' among them)" for i, m in enumerate(backward.marked) if m), "")
+        raise DCreditError(
+            f"step() was called on the {core.kind} that was wrapped, not on the DistributedOptimizer that wraps it, "
+            f"while this iteration's gradients are being reduced{first}: it would update the parameters from this "
+            "rank's own gradients, not their average. Nothing was changed. Call step() (and zero_grad()) on the "
+            "object dc.DistributedOptimizer returned: rebind the name, optimizer = dc.DistributedOptimizer("
+            "optimizer, ...); with a GradScaler, scaler.step(that object) (Note [The wrapped object's own step] "
+            "in checks.py)")
 
 
 class LoadInPlace:

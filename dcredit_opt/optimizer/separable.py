@@ -17,13 +17,16 @@ Step hooks are another reason to step eagerly: ``register_step_pre_hook``
 and ``register_step_post_hook`` (and their global forms) run once per call of
 the wrapped ``step()``, so a deferred update would run them once per module,
 each time seeing a few parameters, where plain PyTorch runs them once per
-``step()`` over every parameter.
+``step()`` over every parameter. Our own pre-hook (Note [The wrapped
+object's own step] in ``checks.py``) is not one of them.
 """
 
 from __future__ import annotations
 
 import torch
 from torch.optim import optimizer as _optimizer_module
+
+from .checks import InnerStep
 
 PER_PARAMETER: tuple[type, ...] = tuple(
     getattr(torch.optim, name) for name in (
@@ -46,7 +49,9 @@ def why_eager(base: type, optimizer, lazy_step: str) -> str | None:
 
 
 def _has_step_hooks(optimizer) -> bool:
-    return bool(getattr(optimizer, "_optimizer_step_pre_hooks", None)
+    """The script's step hooks: not our own (Note [The wrapped object's own step] in checks.py)."""
+    pre = getattr(optimizer, "_optimizer_step_pre_hooks", None)
+    return bool(pre and any(not isinstance(h, InnerStep) for h in pre.values())
                 or getattr(optimizer, "_optimizer_step_post_hooks", None)
                 or getattr(_optimizer_module, "_global_optimizer_pre_hooks", None)
                 or getattr(_optimizer_module, "_global_optimizer_post_hooks", None))

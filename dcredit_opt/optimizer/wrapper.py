@@ -119,6 +119,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bac
                        float(gradient_predivide_factor), config, sparse_as_dense, wire, group_of, process_set,
                        step_noted=checks.StepNoted.of(optimizer), outside=outside, reduced_elsewhere=_reduced_elsewhere)
     checks.LoadInPlace.install(wrapped)
+    checks.InnerStep.install(wrapped, wrapped._dc)
     return _marked(wrapped, params)
 
 

@@ -550,12 +550,40 @@ def gradient_penalty_through_p_grad(job: pw.Job) -> dict:
     return pw._expect_error(job, model, ref, opt, ropt, body, loss)
 
 
+def wrapped_object_stepped(job: pw.Job) -> dict:
+    """The optimizer object the script built kept under its own name, and from step 2 its ``step()`` called
+    instead of the wrapper's (an old name left in the loop): refused in that call, on every rank, before any
+    parameter changed (Note [The wrapped object's own step] in checks.py)."""
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    inner, ropt = pw._sgd(model.parameters()), pw._sgd(ref.parameters())
+    opt = job.wrap(inner, model)
+
+    def body(step, where):
+        opt.zero_grad()
+        where[0] = f"forward/backward of step {step}"
+        pw.mse(model, step, job.rank).backward()
+        where[0] = f"step() of step {step}"
+        if step < 2:
+            job.step(opt)
+        else:
+            before = [p.detach().clone() for p in model.parameters()]
+            try:
+                inner.step()
+            finally:
+                assert all(torch.equal(a, p) for a, p in zip(before, model.parameters())), "a parameter changed"
+
+    return pw._expect_error(job, model, ref, opt, ropt, body)
+
+
 GRADIENT_RAISE = {
     "group_added_to_wrapped_optimizer": group_added_after_wrapping,
     "model_cast_to_bf16_after_wrapping": model_cast_after_wrapping,
     "gradient_penalty_through_p_grad": gradient_penalty_through_p_grad,
     "sam_first_step_without_synchronize": sam_first_step_without_synchronize,
     "sam_step_with_closure": sam_step_with_closure,
+    "wrapped_object_stepped": wrapped_object_stepped,
     "second_optimizer_not_wrapped": second_optimizer_not_wrapped(),
     "second_optimizer_not_wrapped_first_names_its_own": second_optimizer_not_wrapped("body"),
     "second_optimizer_not_wrapped_first_names_none": second_optimizer_not_wrapped("none"),

@@ -218,6 +218,8 @@ GRADIENT_RAISES = {
                                                         "synchronize() after each backward", "SAM"]),
     "sam_step_with_closure": (NET_PARAMS, ["the closure's that step(closure) ran",
                                            "synchronize() after each backward", "SAM"]),
+    "wrapped_object_stepped": (NET_PARAMS, ["step() was called on the SGD that was wrapped",
+                                            "dc.DistributedOptimizer returned", "Nothing was changed"]),
     "second_optimizer_not_wrapped": (("out.weight", "out.bias"), ["differs between ranks",
                                                                   "is not in this optimizer",
                                                                   "Wrap every optimizer"]),

@@ -1026,3 +1026,33 @@ def test_a_gradient_with_a_graph_is_refused_naming_the_parameter_and_the_way_tha
         _check_same(model, ref)
     finally:
         opt._dc.close()
+
+
+def test_a_step_of_the_object_that_was_wrapped_is_refused_while_gradients_are_reduced():
+    """Note [The wrapped object's own step] in checks.py: the optimizer object the script built, stepped itself
+    after a backward, would use this rank's own gradients: refused, nothing changed. With nothing being reduced
+    (before any backward, as Horovod's broadcast_optimizer_state() steps it on zero gradients, or after
+    synchronize()) it steps as plain torch does; the wrapper's own steps are never refused."""
+    model, inner = model_and_opt(momentum=0.9)
+    opt = dc.DistributedOptimizer(inner, named_parameters=model.named_parameters(), config=FIXED)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    inner.step()  # nothing being reduced: a local step on zero gradients makes the state
+    assert len(inner.state) == len(list(model.parameters()))
+    opt.zero_grad()
+    for seed in range(2):
+        train_step(model, opt, seed)
+    opt.zero_grad()
+    model(torch.randn(5, 4)).pow(2).mean().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(dc.DCreditError, match="step\\(\\) was called on the SGD that was wrapped") as raised:
+        inner.step()
+    assert "'0.weight'" in str(raised.value) and "dc.DistributedOptimizer returned" in str(raised.value)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    opt.synchronize()
+    with opt.skip_synchronize():
+        inner.step()  # reduced and final: the wrapped object's own step is plain torch's
+    assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    opt.zero_grad()
+    train_step(model, opt, 5)
+    opt._dc.close()

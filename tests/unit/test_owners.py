@@ -17,7 +17,7 @@ from torch import nn
 from dcredit_opt import _ext
 from dcredit_opt.config import Config
 from dcredit_opt.errors import DCreditError
-from dcredit_opt.optimizer import rows, usage
+from dcredit_opt.optimizer import checks, rows, usage
 from dcredit_opt.optimizer.buffers import per_tensor
 from dcredit_opt.optimizer.notices import Notices
 from dcredit_opt.optimizer.usage import UsageTally
@@ -125,8 +125,8 @@ class _Replicas(_SideChannel):
         self.started.append(counts.clone())
         T = len(self.theirs)
         counts[3 * T:3 * T + 2] *= self.world  # the same update counts everywhere
-        if len(counts) > 3 * T + 2:
-            f = torch.tensor(usage.fingerprints(self.theirs), dtype=torch.int32)
+        if len(counts) > 3 * T + 2:  # then no pool of parameters found outside the optimizer, a digest of zeros
+            f = torch.tensor([*usage.fingerprints(self.theirs), 0, 0, 0], dtype=torch.int32)
             counts[3 * T + 2:] += torch.cat([f, f * f]) * (self.world - 1)
 
 
@@ -137,7 +137,7 @@ def test_the_tally_compares_the_weights_every_few_iterations_and_names_the_param
     theirs = [p.detach().clone() for p in params]
     side = _Replicas(theirs, world=3)
     tally = _tally(params, world=3, backend=side, check_weights_every=2)
-    plain, carrying = 3 * 2 + 2, 3 * 2 + 2 + 2 * 2
+    plain, carrying = 3 * 2 + 2, 3 * 2 + 2 + 2 * (2 + 3)  # fingerprints, a pool found outside, its digest
     tally.start(0)
     tally.start(0)  # iteration 2 takes the fingerprints of its weights...
     assert len(side.started[-1]) == plain
@@ -204,7 +204,7 @@ def test_each_tally_is_written_whole_into_memory_made_once():
     assert [c.tolist() for c in side.started] == [
         [0, 1, 1, 0, 1, 0, 1, 1],
         [1, 0, 1, 0, 1, 0, 2, 4],
-        [0, 0, 1, 0, 1, 0, 3, 9, *f, *(v * v for v in f)],
+        [0, 0, 1, 0, 1, 0, 3, 9, *f, 0, 0, 0, *(v * v for v in f), 0, 0, 0],  # no pool found, a digest of zeros
         [0, 0, 1, 0, 1, 0, 4, 16],
     ]
     assert side.handed[1] is not side.handed[0] and side.handed[3] is side.handed[0]
@@ -618,3 +618,55 @@ def test_the_leader_waits_only_where_the_first_forward_read_an_update_at_once(fr
             assert torch.allclose(p.detach(), q.detach(), atol=1e-6)
     finally:
         opt._dc.close()
+
+
+class _FoundElsewhere(_SideChannel):
+    """Every other rank has our weights, and found outside the optimizer the parameters ``found`` (their pool's
+    fingerprint is summed in), with ``digest`` for their digest."""
+
+    def __init__(self, T, found, digest, world):
+        super().__init__(world=world)
+        self.T, self.found, self.digest = T, found, digest
+
+    def start_tally(self, counts):
+        self.started.append(counts.clone())
+        at, w = 3 * self.T + 2, self.world
+        counts[at - 2:at] *= w  # the same update counts everywhere
+        if len(counts) > at:
+            k = (len(counts) - at) // 2  # the values, then their squares
+            mine = counts[at:at + k].clone()
+            theirs = mine.clone()
+            theirs[self.T] = usage._mix(int(usage._word_sums(self.found).sum()))
+            theirs[self.T + 1:self.T + 3] = torch.tensor(self.digest, dtype=torch.int32)
+            counts[at:] = torch.cat([mine + theirs * (w - 1), mine * mine + theirs * theirs * (w - 1)])
+
+
+@pytest.mark.parametrize("same_found", [True, False], ids=["same_found", "other_found"])
+def test_the_pool_of_parameters_found_outside_is_compared_only_where_every_rank_found_the_same(same_found):
+    """Note [Parameters outside the optimizer] in checks.py: the found parameters travel as one pooled fingerprint
+    beside their digest. Where the digests agree, a pool that differs stops every rank, naming the found
+    parameters; where the ranks found other parameters (the digests differ), the pool is not read: one notice."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    params = list(model[0].parameters())
+    outside = checks.Outside([], [], lambda p: False)
+    outside.find([model], {id(p) for p in params}, params[0].device)
+    assert outside.found_names == ["1.weight", "1.bias"]
+    theirs = [p.detach().clone() for p in outside.found_params]
+    with torch.no_grad():
+        theirs[1][0] += 1  # the other ranks' found bias moved apart
+    digest = outside.pooled()[2] if same_found else [(outside.pooled()[2][0] + 1) % 64, 0]
+    notices = Notices()
+    tally = UsageTally(["a", "b"], params, 3, _FoundElsewhere(2, theirs, digest, 3),
+                       Config(check_weights_every=1), notices, lambda: None, outside=outside)
+    tally.start(0)  # takes the fingerprints...
+    tally.start(0)  # ...carries them
+    if same_found:
+        with pytest.raises(DCreditError, match=r"parameters '1.weight', '1.bias' differ \(one of them at least.*"
+                                               r"neither in it nor named.*Wrap every optimizer"):
+            tally.start(0)
+    else:
+        tally.start(0)
+        tally.start(0)
+        assert "found differ" in notices
+    tally.close()
