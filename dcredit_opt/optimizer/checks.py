@@ -131,7 +131,7 @@ class Outside:
         """The parameters of modules ``roots`` (where the forward began, each holding some of ``ours``, a set of
         ids) that need a gradient, lie on ``device`` and are neither ours, nor named, nor reduced by another
         optimizer of ours: found once, in the order of the roots' ``named_parameters()``."""
-        seen = set(ours) | {id(p) for p in self.params}
+        seen = set(ours) | {id(p) for p in (*self.params, *self.found_params)}
         for root in roots:
             for name, p in root.named_parameters():
                 if id(p) not in seen and p.requires_grad and p.device == device and not self._reduced_elsewhere(p):

@@ -473,8 +473,9 @@ class UsageTally:
             return
         differ = _disagreeing(last.values[3 * len(self._params) + 2:], last.weights, self._world_size)
         n = len(self._compared_params)  # then the found parameters' pool, then its digest (two numbers)
-        pool_differs = n in differ and not {n + 1, n + 2} & set(differ)
-        if {n + 1, n + 2} & set(differ):
+        found_differ = bool({n + 1, n + 2} & set(differ))  # the ranks found other parameters: pool not read
+        pool_differs = n in differ and not found_differ
+        if found_differ:
             self._notices.tell("found differ", "dcredit_opt: the ranks' models hold different parameters outside "
                                                "this optimizer, so those are not compared between ranks (Note "
                                                "[Parameters outside the optimizer] in checks.py)")

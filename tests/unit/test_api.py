@@ -249,6 +249,8 @@ def test_the_parameters_found_outside_the_optimizer_are_the_models_others_that_n
     outside = opt._dc.outside
     assert outside.names == ["mid.weight"]
     assert outside.found_names == ["2.bias", "4.weight"]
+    outside.find([model, model[4]], {id(p) for p in model[0].parameters()}, model[0].weight.device)
+    assert outside.found_names == ["2.bias", "4.weight"]  # each once, however often looked for
     opt._dc.close()
 
 def test_sparse_gradients_train_with_or_without_sparse_as_dense():
