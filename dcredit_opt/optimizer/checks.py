@@ -99,8 +99,11 @@ def named_tracked_params(optimizer, named_parameters):
 # (the integer sum of their word sums: Note [Same weights]), beside a digest of their names, shapes and dtypes.
 # The pooled fingerprint is read only where every rank sent the same digest (the same found parameters, in the
 # same order): otherwise none are compared (one notice). A difference stops every rank, naming the found
-# parameters (the pool cannot say which one of them differs). Teachers and other models the forward runs that
-# hold none of ours are not looked at.
+# parameters (the pool cannot say which one of them differs). A module where the forward begins that holds none of
+# ours, begun after the first that does (a head called apart from the body whose optimizer is ours, a
+# discriminator fed the generator's output), gives only those of its parameters that have a gradient at that
+# step(), named after its class: a teacher run without a gradient, a module of each rank's own used under
+# no_grad, and what runs between step() and the model's forward (an EMA model's evaluation) are not looked at.
 
 WATCHED_STEPS = 100
 """Note [Parameters outside the optimizer]: the warning looks at the first this many ``step()`` calls (a version
@@ -127,16 +130,20 @@ class Outside:
         """Positions of the parameters another live optimizer of ours reduces (and compares, over its ranks)."""
         return [i for i, p in enumerate(self.params) if self._reduced_elsewhere(p)]
 
-    def find(self, roots, ours, device) -> None:
+    def find(self, roots, ours, device, others=()) -> None:
         """The parameters of modules ``roots`` (where the forward began, each holding some of ``ours``, a set of
         ids) that need a gradient, lie on ``device`` and are neither ours, nor named, nor reduced by another
-        optimizer of ours: found once, in the order of the roots' ``named_parameters()``."""
+        optimizer of ours; and of modules ``others`` (where the forward began too, holding none of ours) those that
+        have a gradient now, from the same backward as ours, named after their module's class. Each found once, in
+        the order of the modules' ``named_parameters()``."""
         seen = set(ours) | {id(p) for p in (*self.params, *self.found_params)}
-        for root in roots:
+        for root, prefix, graded in [*((r, "", False) for r in roots), *((r, f"{type(r).__name__}.", True)
+                                                                          for r in others)]:
             for name, p in root.named_parameters():
-                if id(p) not in seen and p.requires_grad and p.device == device and not self._reduced_elsewhere(p):
+                if (id(p) not in seen and p.requires_grad and p.device == device and not (graded and p.grad is None)
+                        and not self._reduced_elsewhere(p)):
                     seen.add(id(p))
-                    self.found_names.append(name)
+                    self.found_names.append(prefix + name)
                     self.found_params.append(p)
         if self.found_params:
             self.watching = True

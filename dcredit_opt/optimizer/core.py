@@ -548,9 +548,13 @@ class Core:
         tracer = self.stepper.end_learning(self.recorder, self.closed)
         if tracer is not None and self.outside is not None and self.params:
             # Note [Parameters outside the optimizer] in checks.py: the model's other parameters, found.
+            # Where the forward began, in order: those that hold ours, and those begun after the first of them.
             ours = {id(p) for p in self.params}
-            roots = [m for m in (ref() for ref in tracer.entries) if m is not None and holds_any(m, ours)]
-            self.outside.find(roots, ours, self.params[0].device)
+            entries = list(dict.fromkeys(m for m in (ref() for ref in tracer.entries) if m is not None))
+            holding = [holds_any(m, ours) for m in entries]
+            after = holding.index(True) if True in holding else len(entries)
+            self.outside.find([m for m, h in zip(entries, holding) if h], ours, self.params[0].device,
+                              others=[m for m, h in zip(entries[after:], holding[after:]) if not h])
 
     # ---- profiling, planning, timeline ---------------------------------------
 

@@ -421,6 +421,58 @@ def second_optimizer_not_wrapped(named: str = "model"):
     return run
 
 
+def _head_apart(job: pw.Job, wrap_head: bool):
+    """A body and a head as two modules, the forward calling one after the other (no parent module): the body on
+    a wrapped SGD naming its own parameters, the head on an SGD of its own, wrapped or left plain. Returns the two
+    parts as one ``nn.Sequential`` (for the comparison only: the forward never calls it), its reference, the
+    body's optimizer, the head's, the reference's optimizers, and the loss of a step."""
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 24))
+    head = nn.Linear(24, 7)
+    model = nn.Sequential(body, head)
+    ref = copy.deepcopy(model)
+    first = job.wrap(pw._sgd(body.parameters()), body)
+    second = job.wrap(pw._sgd(head.parameters()), head) if wrap_head else pw._sgd(head.parameters())
+    ref_opts = [pw._sgd(ref[0].parameters()), pw._sgd(ref[1].parameters())]
+
+    def loss(step):
+        x, y = batch(step, job.rank)
+        return F.mse_loss(head(body(x)), y)
+
+    return model, ref, first, second, ref_opts, loss
+
+
+def head_apart(wrap_head: bool):
+    """``_head_apart``: with the head's optimizer wrapped too, equals synchronous training (the head, outside the
+    body's optimizer, is reduced by its own and not compared by the body's). Left plain, the head trains from each
+    rank's own gradient: its parameters had a gradient from the same backward as the body's, so the body's
+    optimizer found them (Note [Parameters outside the optimizer] in checks.py) and compares them: refused at the
+    first comparison after they differ, on every rank, naming them."""
+    def run(job: pw.Job) -> dict:
+        model, ref, first, second, ref_opts, loss = _head_apart(job, wrap_head)
+
+        def body(step, where):
+            first.zero_grad()
+            second.zero_grad()
+            where[0] = f"forward/backward of step {step}"
+            loss(step).backward()
+            where[0] = f"step() of step {step}"
+            job.step(first)
+            second.step()
+            pw.reference_grads(ref, lambda r: pw.mse(ref, step, r), job.world)
+            for o in ref_opts:
+                o.step()
+
+        if not wrap_head:
+            return pw._expect_error(job, model, ref, first, None, body, loss_fn=None)
+        for step in range(STEPS):
+            body(step, [None])
+        out = job.result(model, ref, first)
+        second._dc.close()
+        return out
+    return run
+
+
 def model_also_in_ddp(job: pw.Job) -> dict:
     """The model still wrapped in torch's DistributedDataParallel (a DDP script half migrated): DDP's reducer
     writes its own average into p.grad, which is our slot's alias by then. Refused at step() on every rank,
@@ -460,6 +512,7 @@ GRADIENT_WORK["sam_two_passes_with_synchronize"] = sam_two_passes_with_synchroni
 GRADIENT_WORK["two_optimizers_both_wrapped_first_names_the_whole_model"] = two_optimizers()
 GRADIENT_WORK["two_optimizers_both_wrapped_first_names_none"] = two_optimizers("none")
 GRADIENT_WORK["second_optimizer_averaged_by_hand_first_names_its_own"] = two_optimizers("body", by_hand=True)
+GRADIENT_WORK["head_called_apart_on_a_wrapped_optimizer_of_its_own"] = head_apart(wrap_head=True)
 
 # Steps that use a replaced gradient are eager by design (Note [Replaced gradients]); with
 # autograd.grad no hook fires, so the tracer never learns reads and every step is eager.
@@ -587,6 +640,7 @@ GRADIENT_RAISE = {
     "second_optimizer_not_wrapped": second_optimizer_not_wrapped(),
     "second_optimizer_not_wrapped_first_names_its_own": second_optimizer_not_wrapped("body"),
     "second_optimizer_not_wrapped_first_names_none": second_optimizer_not_wrapped("none"),
+    "head_called_apart_on_an_unwrapped_optimizer": head_apart(wrap_head=False),
     "model_also_wrapped_in_ddp": model_also_in_ddp,
 }
 

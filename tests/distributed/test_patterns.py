@@ -227,6 +227,8 @@ GRADIENT_RAISES = {
         "between ranks at iteration", "neither in it nor named", "Wrap every optimizer"]),
     "second_optimizer_not_wrapped_first_names_none": (("out.weight", "out.bias"), [
         "between ranks at iteration", "neither in it nor named", "Wrap every optimizer"]),
+    "head_called_apart_on_an_unwrapped_optimizer": (("Linear.weight", "Linear.bias"), [
+        "between ranks at iteration", "neither in it nor named", "Wrap every optimizer"]),
     "model_also_wrapped_in_ddp": (tuple(f"module.{n}" for n in NET_PARAMS), ["DistributedDataParallel",
                                                                             "without DDP"]),
 }

@@ -1058,3 +1058,27 @@ def test_a_step_of_the_object_that_was_wrapped_is_refused_while_gradients_are_re
     opt.zero_grad()
     train_step(model, opt, 5)
     opt._dc.close()
+
+
+def test_a_module_called_apart_after_ours_gives_the_parameters_with_a_gradient():
+    """Note [Parameters outside the optimizer] in checks.py: a module where the forward begins that holds none of
+    ours gives those of its parameters that have a gradient at step(), if it began after the first module holding
+    ours: a head called apart from the body is found (named after its class); a model run before the body (an
+    evaluation between step() and the forward), even with gradients, and a teacher without a gradient are not."""
+    torch.manual_seed(0)
+    body, head, teacher, before = nn.Linear(4, 6), nn.Linear(6, 3), nn.Linear(4, 3), nn.Linear(4, 3)
+    before(torch.randn(2, 4)).sum().backward()  # gradients that stay: not from our backward
+    opt = dc.DistributedOptimizer(torch.optim.SGD(body.parameters(), lr=0.1),
+                                  named_parameters=body.named_parameters(), config=FIXED)
+    for seed in range(3):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(seed))
+        before(x)
+        opt.zero_grad()
+        head.zero_grad()
+        with torch.no_grad():
+            target = teacher(x)
+        (head(body(x)) - target).pow(2).mean().backward()
+        opt.step()
+    assert opt._dc.outside.found_names == ["Linear.weight", "Linear.bias"]
+    assert all(p is q for p, q in zip(opt._dc.outside.found_params, head.parameters()))
+    opt._dc.close()
