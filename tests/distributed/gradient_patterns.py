@@ -395,6 +395,23 @@ def two_optimizers(named: str = "model", by_hand: bool = False):
     return run
 
 
+def _two_steps(job: pw.Job, first, second, ref, ref_opts, loss):
+    """An iteration of two optimizers and of the synchronous reference, as a ``_expect_error`` body: ``loss(step)``
+    is this rank's loss; ``ref`` (its optimizers ``ref_opts``) trains on every rank's."""
+    def body(step, where):
+        first.zero_grad()
+        second.zero_grad()
+        where[0] = f"forward/backward of step {step}"
+        loss(step).backward()
+        where[0] = f"step() of step {step}"
+        job.step(first)
+        second.step()
+        pw.reference_grads(ref, lambda r: pw.mse(ref, step, r), job.world)
+        for o in ref_opts:
+            o.step()
+    return body
+
+
 def second_optimizer_not_wrapped(named: str = "model"):
     """The output layer on a plain torch optimizer beside the wrapped one (a DDP script's second optimizer left
     as it was): its updates use each rank's own gradient and the ranks drift apart. The output layer's weights
@@ -404,19 +421,7 @@ def second_optimizer_not_wrapped(named: str = "model"):
     outside the optimizer] in checks.py)."""
     def run(job: pw.Job) -> dict:
         model, ref, first, second, ref_opts = _two_optimizers(job, wrap_second=False, named=named)
-
-        def body(step, where):
-            first.zero_grad()
-            second.zero_grad()
-            where[0] = f"forward/backward of step {step}"
-            pw.mse(model, step, job.rank).backward()
-            where[0] = f"step() of step {step}"
-            job.step(first)
-            second.step()
-            pw.reference_grads(ref, lambda r: pw.mse(ref, step, r), job.world)
-            for o in ref_opts:
-                o.step()
-
+        body = _two_steps(job, first, second, ref, ref_opts, lambda step: pw.mse(model, step, job.rank))
         return pw._expect_error(job, model, ref, first, None, body, loss_fn=None)
     return run
 
@@ -450,19 +455,7 @@ def head_apart(wrap_head: bool):
     first comparison after they differ, on every rank, naming them."""
     def run(job: pw.Job) -> dict:
         model, ref, first, second, ref_opts, loss = _head_apart(job, wrap_head)
-
-        def body(step, where):
-            first.zero_grad()
-            second.zero_grad()
-            where[0] = f"forward/backward of step {step}"
-            loss(step).backward()
-            where[0] = f"step() of step {step}"
-            job.step(first)
-            second.step()
-            pw.reference_grads(ref, lambda r: pw.mse(ref, step, r), job.world)
-            for o in ref_opts:
-                o.step()
-
+        body = _two_steps(job, first, second, ref, ref_opts, loss)
         if not wrap_head:
             return pw._expect_error(job, model, ref, first, None, body, loss_fn=None)
         for step in range(STEPS):
