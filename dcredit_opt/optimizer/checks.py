@@ -95,8 +95,9 @@ def named_tracked_params(optimizer, named_parameters):
 # named_parameters), they are found: the first forward after step() is watched anyway (Note [First read] in
 # reads.py), and every module it begins at (no module's forward around it) that holds a parameter of ours is the
 # model, or a part of it that holds ours. Its other parameters that need a gradient, on our device, neither ours,
-# nor named, nor reduced by another live optimizer of ours then, are *found*: watched for the same warning, and compared in the weights check as one pooled fingerprint
-# (the integer sum of their word sums: Note [Same weights]), beside a digest of their names, shapes and dtypes.
+# nor named, nor reduced by another live optimizer of ours then, are *found*: watched for the same warning, and
+# compared in the weights check as one pooled fingerprint (the integer sum of their word sums: Note [Same
+# weights]), beside a digest of their names, shapes and dtypes.
 # The pooled fingerprint is read only where every rank sent the same digest (the same found parameters, in the
 # same order): otherwise none are compared (one notice). A difference stops every rank, naming the found
 # parameters (the pool cannot say which one of them differs). A module where the forward begins that holds none of
@@ -124,7 +125,7 @@ class Outside:
         self._reduced_elsewhere = reduced_elsewhere
         self._versions = None  # from the first step(): a broadcast of the weights before it changes them once
         self.watching = bool(params)  # step() asks changed_unreduced(): where there is any, until it warned
-        self._watched = 0  # step() calls that asked; the weights check alone is left after WATCHED_STEPS
+        self._watched = 0  # step() calls that asked (WATCHED_STEPS once it warned): then the weights check alone
 
     def reduced_elsewhere(self) -> list[int]:
         """Positions of the parameters another live optimizer of ours reduces (and compares, over its ranks)."""
@@ -146,7 +147,7 @@ class Outside:
                     self.found_names.append(prefix + name)
                     self.found_params.append(p)
         if self.found_params:
-            self.watching = True
+            self.watching = self._watched < WATCHED_STEPS  # not again after the warning, said once for all
             self._versions = None  # the next step() takes every version afresh
 
     def pooled(self) -> tuple[list[str], list, list[int]]:
@@ -177,7 +178,7 @@ class Outside:
             p = watched[i]
             # Trained: a gradient too (an average kept in the model, updated from the weights, gets none).
             if p.grad is not None and not self._reduced_elsewhere(p):
-                self.watching = False
+                self.watching, self._watched = False, WATCHED_STEPS
                 return (self.names[i], True) if i < named else (self.found_names[i - named], False)
         return None
 

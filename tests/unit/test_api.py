@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import dcredit_opt as dc
+from dcredit_opt.optimizer import checks
 from dcredit_opt.profiling import profiler
 from tests import timing
 
@@ -1082,3 +1083,17 @@ def test_a_module_called_apart_after_ours_gives_the_parameters_with_a_gradient()
     assert opt._dc.outside.found_names == ["Linear.weight", "Linear.bias"]
     assert all(p is q for p, q in zip(opt._dc.outside.found_params, head.parameters()))
     opt._dc.close()
+
+
+def test_the_warning_for_a_parameter_outside_the_optimizer_is_said_once_for_named_and_found_alike():
+    """checks.Outside: once a named parameter was told, parameters found later do not start the watch again."""
+    named, found = nn.Linear(2, 2), nn.Linear(2, 2)
+    outside = checks.Outside(["n.weight"], [named.weight], lambda p: False)
+    assert outside.changed_unreduced() is None  # the first step() takes the versions
+    named.weight.grad = torch.ones_like(named.weight)
+    with torch.no_grad():
+        named.weight.add_(1.0)
+    assert outside.changed_unreduced() == ("n.weight", True)
+    assert not outside.watching
+    outside.find([found], set(), named.weight.device)
+    assert outside.found_names == ["weight", "bias"] and not outside.watching
