@@ -81,6 +81,51 @@ void FillTally(const at::Tensor& out, const pybind11::buffer& used, const pybind
   for (int32_t v : rest) *to++ = v;
 }
 
+// Note [Same weights] (usage.py): per tensor (on the CPU), the sum of its bytes read as words, as
+// usage._word_sums computes it with torch operations, in one pass and without the dispatcher: where the values
+// begin 8-byte aligned in their storage, 64-bit words summed modulo 2**64; else, 4-byte aligned, 32-bit words,
+// sign-extended; then the bytes that fill no word, one by one. A tensor aligned to neither raises ValueError
+// (the torch path raises for it as well).
+at::Tensor WordSums(const std::vector<at::Tensor>& tensors) {
+  at::Tensor out = at::empty({static_cast<int64_t>(tensors.size())}, at::TensorOptions().dtype(at::kLong));
+  int64_t* to = out.data_ptr<int64_t>();
+  at::NoGradGuard no_grad;
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    const at::Tensor& t = tensors[k];
+    if (!t.defined() || !t.device().is_cpu() || t.layout() != at::kStrided) {
+      throw std::invalid_argument("word_sums: tensor " + std::to_string(k) + " is not a dense CPU tensor");
+    }
+    // A strided tensor's values in order, as reshape(-1).contiguous() gives them (a copy only where needed).
+    const at::Tensor flat = t.is_contiguous() ? t : t.reshape(-1).contiguous();
+    const int64_t nbytes = flat.numel() * static_cast<int64_t>(flat.element_size());
+    const int64_t offset = flat.storage_offset() * static_cast<int64_t>(flat.element_size());
+    const auto* bytes = static_cast<const unsigned char*>(flat.data_ptr());
+    uint64_t total = 0;
+    int64_t whole = 0;
+    if (offset % 8 == 0) {
+      whole = nbytes / 8 * 8;
+      for (int64_t i = 0; i < whole; i += 8) {
+        uint64_t w;
+        std::memcpy(&w, bytes + i, 8);
+        total += w;
+      }
+    } else if (offset % 4 == 0) {
+      whole = nbytes / 4 * 4;
+      for (int64_t i = 0; i < whole; i += 4) {
+        int32_t w;
+        std::memcpy(&w, bytes + i, 4);
+        total += static_cast<uint64_t>(static_cast<int64_t>(w));
+      }
+    } else {
+      throw std::invalid_argument("word_sums: tensor " + std::to_string(k) + " begins at a byte offset of " +
+                                  std::to_string(offset) + " in its storage, aligned to neither 8 nor 4");
+    }
+    for (int64_t i = whole; i < nbytes; ++i) total += bytes[i];
+    std::memcpy(to + k, &total, 8);
+  }
+  return out;
+}
+
 // Note [Same updates] (usage.py): whether the summed tally `summed` shows, from `at` on, a rank that sent
 // other values than `mine` (every rank's values, then their squares, summed over `world` ranks).
 bool AgreementBroken(const at::Tensor& summed, int64_t at, const std::vector<int64_t>& mine, int64_t world) {
@@ -279,6 +324,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("alias"), "The alias gets its own copy of what it holds, and its own version counter.");
 
+  m.def("word_sums", &WordSums, py::arg("tensors"),
+        "Per CPU tensor, the sum of its bytes read as words, modulo 2**64 (Note [Same weights] in usage.py).");
   m.def("fill_tally", &FillTally, py::arg("out"), py::arg("used"), py::arg("tail"), py::arg("rest"),
         "One rank's tally in one pass: the used flags, the rows proposal, then the rest (Note [Global usage]).");
 

@@ -416,6 +416,15 @@ class Core:
     def apply_on_read(self, indices) -> None:
         self.stepper.apply_on_read(indices, self.engine.finals)
 
+    def reads_wait(self, writes: bool) -> bool:
+        """Whether a read of our gradients (``writes``: or an in-place change) may have to wait for a reduction
+        or apply pending updates first (``gradients_read``); False when every gradient of this iteration is
+        final already and nothing is to be applied, so that the watch need not list the tensors read."""
+        if self.closed:
+            return False
+        backward = self.backward
+        return False in backward.final or bool(writes and self.lazy.npending and not backward.open)
+
     def gradients_read(self, indices, writes: bool = False) -> None:
         """Note [Gradient reads] in watched.py: user code reads ``p.grad`` of ``indices``, or (``writes``) may
         change it in place."""

@@ -324,12 +324,13 @@ class Backward:
         wait for it, so that the code sees (and changes) the averaged gradients. One wait and one check for all
         of them, not one per tensor."""
         final = self.final
-        todo = [i for i in indices if not final[i]]
+        todo = [i for i in indices if not final[i]] if True in final else list(indices)  # none read yet: all
         if not todo:
             return
         if self.open:
             marked = self.marked
-            todo = [i for i in todo if marked[i]]  # the others: not handed over yet, the local gradient
+            if not all(marked):
+                todo = [i for i in todo if marked[i]]  # the others: not handed over yet, the local gradient
             if not todo:
                 return
             if not self.flushed:

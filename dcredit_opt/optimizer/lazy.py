@@ -111,13 +111,17 @@ class Stepper:
                 raise at_rank(e, f"phase 2 (after step()), waiting for the reduced gradient of "
                                  f"'{self.names[i]}' (tensor {i}) to apply its update") from e
 
-    def apply(self, indices) -> None:
+    def apply(self, indices, pending_only: bool = False) -> None:
         """Wait for tensors ``indices`` and run the wrapped step on those still pending, with the
-        hyperparameters of the ``step()`` that deferred them."""
+        hyperparameters of the ``step()`` that deferred them. ``pending_only``: the caller's ``indices`` hold each
+        tensor once, every one pending (``LazyUpdates.done_ahead`` gives them so), and are taken as they are."""
         lazy, path = self._lazy, self._backward.path
         pending = lazy.pending
-        unique = dict.fromkeys(indices)
-        todo = list(compress(unique, map(pending.__getitem__, unique)))  # in C: no Python per tensor
+        if pending_only:
+            todo = indices
+        else:
+            unique = dict.fromkeys(indices)
+            todo = list(compress(unique, map(pending.__getitem__, unique)))  # in C: no Python per tensor
         if not todo:
             return
         with lazy.guard.paused() as paused:  # the wrapped step reads the parameters it updates: not reads to guard
@@ -252,7 +256,11 @@ class Stepper:
                 with lazy.guard.paused():
                     self._wait(waits, on_stream=True)
                 done = finals()
-        self.apply(own + lazy.done_ahead(own, self._tally.rows, done))
+        ahead = lazy.done_ahead(own, self._tally.rows, done)
+        if own:
+            self.apply(own + ahead)
+        else:  # the leader: what done_ahead found, as it is
+            self.apply(ahead, pending_only=True)
 
     def may_defer(self, plan, replaced, eager_reason) -> bool:
         """Whether this step()'s updates may wait for their first read (Note [Lazy step]). ``eager_reason``:
@@ -444,7 +452,8 @@ def same_objects(a, b) -> bool:
 
 def copy_hyper(group: dict) -> dict:
     """A group's hyperparameters as of now: tensors copied, so an in-place change later does not leak in."""
-    return {k: _detached_copy(v) for k, v in group.items() if k != "params"}
+    plain = _PLAIN  # numbers and flags as they are, without a call each (every step() copies them)
+    return {k: v if type(v) in plain else _detached_copy(v) for k, v in group.items() if k != "params"}
 
 
 def _detached_copy(v):

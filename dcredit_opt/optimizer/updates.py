@@ -238,14 +238,16 @@ class LazyUpdates:
         """Pending tensors read later in the forward whose reduced gradients are final already (``done[i]``),
         in first-read order up to the first that is not: applied together with ``own`` (Note [Lazy step]).
         Tensors with embedding rows (``rows_of``) wait for their own module (their rows are gathered apart
-        from the blocks)."""
+        from the blocks). Each tensor once, none of ``own``, every one pending."""
         order, pending = self._read_order, self.pending
         k = self._ahead
         if not own and not rows_of and 0 not in done:
             # Every reduced gradient final (communication ended before this forward: the common case at the
-            # leader): every pending tensor from here on, in one C pass.
+            # leader): every pending tensor from here on; with every update pending, the order as it is.
             rest = order[k:]
             self._ahead = len(order)
+            if self.npending == len(self._params):
+                return rest
             return tuple(compress(rest, map(pending.__getitem__, rest)))
         found = []
         while k < len(order):
@@ -385,8 +387,9 @@ class LazyUpdates:
                         self._hooks.append(module.register_state_dict_pre_hook(weak_apply_hook(me)))
                         self._hooks.append(module.register_load_state_dict_pre_hook(weak_apply_hook(me)))
         self.eager = tuple(eager)
-        self._read_order = tuple(sorted((i for own in by_module.values() for i in own),
-                                        key=lambda i: tracer.first_read_ns.get(i, 0)))
+        # Each tensor once (done_ahead hands slices of it to the apply as they are).
+        self._read_order = tuple(dict.fromkeys(sorted((i for own in by_module.values() for i in own),
+                                                      key=lambda i: tracer.first_read_ns.get(i, 0))))
         began = tracer.first_read_in() if tracer.first_read_in is not None else None
         self._leader_waits = (entry is not None and began is entry
                               and tracer.ops_to_first_read <= LEADER_WAITS_WITHIN)

@@ -111,7 +111,18 @@ fingerprint's sum, whose low bits alone are all zero for round values (zeros, on
 
 def _word_sums(params) -> torch.Tensor:
     """Per parameter, the sum of its bytes read as 64-bit integers (modulo 2**64, so exact whatever the order of
-    the summation; the last bytes that do not fill a word added one by one), on the parameters' device."""
+    the summation; the last bytes that do not fill a word added one by one), on the parameters' device. On the
+    CPU one C++ pass computes the same (no torch operation per parameter); elsewhere, torch operations do."""
+    if params and all(p.device.type == "cpu" for p in params):
+        try:
+            return _ext.load().word_sums(params)
+        except ValueError:  # a tensor aligned to neither 8 nor 4 bytes: the torch path says what it says
+            pass
+    return _torch_word_sums(params)
+
+
+def _torch_word_sums(params) -> torch.Tensor:
+    """:func:`_word_sums` with torch operations, on any device."""
     sums = []
     for p in params:
         raw = p.detach().reshape(-1).contiguous().view(torch.uint8)  # a strided parameter: its values in order

@@ -87,6 +87,8 @@ gradient itself (``model.to()`` to the device and dtype it already has).
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.utils._foreach_utils
 
@@ -118,6 +120,9 @@ _PLAIN_COPIES = frozenset({"__deepcopy__", "__reduce_ex__", "__reduce__", "__get
 class WatchedGradient(torch.Tensor):
     """``p.grad`` after its hook: the slot's memory; any read first waits for its reduction (Note [Gradient
     reads]). ``_dc_index`` is the tensor's index in its optimizer, ``_dc_keeper`` reaches that optimizer's core."""
+
+    _dc_keeper = None  # one made outside our hooks (torch may make one) belongs to no optimizer
+    _dc_index = -1
 
     @staticmethod
     def of(slot: torch.Tensor, index: int, keeper) -> WatchedGradient:
@@ -204,19 +209,24 @@ def _wait_for(args, kwargs, writes: bool) -> None:
             watched += [b for b in a if isinstance(b, WatchedGradient)]
     if not watched:
         return
-    keepers = [getattr(w, "_dc_keeper", None) for w in watched]  # None: a copy made outside our hooks
-    first = keepers[0]
-    if first is not None and keepers.count(first) == len(keepers):  # one optimizer's gradients (the common case)
-        reads = {first: [w._dc_index for w in watched]}
-    else:
-        reads = {}  # keeper -> the indices of its tensors read here
-        for keeper, w in zip(keepers, watched):
-            if keeper is not None:
-                reads.setdefault(keeper, []).append(w._dc_index)
+    keepers = set(map(_keeper_of, watched))  # None: made outside our hooks
+    if len(keepers) == 1 and None not in keepers:  # one optimizer's gradients (the common case)
+        core = keepers.pop()()
+        if core is not None and core.reads_wait(writes):  # after the first read of an iteration, seldom
+            core.gradients_read(list(map(_index_of, watched)), writes)
+        return
+    reads = {}  # keeper -> the indices of its tensors read here
+    for w in watched:
+        if w._dc_keeper is not None:
+            reads.setdefault(w._dc_keeper, []).append(w._dc_index)
     for keeper, indices in reads.items():
         core = keeper()
         if core is not None:
             core.gradients_read(indices, writes)
+
+
+_keeper_of = operator.attrgetter("_dc_keeper")
+_index_of = operator.attrgetter("_dc_index")
 
 
 def _keep(watched, alias: torch.Tensor) -> None:

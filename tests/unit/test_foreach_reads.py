@@ -42,7 +42,9 @@ def test_clip_grad_norm_takes_the_foreach_path_and_reads_once_per_operation(monk
         monkeypatch.setattr(gradients.Backward, "gradients_read", counted)
         nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         everything = list(range(len(grads)))
-        assert calls == [everything, everything]  # the norms, then the scaling: one call each, every tensor
+        # The norms: one call, every tensor. The scaling finds every gradient final already (Core.reads_wait):
+        # no call, and no list of the tensors made.
+        assert calls == [everything]
         opt.step()
         ropt.zero_grad()
         loss(ref, 3).backward()
@@ -96,6 +98,32 @@ def test_on_a_gpu_kept_gradients_and_clipping_equal_plain_torch():
                 nn.utils.clip_grad_norm_(m.parameters(), 0.05)
                 o.step()
         assert opt._dc._spares is not None and opt._dc._spares[0].is_cuda
+        opt.synchronize()
+        assert_same(model, ref)
+    finally:
+        opt._dc.close()
+
+
+@pytest.mark.parametrize("after_step", ["zero_grad_in_place", "foreach_scaled"])
+def test_written_after_a_clipped_step_while_every_gradient_is_final(after_step):
+    """A clip makes every gradient of the iteration final, and the watch stops listing them for later reads
+    (``Core.reads_wait``). A write after ``step()`` (``model.zero_grad(set_to_none=False)``, a foreach scaling)
+    still lands after the pending updates, as in plain torch: the weights stay plain torch's."""
+    model, opt, ref, ropt = pair(LAZY)
+    try:
+        for s in range(6):
+            for m, o in ((model, opt), (ref, ropt)):
+                o.zero_grad()
+                loss(m, s).backward()
+                nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+                o.step()
+                grads = [p.grad for p in m.parameters()]
+                if after_step == "zero_grad_in_place":
+                    m.zero_grad(set_to_none=False)
+                else:
+                    torch._foreach_mul_(grads, 0.0)
+            assert all(not bool(p.grad.any()) for p in ref.parameters())
+            assert all(not bool(p.grad.any()) for p in model.parameters())
         opt.synchronize()
         assert_same(model, ref)
     finally:

@@ -173,6 +173,31 @@ def test_a_fingerprint_is_exact_whatever_the_summation_order():
     assert usage.fingerprints([w[::2]]) == usage.fingerprints([w[::2].contiguous()])  # a strided view reads alike
 
 
+def test_word_sums_on_the_cpu_equal_the_torch_path():
+    """Note [Same weights]: a CPU rank fingerprints in one C++ pass, a GPU rank with torch operations; both give
+    the same sums, or ranks of different devices would be refused for equal weights."""
+    torch.manual_seed(2)
+    store = torch.randn(64)  # views into one storage at offsets aligned to 8 bytes, to 4 only, and to neither
+    half = torch.randn(40).to(torch.float16)
+    tensors = [
+        torch.randn(7, 5), torch.randn(3, 4).t(), torch.randn(9)[::2], torch.tensor(3.5), torch.zeros(0),
+        store[2:11], store[1:10], store[1:2], store[3:4].view(torch.int32),
+        torch.randn(5, dtype=torch.float64), torch.randn(3, dtype=torch.complex64), torch.randn(13).to(torch.bfloat16),
+        half[4:11], torch.tensor([True, False, True]), torch.randint(-2**31, 2**31 - 1, (6,), dtype=torch.int64),
+        torch.full((5,), -1, dtype=torch.int32), torch.empty(0, dtype=torch.uint8), torch.randn(2, 3, 4)[:, 1],
+        torch.randn(4, 1).expand(4, 3), nn.Parameter(torch.randn(6)),
+    ]
+    fast = _ext.load().word_sums(tensors)
+    assert fast.dtype == torch.int64
+    assert fast.tolist() == usage._torch_word_sums(tensors).tolist()
+    assert usage._word_sums(tensors).tolist() == fast.tolist()
+    odd = half[1:6]  # begins 2 bytes in: aligned to neither, where torch's view refuses too
+    with pytest.raises(ValueError, match="aligned to neither"):
+        _ext.load().word_sums([odd])
+    with pytest.raises(RuntimeError):
+        usage._word_sums([torch.randn(3), odd])  # the torch path's own error, as before
+
+
 def test_alone_the_tally_is_summed_as_in_any_world():
     """A world of one runs the path every world runs (and pays for it where its cost is measured): each flush
     sums its tally, with the update count in it (Note [Same updates])."""
