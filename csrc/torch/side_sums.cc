@@ -45,7 +45,11 @@ void SideSums::Wait(int64_t ticket, std::chrono::milliseconds timeout) {
     work = it->second.work;
   }
   try {
-    work->wait(std::max(timeout, std::chrono::milliseconds(1)));
+    // Done already and well (the common case: the tally is waited for an iteration after it started): c10d
+    // documents wait() as isCompleted() then isSuccess(), and its synchronize() as nothing for CPU tensors,
+    // which are all a side sum holds; asked directly, that costs none of the wait's machinery. Anything else
+    // takes wait(), which raises the collective's error as before.
+    if (!(work->isCompleted() && work->isSuccess())) work->wait(std::max(timeout, std::chrono::milliseconds(1)));
   } catch (const std::exception& e) {
     if (!work->isCompleted()) {  // timed out: still in flight, and the ticket can be waited for again
       std::ostringstream m;  // the timeout in seconds, as the scheduler's own timeouts say it
