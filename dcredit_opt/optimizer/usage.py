@@ -76,7 +76,10 @@ have the same sum and are not seen. The fingerprint is taken at the flush, after
 apply what is pending first), so every rank fingerprints the weights of
 the same number of updates, and travels in the next flush's tally: on a
 GPU the sums run on the device and reach the host without the training
-thread waiting for them. What it catches that nothing else does: a
+thread waiting for them; on the CPU one C++ pass over every parameter's
+bytes computes the same sums (``_C.word_sums``: 59 us against 563 for
+the torch operations on the GPT-shaped model of ``host_cost.py``, 66
+against 1171 on the ResNet-50-shaped one, per check). What it catches that nothing else does: a
 write to a parameter on some ranks only (a checkpoint loaded on one rank,
 an in-place change under a rank's own condition), ranks that started from
 different weights (no broadcast of rank 0's), and any fault of ours that

@@ -76,7 +76,11 @@ optimizer's step, so neither pays for the subclass; a watched gradient's
 only cost is one Python call per operation that user code applies to it,
 and one per foreach operation over many (``clip_grad_norm_`` takes torch's
 foreach path with them, as with plain tensors: ``_take_foreach_paths``),
-whose tensors wait together.
+whose tensors wait together. Once every gradient of the iteration is final
+(the first read waited for them all) and nothing is pending that a write
+must come after, the watch returns without listing the tensors
+(``Core.reads_wait``): the clip's second foreach call costs the subclass's
+dispatch alone.
 Inside a backward (a user's hook that runs after ours), a read of a
 gradient already handed to the scheduler cannot wait (the rest of the
 iteration's blocks are not released yet): it raises a ``DCreditError``.
