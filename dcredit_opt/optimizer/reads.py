@@ -177,6 +177,12 @@ class Addresses:
             k += 1
 
 
+ENTRIES_KEPT = 1024
+"""Modules where a forward began at the top, kept by the first-read tracer while it watches (once per learning,
+never on the steady path): a script that calls its blocks one by one at the top level (no module around them),
+and a head after them, has them all looked at (Note [Parameters outside the optimizer] in ``checks.py``)."""
+
+
 class FirstReadTracer(TorchFunctionMode):
     """Records, per tracked parameter, the module whose forward first reads it (Note [First read])."""
 
@@ -197,8 +203,9 @@ class FirstReadTracer(TorchFunctionMode):
         """Tensors read by any other operation while we watched (a tied output layer, a regulariser)."""
         self.entries: list[weakref.ref] = []
         """The modules whose forward began at the top (no module's forward around it) on the watching thread,
-        in order, the first few: where the next forward is expected to begin (Note [Resting hooks] in
-        ``updates.py``)."""
+        in order, the first :data:`ENTRIES_KEPT`: where the next forward is expected to begin (Note [Resting
+        hooks] in ``updates.py``), and which modules the model is made of, and which were called apart after it
+        (Note [Parameters outside the optimizer] in ``checks.py``)."""
         self.ops_to_first_read: int | None = None
         self.first_read_in: weakref.ref | None = None
         """The first read of a tracked parameter: how many torch operations the forward it came in (begun at the
@@ -251,7 +258,7 @@ class FirstReadTracer(TorchFunctionMode):
 
     def _enter_module(self, module, args) -> None:
         if self.active:
-            if not self._stack and len(self.entries) < 8 and threading.get_ident() == self._thread:
+            if not self._stack and len(self.entries) < ENTRIES_KEPT and threading.get_ident() == self._thread:
                 self.entries.append(weakref.ref(module))
             if not self._stack and not self.readers:
                 self._ops = 0

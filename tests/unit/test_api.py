@@ -1085,6 +1085,28 @@ def test_a_module_called_apart_after_ours_gives_the_parameters_with_a_gradient()
     opt._dc.close()
 
 
+def test_a_head_called_after_many_blocks_called_at_the_top_is_found():
+    """Note [Parameters outside the optimizer]: a script that calls its blocks one by one at the top level (no
+    module around them, more of them than a first few) and a head after them: every block is looked at, and the
+    head, called apart after them with a gradient and in no optimizer of ours, is found."""
+    torch.manual_seed(0)
+    blocks, head = [nn.Linear(4, 4) for _ in range(12)], nn.Linear(4, 3)
+    params = [(f"{k}.{n}", p) for k, b in enumerate(blocks) for n, p in b.named_parameters()]
+    opt = dc.DistributedOptimizer(torch.optim.SGD([p for _, p in params], lr=0.1), named_parameters=params,
+                                  config=FIXED)
+    for seed in range(3):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(seed))
+        opt.zero_grad()
+        head.zero_grad()
+        for b in blocks:
+            x = torch.tanh(b(x))
+        head(x).pow(2).mean().backward()
+        opt.step()
+    assert opt._dc.outside.found_names == ["Linear.weight", "Linear.bias"]
+    assert all(p is q for p, q in zip(opt._dc.outside.found_params, head.parameters()))
+    opt._dc.close()
+
+
 def test_the_warning_for_a_parameter_outside_the_optimizer_is_said_once_for_named_and_found_alike():
     """checks.Outside: once a named parameter was told, parameters found later do not start the watch again."""
     named, found = nn.Linear(2, 2), nn.Linear(2, 2)
