@@ -539,8 +539,10 @@ class UsageTally:
             "gradient, or a write changed them on some ranks only. Wrap every optimizer that trains the model "
             "with dc.DistributedOptimizer (each its own, with named_parameters=model.named_parameters()), and "
             "broadcast the weights from one rank once (dc.broadcast_parameters(model.state_dict(), root_rank=0)). "
-            "Parameters meant to differ between ranks belong in a module of their own, outside the model; "
-            "Config(check_weights_every=...) sets how often this is checked, 0 never "
+            "Parameters meant to differ between ranks (a head per rank, trained alone) belong in a module that "
+            "the model's forward does not call, whose own optimizer steps and clears their gradients (its step(), "
+            "then its zero_grad()) before this optimizer's step(), or on an optimizer of ours over a process set "
+            "of their own; Config(check_weights_every=...) sets how often this is checked, 0 never "
             "(Note [Parameters outside the optimizer] in checks.py)")
 
     def _counts(self, here: bytes, updates: int, weights: list | None = None):

@@ -228,7 +228,8 @@ GRADIENT_RAISES = {
     "second_optimizer_not_wrapped_first_names_none": (("out.weight", "out.bias"), [
         "between ranks at iteration", "neither in it nor named", "Wrap every optimizer"]),
     "head_called_apart_on_an_unwrapped_optimizer": (("Linear.weight", "Linear.bias"), [
-        "between ranks at iteration", "neither in it nor named", "Wrap every optimizer"]),
+        "between ranks at iteration", "neither in it nor named", "Wrap every optimizer",
+        "clears their gradients (its step(), then its zero_grad()) before this optimizer's step()"]),
     "model_also_wrapped_in_ddp": (tuple(f"module.{n}" for n in NET_PARAMS), ["DistributedDataParallel",
                                                                             "without DDP"]),
 }

@@ -1085,6 +1085,26 @@ def test_a_module_called_apart_after_ours_gives_the_parameters_with_a_gradient()
     opt._dc.close()
 
 
+def test_a_head_stepped_and_cleared_before_our_step_is_not_found():
+    """Note [Parameters outside the optimizer]: the remedy the refusal names for a module trained on each rank's
+    own gradient on purpose: called apart, its own optimizer steps and clears its gradients before ours steps, so
+    it has no gradient at our step() and is neither found nor compared."""
+    torch.manual_seed(0)
+    body, head = nn.Linear(4, 6), nn.Linear(6, 3)
+    opt = dc.DistributedOptimizer(torch.optim.SGD(body.parameters(), lr=0.1),
+                                  named_parameters=body.named_parameters(), config=FIXED)
+    head_opt = torch.optim.SGD(head.parameters(), lr=0.1)
+    for seed in range(3):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(seed))
+        opt.zero_grad()
+        head(body(x)).pow(2).mean().backward()
+        head_opt.step()
+        head_opt.zero_grad()
+        opt.step()
+    assert opt._dc.outside is not None and opt._dc.outside.found_names == []
+    opt._dc.close()
+
+
 def test_a_head_called_after_many_blocks_called_at_the_top_is_found():
     """Note [Parameters outside the optimizer]: a script that calls its blocks one by one at the top level (no
     module around them, more of them than a first few) and a head after them: every block is looked at, and the
