@@ -466,6 +466,40 @@ def head_apart(wrap_head: bool):
     return run
 
 
+def head_per_rank_stepped_and_cleared_first(job: pw.Job) -> dict:
+    """A head trained on each rank's own gradient on purpose (a head per rank), called apart after the body, its
+    plain optimizer stepping and clearing its gradients before the body's step(): the remedy the refusal of
+    ``head_called_apart_on_an_unwrapped_optimizer`` names. The head has no gradient at our step(), so it is
+    neither found nor compared (Note [Parameters outside the optimizer] in checks.py): no refusal. The body equals
+    synchronous training with every rank's own head (simulated here, one head per rank), and each rank's head its
+    own reference head, which differ between ranks."""
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 24))
+    head = nn.Linear(24, 7)
+    ref_body, ref_heads = copy.deepcopy(body), [copy.deepcopy(head) for _ in range(job.world)]
+    first, second = job.wrap(pw._sgd(body.parameters()), body), pw._sgd(head.parameters())
+    ref_first, ref_seconds = pw._sgd(ref_body.parameters()), [pw._sgd(h.parameters()) for h in ref_heads]
+    for step in range(STEPS):
+        first.zero_grad()
+        x, y = batch(step, job.rank)
+        F.mse_loss(head(body(x)), y).backward()
+        second.step()
+        second.zero_grad()
+        job.step(first)
+        ref_first.zero_grad()
+        for r, (h, o) in enumerate(zip(ref_heads, ref_seconds)):
+            o.zero_grad()
+            xr, yr = batch(step, r)
+            F.mse_loss(h(ref_body(xr)), yr).backward()  # the body's gradients summed over ranks: averaged below
+            o.step()
+        for p in ref_body.parameters():
+            p.grad /= job.world
+        ref_first.step()
+    found = list(first._dc.outside.found_names)
+    return job.result(body, ref_body, first, head_diff=pw.param_diff(head, ref_heads[job.rank]),
+                      head_not_found=not found, reference_heads_differ=pw.param_diff(ref_heads[0], ref_heads[1]) > 1e-3)
+
+
 def model_also_in_ddp(job: pw.Job) -> dict:
     """The model still wrapped in torch's DistributedDataParallel (a DDP script half migrated): DDP's reducer
     writes its own average into p.grad, which is our slot's alias by then. Refused at step() on every rank,
@@ -506,6 +540,7 @@ GRADIENT_WORK["two_optimizers_both_wrapped_first_names_the_whole_model"] = two_o
 GRADIENT_WORK["two_optimizers_both_wrapped_first_names_none"] = two_optimizers("none")
 GRADIENT_WORK["second_optimizer_averaged_by_hand_first_names_its_own"] = two_optimizers("body", by_hand=True)
 GRADIENT_WORK["head_called_apart_on_a_wrapped_optimizer_of_its_own"] = head_apart(wrap_head=True)
+GRADIENT_WORK["head_per_rank_stepped_and_cleared_first"] = head_per_rank_stepped_and_cleared_first
 
 # Steps that use a replaced gradient are eager by design (Note [Replaced gradients]); with
 # autograd.grad no hook fires, so the tracer never learns reads and every step is eager.
