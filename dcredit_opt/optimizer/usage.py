@@ -174,8 +174,9 @@ class _Fingerprinting:
     GPU the sums run on the device and come back with a copy the host does not wait for at the flush that
     starts them."""
 
-    def __init__(self, params, iteration: int, skipped=(), pooled=(), digest=(0, 0)):
+    def __init__(self, params, iteration: int, skipped=(), pooled=(), digest=(0, 0), pooled_names=()):
         self.iteration = iteration  # the flush (tally) whose weights these are, counted from 1
+        self.pooled_names = list(pooled_names)  # the found parameters in the pool, as they were when fingerprinted
         if skipped:  # positions sent as 0, unread: weights another optimizer of ours compares
             params = list(params)
             for i in skipped:  # no operation on the parameter: its optimizer's read guard would apply its update
@@ -414,14 +415,16 @@ class UsageTally:
             # Those another optimizer of ours reduces, it compares, over its own ranks (a process set's).
             outside = self._outside
             skipped = () if outside is None else [len(self._params) + i for i in outside.reduced_elsewhere()]
-            _, pooled, digest = ([], [], (0, 0)) if outside is None else outside.pooled()
-            self._fingerprinting = _Fingerprinting(self._compared_params, self._starts, skipped, pooled, digest)
+            pooled_names, pooled, digest = ([], [], (0, 0)) if outside is None else outside.pooled()
+            self._fingerprinting = _Fingerprinting(self._compared_params, self._starts, skipped, pooled, digest,
+                                                   pooled_names)
         last = self._usage
         if self._turns is not None and weights is None and (
                 last is None or last.weights is None and (self._agreed or not self._proposing)):
             return self._turn(here, taken, last)  # the steady iteration: neither fingerprints nor rows agreed on
         counts, values = self._counts(here, taken % UPDATES_MODULO, weights)
-        usage = _Usage(here, counts, values, taken, weights, 0 if taken_at is None else taken_at.iteration)
+        usage = _Usage(here, counts, values, taken, weights, 0 if taken_at is None else taken_at.iteration,
+                       () if taken_at is None else taken_at.pooled_names)
         try:
             self._backend.wait_tally(self._timeout())  # the last one, if nothing needed it
         except (RuntimeError, TimeoutError) as e:
@@ -495,7 +498,7 @@ class UsageTally:
                                                "[Parameters outside the optimizer] in checks.py)")
         differ = [i for i in differ if i < n]
         if not differ and pool_differs:
-            raise self._found_differ(last.weights_at)
+            raise self._found_differ(last.weights_at, last.pooled_names)
         if not differ:
             self._weights_matched = last.weights_at
             return
@@ -507,9 +510,10 @@ class UsageTally:
                 "another optimizer that is not wrapped trains it from each rank's own gradient, or a write changed "
                 "it on some ranks only. Wrap every optimizer that trains the model with dc.DistributedOptimizer "
                 "(each its own), and broadcast the weights from one rank once (dc.broadcast_parameters("
-                "model.state_dict(), root_rank=0)); leave the parameter out of named_parameters only if it is meant "
-                "to differ between ranks. Config(check_weights_every=...) sets how often this is checked (Note "
-                "[Same weights])")
+                "model.state_dict(), root_rank=0)). A parameter meant to differ between ranks belongs in a module that "
+                "the model's forward does not call, whose own optimizer steps and clears its gradient before this "
+                "optimizer's step(), or on an optimizer of ours over a process set of its own. "
+                "Config(check_weights_every=...) sets how often this is checked (Note [Same weights])")
         if self._weights_matched:
             since = (f"after the same updates on every rank (Note [Same updates]), and they were equal at iteration "
                      f"{self._weights_matched} (the check before)")
@@ -525,10 +529,9 @@ class UsageTally:
             "after the change. The weights no longer equal synchronous training's; "
             "Config(check_weights_every=...) sets how often this is checked (Note [Same weights])")
 
-    def _found_differ(self, iteration: int) -> DCreditError:
+    def _found_differ(self, iteration: int, names: list) -> DCreditError:
         """Note [Parameters outside the optimizer] in checks.py: the error every rank raises where the pooled
-        fingerprint of the found parameters differs between ranks."""
-        names = self._outside.pooled()[0]
+        fingerprint of the found parameters ``names`` (as they were when fingerprinted) differs between ranks."""
         shown = ", ".join(f"'{n}'" for n in names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
         which = (f"parameter {shown} differs" if len(names) == 1 else
                  f"parameters {shown} differ (one of them at least: they are compared together)")
@@ -634,10 +637,10 @@ class _Usage:
     summed over ranks, and, once that sum is known, whether it had one anywhere; and the updates this rank had
     taken (Note [Same updates])."""
 
-    __slots__ = ("counts", "everywhere", "here", "taken", "values", "weights", "weights_at")
+    __slots__ = ("counts", "everywhere", "here", "pooled_names", "taken", "values", "weights", "weights_at")
 
     def __init__(self, here: bytes, counts: torch.Tensor | None, values, taken: int = 0, weights: list | None = None,
-                 weights_at: int = 0):
+                 weights_at: int = 0, pooled_names=()):
         self.here = here
         self.counts = counts
         self.values = values  # a memoryview over ``counts``: read without a torch operation per read
@@ -645,6 +648,7 @@ class _Usage:
         self.taken = taken
         self.weights = weights  # this rank's fingerprints (Note [Same weights]), where this tally carries them
         self.weights_at = weights_at  # where it carries fingerprints, the iteration (flush) whose weights they are
+        self.pooled_names = pooled_names  # and the found parameters in its pool then (checks.Outside.pooled)
 
 
 class _TallyCounts:
