@@ -47,6 +47,7 @@ disagree (what comes after such a case is not trustworthy).
 from __future__ import annotations
 
 import copy
+import math
 import random
 import sys
 import time
@@ -416,6 +417,15 @@ def _reference_step(ref: RandNet, ropt, case: dict, step: int, world: int) -> No
     ropt.step()
 
 
+def gap(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest difference between ``ours`` and the reference ``ref``: 0 where they are equal, infinite where
+    only one of them is not finite. A NaN in both at the same place (a drawn case whose own arithmetic made one,
+    in synchronous training too) is the same result, not a difference."""
+    same = (ours == ref) | (torch.isnan(ours) & torch.isnan(ref))
+    d = torch.where(same, torch.zeros_like(ours), (ours - ref).abs())
+    return float(torch.nan_to_num(d, nan=math.inf, posinf=math.inf).max()) if d.numel() else 0.0
+
+
 def run_case(case: dict, rank: int, world: int) -> dict:
     """Train ``case`` through dcredit_opt and the reference; the outcome on this rank."""
     torch.manual_seed(case["seed"])
@@ -452,7 +462,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
         opt.synchronize()
         where = "comparing"
         out["status"] = "trained"
-        diffs = [float((p - q).abs().max()) for p, q in zip(model.parameters(), ref.parameters())]
+        diffs = [gap(p.detach(), q.detach()) for p, q in zip(model.parameters(), ref.parameters())]
         out["diff"] = max(diffs)
         out["worst"] = names[diffs.index(out["diff"])]
         out["lazy_steps"] = lazy_steps
