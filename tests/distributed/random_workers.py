@@ -417,6 +417,12 @@ def _reference_step(ref: RandNet, ropt, case: dict, step: int, world: int) -> No
     ropt.step()
 
 
+DIVERGED = 1e3
+"""A reference whose weights grew beyond this diverged: float32 roundoff (the order of a sum differs between a
+world's average and the reference's) grows with it, by orders of magnitude a step (seed 12090087: 1e-6 at step 3,
+244 at step 5 with weights of 5e4), so such a case is compared between ranks only."""
+
+
 def gap(ours: torch.Tensor, ref: torch.Tensor) -> float:
     """The largest difference between ``ours`` and the reference ``ref``: 0 where they are equal, infinite where
     only one of them is not finite. A NaN in both at the same place (a drawn case whose own arithmetic made one,
@@ -439,6 +445,8 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     ropt = make_optimizer(case["opt"], ref.parameters(), case["hyper"])
     for step in range(case["steps"]):
         _reference_step(ref, ropt, case, step, world)
+    finite = [q.detach()[torch.isfinite(q.detach())] for q in ref.parameters()]
+    out["ref_absmax"] = max((float(f.abs().max()) for f in finite if f.numel()), default=0.0)
     opt = None
     where = "building the DistributedOptimizer"
     try:
