@@ -338,8 +338,10 @@ class Core:
                 "parameters during that backward")
         # Our own bookkeeping on gradients, not a read of any parameter: the read guard stands aside (it
         # would examine every call here while updates are pending; Note [Guard cost] in reads.py).
+        # A zero_grad to None of torch's own only gets and sets p.grad, which no guard takes for a read: our other
+        # optimizers' guards stand aside too (Note [Several guards] in reads.py).
         lazy = self.lazy
-        with lazy.guard.paused():
+        with lazy.guard.paused("all" if set_to_none and self._base_zeroes_all else ""):
             if set_to_none:
                 self._spares = None  # as the wrapped zero_grad sets every p.grad to None
                 if self.buffers.aliases:  # Note [Kept aliases] in watched.py: theirs is the gradient dropped now

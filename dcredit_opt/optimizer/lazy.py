@@ -124,7 +124,10 @@ class Stepper:
             todo = list(compress(unique, map(pending.__getitem__, unique)))  # in C: no Python per tensor
         if not todo:
             return
-        with lazy.guard.paused() as paused:  # the wrapped step reads the parameters it updates: not reads to guard
+        # The wrapped step reads the parameters it updates: not reads to guard. It reads no other optimizer's
+        # (it updates each parameter on its own, or we would not have deferred), unless a step hook came since.
+        others = "" if separable.has_step_hooks(self._optimizer()) else "apart"
+        with lazy.guard.paused(others) as paused:
             if lazy.deferred:
                 lazy.check_stale(todo, path)
             self._wait(todo, on_stream=True)  # the wrapped step's kernels go on the current stream

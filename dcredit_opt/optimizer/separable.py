@@ -39,7 +39,7 @@ def why_eager(base: type, optimizer, lazy_step: str) -> str | None:
     """Why the lazy step must not defer updates of ``optimizer`` (of class ``base``) now; None if it may."""
     if lazy_step == "off":
         return "Config.lazy_step='off'"
-    if _has_step_hooks(optimizer):
+    if has_step_hooks(optimizer):
         return ("optimizer step hooks are registered (register_step_pre_hook/register_step_post_hook): they run "
                 "once per step(), over every parameter")
     if lazy_step == "on" or base in PER_PARAMETER:
@@ -48,7 +48,7 @@ def why_eager(base: type, optimizer, lazy_step: str) -> str | None:
             "on its own (its step() may look at all parameters together); pass Config(lazy_step='on') if it does")
 
 
-def _has_step_hooks(optimizer) -> bool:
+def has_step_hooks(optimizer) -> bool:
     """The script's step hooks: not our own (Note [The wrapped object's own step] in checks.py)."""
     pre = getattr(optimizer, "_optimizer_step_pre_hooks", None)
     return bool(pre and any(not isinstance(h, InnerStep) for h in pre.values())
