@@ -425,7 +425,7 @@ class Core:
         if self.closed:
             return False
         backward = self.backward
-        return False in backward.final or bool(writes and self.lazy.npending and not backward.open)
+        return not backward.every_final or bool(writes and self.lazy.npending and not backward.open)
 
     def gradients_read(self, indices, writes: bool = False) -> None:
         """Note [Gradient reads] in watched.py: user code reads ``p.grad`` of ``indices``, or (``writes``) may

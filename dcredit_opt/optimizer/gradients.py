@@ -54,6 +54,7 @@ class Backward:
         self.counts = per_tensor(T, "i")
         self.marked = per_tensor(T, "B")
         self.final = [False] * T
+        self.every_final = not T  # False not in final, kept beside it: the watch asks at every operation
         self.open = False
         self.flushed = False
         self.synchronized = False
@@ -226,6 +227,7 @@ class Backward:
         self.synchronized = False
         clear(self.marked)
         self.final = [False] * len(self.params)
+        self.every_final = not self.params
 
     def _aliases_kept(self) -> None:
         """Note [Kept aliases] in watched.py, at an iteration's first gradient: an alias of a slot whose
@@ -271,6 +273,7 @@ class Backward:
     def all_final(self) -> None:
         """``synchronize()`` waited for every gradient: every read from here on is of final values."""
         self.final = [True] * len(self.params)
+        self.every_final = True
 
     def _stage(self, i: int) -> None:
         """This rank's gradient of tensor ``i`` into its slot; whether it had one, into the tally."""
@@ -342,11 +345,18 @@ class Backward:
                         "in a hook registered before the DistributedOptimizer was built")
                 with self._lazy.guard.paused():
                     self.release()
+            if self._engine.idle():
+                # Every reduction has ended (the flush launched every block; none is in flight): every gradient
+                # is final now, read or not, at no wait. Marked so in one go, a script that reads them one by one
+                # (clip_grad_norm_(foreach=False), a norm per layer) meets the watch's early return from the second
+                # read on, instead of a wait and a check per tensor.
+                todo = [i for i, f in enumerate(final) if not f]
         else:
             pending = self._lazy.pending
             for i in todo:
                 if not pending[i]:
                     final[i] = True  # applied: nothing of ours writes it any more
+            self.every_final = False not in final
             todo = [i for i in todo if pending[i]]
             if not todo:
                 return
@@ -360,6 +370,7 @@ class Backward:
         self._buffers.check_writes(todo, "a read of p.grad")
         for i in todo:
             final[i] = True
+        self.every_final = False not in final
 
     def accept_final_writes(self) -> None:
         """At ``step()``: a gradient that user code read after its reduction had ended (Note [Gradient

@@ -12,7 +12,9 @@ operation that user code applies to it, on any thread, with no mode on any
 stack. An operation that reads values or makes an alias (anything but
 metadata: ``.shape``, ``.dtype``, ``size()``, ``.grad``...) first waits for
 that gradient's reduction, releasing the rest of the iteration's blocks
-first as ``step()`` would (``Backward.gradients_read`` in ``gradients.py``);
+first as ``step()`` would (``Backward.gradients_read`` in ``gradients.py``;
+once no block is in flight, a read makes every gradient of the iteration
+final at once, and the reads after it pass without a wait or a check);
 then it runs on the plain tensor and returns plain tensors. So
 ``p.grad.norm()``, ``clip_grad_norm_``, ``scaler.unscale_`` and
 ``p.grad = p.grad * 0.5`` see the averaged gradient, and an in-place
@@ -149,8 +151,12 @@ class WatchedGradient(torch.Tensor):
                 _refuse_data_assignment(args)
             reads = writes = False
         else:
-            reads = name not in _METADATA
-            writes = _writes(name, args, kwargs)
+            kind = _KINDS.get(name)
+            if kind is None:
+                kind = _KINDS[name] = (name not in _METADATA, _writes_in_place(name))
+            reads, in_place = kind
+            writes = (in_place and bool(args) and _has_watched(args[0])) or (
+                "out" in kwargs and _has_watched(kwargs["out"]))
         if reads:
             _wait_for(args, kwargs, writes)
         if name in _PLAIN_COPIES and args and isinstance(args[0], WatchedGradient):
@@ -184,15 +190,16 @@ def plain(t: torch.Tensor) -> torch.Tensor:
         return t.as_subclass(torch.Tensor)
 
 
-def _writes(name: str, args, kwargs) -> bool:
-    """Whether an operation may change a watched gradient in place: ``zero_``, ``mul_``, ``_foreach_mul_``,
-    ``+=`` or ``[k] =`` on one (its first argument), ``out=`` one, or an alias of one to write through (Note
-    [Unseen writes]). ``buf.copy_(p.grad)`` reads the gradient only."""
-    if "out" in kwargs and _has_watched(kwargs["out"]):
-        return True
-    target = args[0] if args else None
+# An operation may change a watched gradient in place where it is ``zero_``, ``mul_``, ``_foreach_mul_``, ``+=`` or
+# ``[k] =`` on one (its first argument), ``out=`` one, or makes an alias of one to write through (Note [Unseen
+# writes]); ``buf.copy_(p.grad)`` reads the gradient only. Per operation name, whether it reads values and whether
+# it writes its first argument, worked out once (the watch sees every operation on a gradient).
+_KINDS: dict[str, tuple[bool, bool]] = {}
+
+
+def _writes_in_place(name: str) -> bool:
     return ((name.endswith("_") and not name.endswith("__")) or name in _INPLACE_OPERATORS
-            or name in _WRITABLE_ALIASES) and _has_watched(target)
+            or name in _WRITABLE_ALIASES)
 
 
 def _has_watched(t) -> bool:
@@ -205,6 +212,15 @@ def _has_watched(t) -> bool:
 def _wait_for(args, kwargs, writes: bool) -> None:
     """Every watched gradient among the operation's arguments (in lists too: foreach calls) waits, one call per
     optimizer for all of its own; ``writes``: the operation may change them in place."""
+    if not kwargs and 0 < len(args) <= 2 and type(args[0]) is WatchedGradient and (
+            len(args) == 1 or not isinstance(args[1], _MAY_HOLD_TENSORS)):
+        # One gradient, and a number or none (g.mul_(s), g.norm(), torch.linalg.vector_norm(g, 2.0): a script that
+        # reads or scales its gradients one by one), as the loop below finds it, without the lists.
+        keeper = args[0]._dc_keeper
+        core = None if keeper is None else keeper()
+        if core is not None and core.reads_wait(writes):
+            core.gradients_read([args[0]._dc_index], writes)
+        return
     watched = []
     for a in (*args, *kwargs.values()):
         if isinstance(a, WatchedGradient):
@@ -229,6 +245,7 @@ def _wait_for(args, kwargs, writes: bool) -> None:
             core.gradients_read(indices, writes)
 
 
+_MAY_HOLD_TENSORS = (torch.Tensor, list, tuple)
 _keeper_of = operator.attrgetter("_dc_keeper")
 _index_of = operator.attrgetter("_dc_index")
 

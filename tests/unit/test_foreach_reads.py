@@ -2,6 +2,8 @@
 foreach calls over watched gradients take torch's foreach path, as over plain tensors, and wait for all of their
 gradients in one call per optimizer."""
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -124,6 +126,47 @@ def test_written_after_a_clipped_step_while_every_gradient_is_final(after_step):
                     torch._foreach_mul_(grads, 0.0)
             assert all(not bool(p.grad.any()) for p in ref.parameters())
             assert all(not bool(p.grad.any()) for p in model.parameters())
+        opt.synchronize()
+        assert_same(model, ref)
+    finally:
+        opt._dc.close()
+
+
+def test_gradients_read_one_by_one_after_every_reduction_ended_wait_once(monkeypatch):
+    """A script that reads and scales its gradients one by one (``clip_grad_norm_(foreach=False)``, a norm per
+    layer): the first read releases the iteration's blocks; once none is in flight, the next read makes every
+    gradient final at once, and the reads after it go through the watch without a wait (``Backward
+    .gradients_read``). The step still uses the clipped gradients: plain torch's weights."""
+    model, opt, ref, ropt = pair(LAZY)
+    calls = []
+    read = gradients.Backward.gradients_read
+
+    def counted(self, indices):
+        calls.append(list(indices))
+        return read(self, indices)
+
+    try:
+        for s in range(5):
+            for m, o in ((model, opt), (ref, ropt)):
+                o.zero_grad()
+                loss(m, s).backward()
+                if o is opt:
+                    monkeypatch.setattr(gradients.Backward, "gradients_read", counted)
+                    last = len(list(m.parameters())) - 1
+                    m[-1].bias.grad.sum()  # the first read, of the last tensor: releases every block
+                    deadline = time.monotonic() + 60
+                    while not opt._dc.engine.idle():
+                        assert time.monotonic() < deadline, "the blocks of one rank never ended"
+                        time.sleep(0.001)
+                nn.utils.clip_grad_norm_(m.parameters(), 0.05, foreach=False)
+                if o is opt:
+                    monkeypatch.undo()
+                    # The first read, and (where its blocks were still in flight then) the clip's first, of tensor
+                    # 0; every gradient final after it.
+                    assert calls in ([[last]], [[last], [0]]), calls
+                    assert opt._dc.backward.every_final and all(opt._dc.backward.final)
+                    del calls[:]
+                o.step()
         opt.synchronize()
         assert_same(model, ref)
     finally:
