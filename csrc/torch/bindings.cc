@@ -376,8 +376,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "The first of `indices` whose slot was written since its version was recorded, or -1.")
       .def("not_watched", &GradientPath::NotWatched, "The tensors whose p.grad is not their watched alias now.")
       .def("addresses", &GradientPath::Addresses, "Every parameter's data address, in order.")
-      .def("lend_slots", &GradientPath::LendSlots, py::arg("indices"),
-           "p.grad = its slot for each of `indices`; what it held is kept for return_slots().")
+      .def("lend_slots", &GradientPath::LendSlots, py::arg("indices"), py::arg("watched_only") = false,
+           "p.grad = its slot for each of `indices` (watched_only: where p.grad is its watched alias now); what "
+           "it held is kept for return_slots().")
       .def("return_slots", &GradientPath::ReturnSlots, "p.grad back to what lend_slots() found.")
       .def("give_spares", &GradientPath::GiveSpares, py::arg("spares"),
            "p.grad = spares[i] where the update is pending and p.grad is the slot or its alias; the misfits.")

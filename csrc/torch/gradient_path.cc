@@ -447,7 +447,7 @@ std::pair<int64_t, bool> GradientPath::FirstShared() {
   return FirstSharedCounter(s.params);
 }
 
-void GradientPath::LendSlots(const std::vector<int64_t>& indices) {
+void GradientPath::LendSlots(const std::vector<int64_t>& indices, bool watched_only) {
   std::lock_guard<std::mutex> lock(state_->mu);
   if (!lent_.empty()) throw std::logic_error("lend_slots: the slots lent before were not returned");
   const State& s = *state_;
@@ -455,6 +455,10 @@ void GradientPath::LendSlots(const std::vector<int64_t>& indices) {
   lent_.reserve(indices.size());
   for (int64_t i : indices) {
     at::Tensor& grad = s.params[i].mutable_grad();
+    if (watched_only && (static_cast<size_t>(i) >= s.watched.size() || !grad.defined() ||
+                         grad.unsafeGetTensorImpl() != s.watched[i].unsafeGetTensorImpl())) {
+      continue;
+    }
     lent_.emplace_back(i, grad);
     grad = s.slots[i];
   }

@@ -107,7 +107,9 @@ class GradientPath {
   // step reads the reduced gradients past their watched aliases (Note
   // [Gradient reads]); what p.grad held is kept until ReturnSlots puts it
   // back. One C++ pass instead of two Python assignments per tensor.
-  void LendSlots(const std::vector<int64_t>& indices);
+  // `watched_only`: only where p.grad is the watched alias now (a tensor the
+  // script put in p.grad stays, as the eager step takes it).
+  void LendSlots(const std::vector<int64_t>& indices, bool watched_only = false);
   void ReturnSlots();
   // zero_grad(set_to_none=False) while updates wait (Note [Zeroed while
   // pending] in core.py): p.grad = spares[i] for each parameter whose update

@@ -66,24 +66,41 @@ class Stepper:
     def step_now(self) -> None:
         """The eager step, inside ``step()``: the wrapped ``step()`` once, over the real groups, so that its
         hooks run once and see every parameter, and the hyperparameters are the ones in force."""
-        params, buffers, backward = self.params, self._buffers, self._backward
-        watched = buffers.watched
+        params, backward = self.params, self._backward
         everything = range(len(params))
         self._wait(everything)
         backward.add_rows(everything)
         backward.drop_unused_grads(everything)
         # Ours (still p.grad) as plain slots, so that the wrapped step does not go through the watch
         # (Note [Gradient reads]); what user code put in p.grad as it is.
-        ours = [i for i, p in enumerate(params) if p.grad is watched[i]]
+        with self.slots_lent(everything), profiled("dcredit_opt::apply"):
+            self._base_step(self._optimizer())
+        self._lazy.all_applied()
+
+    @contextlib.contextmanager
+    def slots_lent(self, indices):
+        """Meanwhile ``p.grad`` of ``indices`` is the plain slot (as the wrapped step takes it: sparse where it
+        came sparse) where it is the watched alias now, so that our own work on final gradients (the wrapped step,
+        the scaler's unscaling) does not go through the watch, a Python call per operation and per attribute read
+        (Note [Gradient reads]); a tensor user code put in ``p.grad`` stays. Dense slots in one C++ pass."""
+        buffers, params = self._buffers, self.params
+        if not buffers.as_sparse and True not in buffers.sparse:
+            path = self._backward.path
+            path.lend_slots(indices, watched_only=True)
+            try:
+                yield
+            finally:
+                path.return_slots()
+            return
+        watched = buffers.watched
+        ours = [i for i in indices if params[i].grad is watched[i]]
         try:
             for i in ours:
                 params[i].grad = buffers.for_step(i)
-            with profiled("dcredit_opt::apply"):
-                self._base_step(self._optimizer())
+            yield
         finally:
             for i in ours:
                 params[i].grad = watched[i]
-        self._lazy.all_applied()
 
     def step_base(self) -> None:
         """The wrapped step as it is, over every parameter, nothing reduced (a fresh optimizer's state made
@@ -407,7 +424,8 @@ class Stepper:
         backward.wait_final("step(), waiting for every block before GradScaler unscales them")
         backward.set_synchronized(True)  # final: the scaler's own writes below are expected
         if stage is OptState.READY:
-            scaler.unscale_(optimizer)
+            with self.slots_lent(range(len(self.params))):  # final, and the scaler's writes expected
+                scaler.unscale_(optimizer)
         if not sum(float(v.item()) for v in scaler._found_inf_per_device(optimizer).values()):
             return False
         backward.end()

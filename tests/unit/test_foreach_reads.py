@@ -10,8 +10,8 @@ from torch import nn
 from torch.utils._foreach_utils import _has_foreach_support
 
 import dcredit_opt as dc
-from dcredit_opt.optimizer import gradients
-from tests.unit.test_gradient_path import LAZY, assert_same, batch, loss, net, pair
+from dcredit_opt.optimizer import gradients, watched
+from tests.unit.test_gradient_path import LAZY, assert_same, batch, loss, net, pair, plain, train
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -167,6 +167,75 @@ def test_gradients_read_one_by_one_after_every_reduction_ended_wait_once(monkeyp
                     assert opt._dc.backward.every_final and all(opt._dc.backward.final)
                     del calls[:]
                 o.step()
+        opt.synchronize()
+        assert_same(model, ref)
+    finally:
+        opt._dc.close()
+
+
+def _watch_calls(monkeypatch) -> list:
+    """Every operation and attribute read the watch sees from here on (Note [Gradient reads])."""
+    seen = []
+    handler = watched.WatchedGradient.__torch_function__.__func__
+
+    def counted(cls, func, types, args=(), kwargs=None):
+        seen.append(getattr(func, "__name__", func))
+        return handler(cls, func, types, args, kwargs)
+
+    monkeypatch.setattr(watched.WatchedGradient, "__torch_function__", classmethod(counted))
+    return seen
+
+
+def test_a_watched_gradients_dtype_device_and_layout_are_read_without_the_watch(monkeypatch):
+    """Note [Metadata reads]: what never changes is kept when the watched alias is made and read without a call of
+    the watch; the shape and the values still go through it; one made elsewhere reads torch's own getters."""
+    model, opt, ref, ropt = pair(LAZY)
+    try:
+        train(model, opt, range(2), ref, ropt)
+        opt.zero_grad()
+        loss(model, 2).backward()
+        grads = [p.grad for p in model.parameters()]
+        slots = opt._dc.buffers.slots
+        seen = _watch_calls(monkeypatch)
+        for g, slot in zip(grads, slots):
+            assert type(g) is watched.WatchedGradient
+            assert (g.dtype, g.device, g.layout, g.is_sparse, g.is_cuda) == (
+                slot.dtype, slot.device, slot.layout, slot.is_sparse, slot.is_cuda)
+        assert seen == []
+        assert grads[0].shape == slots[0].shape and seen == ["__get__"]
+        with pytest.raises(AttributeError, match="'dtype' of a tensor is not writable"):
+            grads[0].dtype = torch.float64
+        elsewhere = torch.zeros(3, dtype=torch.float64).as_subclass(watched.WatchedGradient)
+        assert (elsewhere.dtype, elsewhere.device, elsewhere.is_sparse) == (torch.float64, torch.device("cpu"), False)
+        monkeypatch.undo()
+        opt.step()
+        plain(ref, ropt, 2)
+        opt.synchronize()
+        assert_same(model, ref)
+    finally:
+        opt._dc.close()
+
+
+@pytest.mark.filterwarnings("ignore:GradScaler is going to stop passing itself:FutureWarning")
+def test_grad_scaler_step_unscales_the_plain_slots_and_equals_plain_torch(monkeypatch):
+    """``scaler.step(opt)`` waits for every reduced gradient, then unscales them and steps with the plain slots in
+    ``p.grad`` (``Stepper.slots_lent``): the watch sees none of it, and the weights, the skipped step of a
+    non-finite loss and the scale are plain torch's with its own scaler."""
+    model, opt, ref, ropt = pair(LAZY)
+    scalers = {opt: torch.amp.GradScaler("cpu", init_scale=2.0 ** 8), ropt: torch.amp.GradScaler("cpu",
+                                                                                                init_scale=2.0 ** 8)}
+    try:
+        for s in range(6):
+            for m, o in ((model, opt), (ref, ropt)):
+                o.zero_grad()
+                scaler = scalers[o]
+                scaler.scale(loss(m, s) * (float("inf") if s == 3 else 1.0)).backward()
+                seen = _watch_calls(monkeypatch) if o is opt and s > 1 else []
+                scaler.step(o)
+                monkeypatch.undo()
+                assert seen == []
+                scaler.update()
+        assert scalers[opt].get_scale() == scalers[ropt].get_scale() < 2.0 ** 8  # the non-finite step backed off
         opt.synchronize()
         assert_same(model, ref)
     finally:

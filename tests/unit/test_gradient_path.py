@@ -797,6 +797,12 @@ def test_the_slots_lent_to_the_wrapped_step_go_back_as_they_came():
     assert all(p.grad is g for p, g in zip(params, before))
     path.return_slots()  # nothing lent: nothing changes
     assert all(p.grad is g for p, g in zip(params, before))
+    params[2].grad = None
+    path.lend_slots(range(len(params)), watched_only=True)  # the eager step's: only where p.grad is ours
+    assert [p.grad is buffers.slots[i] for i, p in enumerate(params)] == [True, False, False, True, True, True]
+    assert params[1].grad is theirs and params[2].grad is None
+    path.return_slots()
+    assert params[0].grad is buffers.watched[0] and params[1].grad is theirs and params[2].grad is None
 
 
 @pytest.mark.parametrize("config", [LAZY, EAGER], ids=["lazy", "eager"])
