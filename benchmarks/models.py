@@ -284,6 +284,21 @@ class LSTMLanguageModel(nn.Module):
 # --------------------------------------------------------------------------
 
 
+class TiedLM(nn.Module):
+    """An embedding tied to the output layer (one tensor read at both ends), with ``blocks`` Linear-ReLU blocks
+    between (``benchmarks.host_patterns``)."""
+
+    def __init__(self, vocab: int = 512, width: int = 64, blocks: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.body = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(blocks)])
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.emb(x))).flatten(0, 1)
+
+
 class TinyMLP(nn.Module):
     def __init__(self, width: int = 64):
         super().__init__()
