@@ -164,6 +164,57 @@ def split_model(config: dc.Config, skew: _Skew, steps: int) -> dict:
     return out
 
 
+def interleaved_split(config: dc.Config, skew: _Skew, steps: int) -> dict:
+    """(d) One model split between two optimizers by kind, so that their parameters' memory interleaves (each
+    layer's weight, then its bias): the weight matrices under SGD with momentum, the biases and the norm under
+    Adam, as decayed and undecayed groups are often split. Every other step clears the gradients with
+    ``model.zero_grad()`` (every guard stands aside for neither optimizer's zero_grad then), and every third an EMA
+    reads the weight matrices after both steps, while both optimizers' updates wait: the read applies SGD's
+    updates with Adam's guard lifted, its parameters sharing no byte with SGD's (Note [Several guards])."""
+    world, rank = dc.size(), dc.rank()
+    model = _net(7)
+    ref = copy.deepcopy(model)
+    skew.install(model)
+
+    def split(m):
+        weights = [(n, p) for n, p in m.named_parameters() if p.dim() > 1]
+        return weights, [(n, p) for n, p in m.named_parameters() if p.dim() <= 1]
+
+    opts = [dc.DistributedOptimizer(OPTIMIZERS[kind]([p for _, p in named]), named_parameters=named, config=config)
+            for kind, named in zip(("sgd", "adam"), split(model))]
+    ropts = [OPTIMIZERS[kind]([p for _, p in named]) for kind, named in zip(("sgd", "adam"), split(ref))]
+    emas = [[p.detach().clone() for _, p in split(m)[0]] for m in (model, ref)]
+    for step in range(steps):
+        for m, os_ in ((model, opts), (ref, ropts)):
+            if step % 2:
+                m.zero_grad()
+            else:
+                for o in os_:
+                    o.zero_grad()
+        loss = loss_of(model, batch(step, rank))
+        skew()
+        loss.backward()
+        skew()
+        for opt in opts:
+            opt.step()
+            skew()
+        reference_grads(ref, step, world)
+        for ropt in ropts:
+            ropt.step()
+        if step % 3 == 2:
+            for m, ema in zip((model, ref), emas):
+                with torch.no_grad():
+                    for e, (_, p) in zip(ema, split(m)[0]):
+                        e.mul_(0.9).add_(p, alpha=0.1)
+    for opt in opts:
+        opt.synchronize()
+    out = _result([model], [ref], opts)
+    out["diff"] = max(out["diff"], max(float((e - f).abs().max()) for e, f in zip(*emas)))
+    for opt in opts:
+        opt._dc.close()
+    return out
+
+
 def _alive(group) -> bool:
     import torch.distributed as dist
 
@@ -204,6 +255,7 @@ def multi_optimizer(backend: str = "auto", block_bytes: int = 128, horovod_first
                          backend=backend)
     out = {"two_models": two_models(fixed, skew, steps),
            "split_model": split_model(fixed, skew, steps),
+           "interleaved_split": interleaved_split(fixed, skew, steps),
            "replaced": replaced(fixed, skew, steps),
            "two_models_profiled": two_models(profiled, skew, steps)}
     if backend == "torch":

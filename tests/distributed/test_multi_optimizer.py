@@ -30,7 +30,7 @@ DRIVEN_BLOCK_BYTES = 512
 
 def _check(per_rank: list, backend: str) -> None:
     cases = [case for case in per_rank[0] if case != "lifecycle"]
-    assert cases == ["two_models", "split_model", "replaced", "two_models_profiled"], cases
+    assert cases == ["two_models", "split_model", "interleaved_split", "replaced", "two_models_profiled"], cases
     for case in cases:
         for rank, result in enumerate(per_rank):
             r = result[case]
