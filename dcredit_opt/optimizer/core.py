@@ -424,8 +424,11 @@ class Core:
         final already and nothing is to be applied, so that the watch need not list the tensors read."""
         if self.closed:
             return False
-        backward = self.backward
-        return not backward.every_final or bool(writes and self.lazy.npending and not backward.open)
+        return not self.backward.every_final or self._written_while_pending(writes)
+
+    def _written_while_pending(self, writes: bool) -> bool:
+        """An in-place change between a lazy ``step()`` and the next backward, while updates wait."""
+        return bool(writes and self.lazy.npending and not self.backward.open)
 
     def gradients_read(self, indices, writes: bool = False) -> None:
         """Note [Gradient reads] in watched.py: user code reads ``p.grad`` of ``indices``, or (``writes``) may
@@ -433,7 +436,7 @@ class Core:
         if self.closed:
             return
         lazy = self.lazy
-        if writes and lazy.npending and not self.backward.open and any(lazy.pending[i] for i in indices):
+        if self._written_while_pending(writes) and any(lazy.pending[i] for i in indices):
             # Between a lazy step() and the next backward the slot still holds the reduced gradient that a
             # pending update needs: the updates first, then the change lands where plain torch's would.
             name = self.names[next(i for i in indices if lazy.pending[i])]

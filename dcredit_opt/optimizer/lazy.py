@@ -482,6 +482,8 @@ def _detached_copy(v):
         return v
     if isinstance(v, torch.Tensor):
         return v.detach().clone()
+    if type(v) is tuple and all(type(x) in _PLAIN for x in v):
+        return v  # Adam's betas: nothing in it can change in place
     if isinstance(v, (tuple, list)):
         return type(v)(_detached_copy(x) for x in v)
     return v
