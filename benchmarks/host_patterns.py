@@ -36,6 +36,7 @@ PATTERNS = {
     "plain": "one optimizer, optimizer.zero_grad()",
     "frozen": "every third tensor frozen (requires_grad=False)",
     "groups": "AdamW with decayed and undecayed groups",
+    "layer_groups": "a parameter group per layer, each with its own learning rate (layer-wise decay)",
     "two_optimizers": "two optimizers, half of the tensors each (AdamW, SGD with momentum)",
     "body_and_head": "the output layer on an optimizer of its own",
     "model_zero_grad": "model.zero_grad() instead of the optimizer's",
@@ -102,6 +103,10 @@ class Setup:
             opts = [torch.optim.AdamW([{"params": [p for p in trained if p.dim() > 1], "weight_decay": 0.1},
                                        {"params": [p for p in trained if p.dim() <= 1], "weight_decay": 0.0}],
                                       lr=1e-3)]
+        elif pattern == "layer_groups":
+            layers = [m for m in self.model if any(p.requires_grad for p in m.parameters(recurse=False))]
+            opts = [torch.optim.AdamW([{"params": list(m.parameters()), "lr": 1e-3 * 0.9 ** (len(layers) - k)}
+                                       for k, m in enumerate(layers)], lr=1e-3)]
         else:
             opts = [torch.optim.AdamW(trained, lr=1e-3)]
         if way == "dc":
