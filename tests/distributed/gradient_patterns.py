@@ -88,6 +88,16 @@ def grad_clip(job, lazy):
     return job.result(*_train(job, lazy, Net, change))
 
 
+def grad_clip_per_tensor(job, lazy):
+    """``clip_grad_norm_(foreach=False)``: a norm, then a scaling, per gradient. The first read releases the
+    blocks; a later one, once none is in flight, makes every gradient final at once (Note [Gradient reads]);
+    with the ranks' skew, some steps' reads come while blocks travel, some after."""
+    def change(m, step, reference):
+        nn.utils.clip_grad_norm_(m.parameters(), 0.05, foreach=False)
+
+    return job.result(*_train(job, lazy, Net, change))
+
+
 def grad_norm_read(job, lazy):
     """A gradient norm logged between backward and step (values only): the norm of the averaged gradient."""
     norms = {False: [], True: []}
@@ -526,6 +536,7 @@ GRADIENT_WORK = {f"{name}_{kind}": run for name, fn in {
     "grad_replaced_noise": grad_noise,
     "grad_set_to_none_after_backward": grad_none,
     "clip_grad_norm_without_synchronize": grad_clip,
+    "clip_grad_norm_per_tensor_without_synchronize": grad_clip_per_tensor,
     "grad_norm_read_before_step": grad_norm_read,
     "grad_changed_in_place_before_step": grad_scaled_in_place,
     "grad_alias_kept_and_written_after_zero_grad_to_none": _kept_aliases(True),
