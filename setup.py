@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parent
 # Every source listed here must also be in the sdist (MANIFEST.in).
 CORE = ["csrc/core/scheduler.cc", "csrc/core/backends.cc"]
 TORCH = ["csrc/torch/torch_backend.cc", "csrc/torch/gradient_path.cc", "csrc/torch/side_sums.cc",
-         "csrc/torch/bindings.cc"]
+         "csrc/torch/addresses.cc", "csrc/torch/bindings.cc"]
 CUDA_ONLY = ["csrc/torch/cuda_sync.cc"]
 # No -std: torch's build adds the standard its headers need (C++20 since
 # torch 2.14, whose headers refuse C++17). A release build: -g0 comes after

@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 import dcredit_opt as dc
 from benchmarks.models import get_model, loss_fn
+from dcredit_opt.optimizer.buffers import per_tensor
 from dcredit_opt.optimizer.reads import PendingReadGuard
 
 
@@ -45,17 +46,27 @@ class _Counter(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def per_op_cost_us(repeats: int = 7, number: int = 5000) -> float:
-    """An armed guard's cost on one small operation that reads no parameter, in µs."""
-    # one pending update, never read here
-    idle = types.SimpleNamespace(lazy=types.SimpleNamespace(npending=1, pending=[True]))  # an optimizer's core
+def per_op_cost_us(search: str = "cpp", op_kind: str = "other", repeats: int = 7, number: int = 5000) -> float:
+    """An armed guard's cost on one small operation, in µs: ``op_kind`` "other" reads no parameter
+    (``torch.add(x, 1)``), "applied" reads two parameters whose updates were applied already (``F.linear(x, w,
+    b)``, a forward's usual operation while other updates wait). ``search``: "cpp", the guard's C++ address table
+    (Note [Guard cost]), or "python", the same search in Python (``Addresses.read_by``)."""
+    weight, bias, waiting = torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(torch.zeros(8)), torch.zeros(4)
+    params = [weight, bias, waiting]
+    pending = per_tensor(len(params), "B")
+    pending[2] = 1  # one pending update, never read here
+    idle = types.SimpleNamespace(lazy=types.SimpleNamespace(npending=1, pending=pending))  # an optimizer's core
     guard = PendingReadGuard(lambda: idle)
-    param = torch.zeros(4)
-    guard.arm([param], [param.data_ptr()])
+    guard.arm(params, [p.data_ptr() for p in params], pending)
+    if search == "python":
+        guard._addresses._table = None
     x = torch.ones(8)
 
     def op():
-        torch.add(x, 1)
+        if op_kind == "other":
+            torch.add(x, 1)
+        else:
+            torch.nn.functional.linear(x, weight, bias)
 
     armed = min(timeit.repeat(op, number=number, repeat=repeats)) / number
     guard.remove()
@@ -86,7 +97,7 @@ def measure(name: str, iters: int, warmup: int) -> dict:
             loss = loss_fn(model(x), y)
             t2 = time.perf_counter()
         loss.backward()
-        guard.arm = (lambda params, where: None) if on else arm  # step() arms the guard for the next forward
+        guard.arm = (lambda params, where, pending: None) if on else arm  # step() arms the guard for the next forward
         opt.step()
         t3 = time.perf_counter()
         if i >= warmup:
@@ -110,10 +121,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args(argv)
     dc.init()
-    per_op = per_op_cost_us()
+    costs = {(search, kind): per_op_cost_us(search, kind) for kind in ("other", "applied") for search in ("python", "cpp")}
+    per_op = max(costs["cpp", "other"], costs["cpp", "applied"])
     print(f"# read guard cost, {datetime.date.today()}, torch {torch.__version__}, {platform.processor() or '?'} "
           f"({torch.get_num_threads()} threads), world of one")
-    print(f"armed guard, per torch operation: {per_op:.2f} us (best of 7 x 5000)")
+    for kind, what in (("other", "reading no parameter, torch.add(x, 1)"),
+                       ("applied", "reading two parameters already updated, F.linear(x, w, b)")):
+        print(f"armed guard, per torch operation {what}: {costs['cpp', kind]:.2f} us with the C++ table, "
+              f"{costs['python', kind]:.2f} us with the search in Python (best of 7 x 5000)")
     print("| model | ops seen armed | cost per iteration | iteration | share | forward armed | forward disarmed |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name in args.models.split(","):

@@ -16,6 +16,7 @@
 #include "../core/backends.h"
 #include "../core/final_gate.h"
 #include "../core/scheduler.h"
+#include "addresses.h"
 #include "gradient_path.h"
 #include "side_sums.h"
 #include "torch_backend.h"
@@ -328,6 +329,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Per CPU tensor, the sum of its bytes read as words, modulo 2**64 (Note [Same weights] in usage.py).");
   m.def("fill_tally", &FillTally, py::arg("out"), py::arg("used"), py::arg("tail"), py::arg("rest"),
         "One rank's tally in one pass: the used flags, the rows proposal, then the rest (Note [Global usage]).");
+
+  // Note [Guard cost] in reads.py: the read guard's address table (addresses.h).
+  py::class_<AddressTable>(m, "AddressTable")
+      .def(py::init<std::vector<std::tuple<uint64_t, uint64_t, int64_t>>, const py::buffer&>(), py::arg("ranges"),
+           py::arg("pending"))
+      .def("touched", &AddressTable::Touched, py::arg("args"), py::arg("kwargs"),
+           "The tracked tensors the arguments touch, by memory, in order (an index once per touching tensor).")
+      .def("pending_touched", &AddressTable::PendingTouched, py::arg("args"), py::arg("kwargs"),
+           "Those of them whose update is pending, each once, in the order first touched.");
 
   // Note [Gradient path] in gradient_path.h. The per-tensor arrays are the optimizer's writable buffers
   // (kept alive with the path); `slow(i)` and `failed(i, message)` are its Python fallbacks.

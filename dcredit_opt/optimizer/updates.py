@@ -197,7 +197,7 @@ class LazyUpdates:
         pending = self._everything if self.npending == len(self._params) else indices_of(self.pending)
         if pending:
             path.forget_graph_reads(pending)
-            self.guard.arm(self._params, path.addresses())
+            self.guard.arm(self._params, path.addresses(), self.pending)
         self.deferred = True
         self._ahead = 0
         if self.npending:

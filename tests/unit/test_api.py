@@ -896,15 +896,14 @@ def test_our_own_gradient_bookkeeping_passes_the_read_guard_and_leaves_it_armed(
     model, ref, opt, ref_opt = _peek_net_with_c_pending()
     guard = opt._dc.lazy.guard
     examined = []
-    real = guard._addresses.read_by
+    real = guard._addresses.pending_read_by
 
-
-    def read_by(args, kwargs):  # operations on tensors (the wrapped zero_grad's profiler marks take none)
+    def pending_read_by(args, kwargs):  # operations on tensors (the wrapped zero_grad's profiler marks take none)
         if any(isinstance(a, torch.Tensor) for a in (*args, *(kwargs or {}).values())):
             examined.append(1)
         return real(args, kwargs)
 
-    guard._addresses.read_by = read_by
+    guard._addresses.pending_read_by = pending_read_by
     opt.zero_grad()
     assert not examined and guard.armed
     with torch.no_grad():
