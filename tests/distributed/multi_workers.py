@@ -131,10 +131,31 @@ def replaced(config: dc.Config, skew: _Skew, steps: int) -> dict:
     return out
 
 
+def _split_step(model, ref, opts, ropts, step: int, skew: _Skew, model_zero_grad: bool = False) -> None:
+    """One step of a model whose parameters two optimizers share out, and of its synchronous reference: the
+    gradients cleared (by the optimizers, or ``model.zero_grad()``), a loss and its backward, each optimizer's
+    step, with the rank's sleeps between."""
+    for m, os_ in ((model, opts), (ref, ropts)):
+        if model_zero_grad:
+            m.zero_grad()
+        else:
+            for o in os_:
+                o.zero_grad()
+    loss = loss_of(model, batch(step, dc.rank()))
+    skew()
+    loss.backward()
+    skew()
+    for opt in opts:
+        opt.step()
+        skew()
+    reference_grads(ref, step, dc.size())
+    for ropt in ropts:
+        ropt.step()
+
+
 def split_model(config: dc.Config, skew: _Skew, steps: int) -> dict:
     """(b) One model whose parameters are split between two optimizers: the first layers under SGD
     with momentum, the rest under Adam. One backward makes both optimizers' gradients."""
-    world, rank = dc.size(), dc.rank()
     model = _net(2)
     ref = copy.deepcopy(model)
     skew.install(model)
@@ -144,18 +165,7 @@ def split_model(config: dc.Config, skew: _Skew, steps: int) -> dict:
             for kind, prefixes in zip(("sgd", "adam"), split)]
     ropts = [OPTIMIZERS[kind]([p for _, p in _params(ref, prefixes)]) for kind, prefixes in zip(("sgd", "adam"), split)]
     for step in range(steps):
-        for opt in opts:
-            opt.zero_grad()
-        loss = loss_of(model, batch(step, rank))
-        skew()
-        loss.backward()
-        skew()
-        for opt in opts:
-            opt.step()
-            skew()
-        reference_grads(ref, step, world)
-        for ropt in ropts:
-            ropt.step()
+        _split_step(model, ref, opts, ropts, step, skew)
     for opt in opts:
         opt.synchronize()
     out = _result([model], [ref], opts)
@@ -171,7 +181,6 @@ def interleaved_split(config: dc.Config, skew: _Skew, steps: int) -> dict:
     ``model.zero_grad()`` (every guard stands aside for neither optimizer's zero_grad then), and every third an EMA
     reads the weight matrices after both steps, while both optimizers' updates wait: the read applies SGD's
     updates with Adam's guard lifted, its parameters sharing no byte with SGD's (Note [Several guards])."""
-    world, rank = dc.size(), dc.rank()
     model = _net(7)
     ref = copy.deepcopy(model)
     skew.install(model)
@@ -185,22 +194,7 @@ def interleaved_split(config: dc.Config, skew: _Skew, steps: int) -> dict:
     ropts = [OPTIMIZERS[kind]([p for _, p in named]) for kind, named in zip(("sgd", "adam"), split(ref))]
     emas = [[p.detach().clone() for _, p in split(m)[0]] for m in (model, ref)]
     for step in range(steps):
-        for m, os_ in ((model, opts), (ref, ropts)):
-            if step % 2:
-                m.zero_grad()
-            else:
-                for o in os_:
-                    o.zero_grad()
-        loss = loss_of(model, batch(step, rank))
-        skew()
-        loss.backward()
-        skew()
-        for opt in opts:
-            opt.step()
-            skew()
-        reference_grads(ref, step, world)
-        for ropt in ropts:
-            ropt.step()
+        _split_step(model, ref, opts, ropts, step, skew, model_zero_grad=step % 2 == 1)
         if step % 3 == 2:
             for m, ema in zip((model, ref), emas):
                 with torch.no_grad():

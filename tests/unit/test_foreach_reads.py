@@ -25,8 +25,8 @@ def clipped(model, opt, ref, ropt, steps):
             o.step()
 
 
-def test_clip_grad_norm_takes_the_foreach_path_and_reads_once_per_operation(monkeypatch):
-    model, opt, ref, ropt = pair(LAZY)
+def _counted_reads():
+    """Every ``Backward.gradients_read`` call's indices, once ``counted`` replaces it."""
     calls = []
     read = gradients.Backward.gradients_read
 
@@ -34,6 +34,12 @@ def test_clip_grad_norm_takes_the_foreach_path_and_reads_once_per_operation(monk
         calls.append(list(indices))
         return read(self, indices)
 
+    return calls, counted
+
+
+def test_clip_grad_norm_takes_the_foreach_path_and_reads_once_per_operation(monkeypatch):
+    model, opt, ref, ropt = pair(LAZY)
+    calls, counted = _counted_reads()
     try:
         clipped(model, opt, ref, ropt, range(3))
         opt.zero_grad()
@@ -138,13 +144,7 @@ def test_gradients_read_one_by_one_after_every_reduction_ended_wait_once(monkeyp
     gradient final at once, and the reads after it go through the watch without a wait (``Backward
     .gradients_read``). The step still uses the clipped gradients: plain torch's weights."""
     model, opt, ref, ropt = pair(LAZY)
-    calls = []
-    read = gradients.Backward.gradients_read
-
-    def counted(self, indices):
-        calls.append(list(indices))
-        return read(self, indices)
-
+    calls, counted = _counted_reads()
     try:
         for s in range(5):
             for m, o in ((model, opt), (ref, ropt)):
