@@ -423,6 +423,25 @@ world's average and the reference's) grows with it, by orders of magnitude a ste
 244 at step 5 with weights of 5e4), so such a case is compared between ranks only."""
 
 
+SPREAD_FACTOR = 10.0
+"""A trained case may differ from the reference by up to this many times the reference's own ``ref_spread``."""
+
+
+def _roundoff_spread(model: RandNet, ref: RandNet, case: dict, world: int) -> float:
+    """How far float32 roundoff alone carries this case: the reference trained again from weights one ulp apart
+    (``model`` untrained), its largest difference from ``ref``. Most cases stay within a few ulps; a chaotic one
+    (seed 12110103, a tied embedding whose weights grow to 5) turns a 1-ulp difference of a sum's order at step 4
+    into 1.7e-4 by step 8, tenfold a step, with the lazy step on or off alike."""
+    nudged = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in nudged.parameters():
+            p.copy_(torch.nextafter(p, torch.full_like(p, math.inf)))
+    nopt = make_optimizer(case["opt"], nudged.parameters(), case["hyper"])
+    for step in range(case["steps"]):
+        _reference_step(nudged, nopt, case, step, world)
+    return max((gap(p.detach(), q.detach()) for p, q in zip(nudged.parameters(), ref.parameters())), default=0.0)
+
+
 def gap(ours: torch.Tensor, ref: torch.Tensor) -> float:
     """The largest difference between ``ours`` and the reference ``ref``: 0 where they are equal, infinite where
     only one of them is not finite. A NaN in both at the same place (a drawn case whose own arithmetic made one,
@@ -445,6 +464,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
     ropt = make_optimizer(case["opt"], ref.parameters(), case["hyper"])
     for step in range(case["steps"]):
         _reference_step(ref, ropt, case, step, world)
+    out["ref_spread"] = _roundoff_spread(model, ref, case, world)
     finite = [q.detach()[torch.isfinite(q.detach())] for q in ref.parameters()]
     out["ref_absmax"] = max((float(f.abs().max()) for f in finite if f.numel()), default=0.0)
     opt = None

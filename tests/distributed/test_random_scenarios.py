@@ -9,7 +9,10 @@ must be one of:
 - trained: every parameter equals the synchronous reference to ``TOL`` on
   every rank, and the ranks hold exactly the same parameters (where the
   reference itself diverged, its weights beyond ``random_workers.DIVERGED``,
-  roundoff grows with it: the ranks' agreement alone is checked);
+  roundoff grows with it: the ranks' agreement alone is checked; where the
+  case is chaotic, the reference trained from weights one ulp apart ending
+  further from it than ``TOL``, the difference may reach
+  ``random_workers.SPREAD_FACTOR`` times that spread);
 - refused: every rank stopped, at least one with a ``DCreditError`` naming a
   parameter; a rank that was waiting in a collective when its peer raised may
   see that collective fail instead (``SchedulerError``: its channel closed).
@@ -109,8 +112,10 @@ def check_case(case: dict, per_rank: list) -> None:
     if statuses == ["trained"] * len(per_rank):
         for rank, r in enumerate(per_rank):
             diverged = r["ref_absmax"] > rw.DIVERGED  # the reference blew up: roundoff grows with it
-            assert diverged or r["diff"] < TOL, (f"rank {rank} differs from the synchronous reference (tolerance "
-                                                 f"{TOL}):\n{report}")
+            tol = max(TOL, rw.SPREAD_FACTOR * r["ref_spread"])  # a chaotic case carries roundoff further
+            assert diverged or r["diff"] < tol, (f"rank {rank} differs from the synchronous reference (tolerance "
+                                                 f"{tol:.3g}; one ulp at the start moves the reference by "
+                                                 f"{r['ref_spread']:.3g}):\n{report}")
             # Note [Embedding rows]: with one backward per step(), an embedding takes the rows path.
             if case.get("embed") and case["bpps"] == 1:
                 assert r["rows"] == 1, f"rank {rank}: the embedding did not take the rows path:\n{report}"
@@ -150,14 +155,18 @@ def test_random_cases_mostly_train():
             continue
         outcomes.append(tuple(r["status"] for r in per_rank))
         lazy += all(r.get("lazy_steps", 0) > 0 for r in per_rank)
-        diverged += any(r["status"] == "trained" and r["ref_absmax"] > rw.DIVERGED for r in per_rank)
+        diverged += any(r["status"] == "trained" and (r["ref_absmax"] > rw.DIVERGED or r["ref_spread"] > TOL)
+                        for r in per_rank)
     trained = sum(o == ("trained", "trained") for o in outcomes)
     refused = sum("dcredit_error" in o and set(o) <= {"dcredit_error", "collective_error"} for o in outcomes)
     print(f"random scenarios: {len(SEEDS)} cases, {trained} trained ({lazy} with lazy step()s on both ranks), "
           f"{refused} refused with DCreditError ({refused / max(1, len(SEEDS)):.0%}), "
-          f"{len(SEEDS) - trained - refused} other; {diverged} trained with a reference that diverged")
+          f"{len(SEEDS) - trained - refused} other; {diverged} trained with a reference that diverged or that one "
+          "ulp at the start moves by more than the tolerance")
     assert trained >= len(SEEDS) // 2, f"only {trained} of {len(SEEDS)} cases trained: {outcomes}"
-    # Those are compared between ranks only: they must stay few, or the reference would check little.
-    assert diverged <= max(1, len(SEEDS) // 20), f"{diverged} of {len(SEEDS)} cases diverged in the reference"
+    # Those are compared between ranks only, or to a wider tolerance: they must stay few, or the reference would
+    # check little.
+    assert diverged <= max(1, len(SEEDS) // 20), (f"{diverged} of {len(SEEDS)} cases diverged in the reference or "
+                                                  "are chaotic")
     # The point is the lazy step: most cases must have deferred updates to the next forward.
     assert lazy >= trained // 2, f"only {lazy} of {trained} trained cases had a lazy step() on both ranks"
