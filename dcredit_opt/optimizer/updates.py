@@ -250,6 +250,7 @@ class LazyUpdates:
                 return rest
             return tuple(compress(rest, map(pending.__getitem__, rest)))
         found = []
+        own = own if len(own) < 16 else frozenset(own)  # a module that reads hundreds: no scan per tensor
         while k < len(order):
             i = order[k]
             if pending[i] and i not in own and i not in rows_of:

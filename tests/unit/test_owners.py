@@ -442,6 +442,20 @@ def test_updates_read_later_join_an_apply_only_up_to_the_first_not_final():
     assert "outside any module's forward" in str(updates.stale_read(0))
 
 
+def test_updates_read_later_beside_a_module_that_reads_many():
+    """A module that first reads many tensors (a ParameterList's owner): the same answer as for a few, the
+    tensors it reads itself left out, up to the first that is not final."""
+    from dcredit_opt.optimizer.updates import LazyUpdates
+
+    params = [nn.Parameter(torch.zeros(2)) for _ in range(40)]
+    updates = LazyUpdates(object.__new__(type("O", (), {})), [f"p{i}" for i in range(40)], params, Notices())
+    updates._read_order = tuple(range(40))
+    updates.take([{"params": params}], every_hook=False)
+    own = tuple(range(0, 40, 2))  # 20 tensors: its own, applied by the caller
+    done = bytes(0 if i == 25 else 1 for i in range(40))
+    assert updates.done_ahead(own, rows_of={5: None}, done=done) == (1, 3) + tuple(range(7, 25, 2))
+
+
 class _StepperParts:
     """What a :class:`Stepper` reads, without processes: reduced gradients in plain slots, an engine whose
     blocks are all done, a tally with no embedding rows, a backward that adds nothing."""
