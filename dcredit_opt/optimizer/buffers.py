@@ -178,6 +178,12 @@ class GradientBuffers:
         """``grad`` is tensor ``i``'s watched gradient or its slot: the reduction lands in it."""
         return grad is self.watched[i] or is_slot(grad, self.slots[i])
 
+    @property
+    def steps_on_slots(self) -> bool:
+        """Whether the wrapped step takes every tensor's slot as it is (``for_step(i)`` is ``slots[i]``: no gradient
+        came sparse), so that they can be lent in one C++ pass (``GradientPath.lend_slots``)."""
+        return not self.as_sparse and True not in self.sparse
+
     def for_step(self, i: int) -> torch.Tensor:
         """The reduced gradient of tensor ``i`` as the wrapped step takes it (sparse if it came sparse)."""
         if self.as_sparse:

@@ -84,7 +84,7 @@ class Stepper:
         the scaler's unscaling) does not go through the watch, a Python call per operation and per attribute read
         (Note [Gradient reads]); a tensor user code put in ``p.grad`` stays. Dense slots in one C++ pass."""
         buffers, params = self._buffers, self.params
-        if not buffers.as_sparse and True not in buffers.sparse:
+        if buffers.steps_on_slots:
             path = self._backward.path
             path.lend_slots(indices, watched_only=True)
             try:
@@ -143,8 +143,7 @@ class Stepper:
             return
         # The wrapped step reads the parameters it updates: not reads to guard. It reads no other optimizer's
         # (it updates each parameter on its own, or we would not have deferred), unless a step hook came since.
-        others = "" if separable.has_step_hooks(self._optimizer()) else "apart"
-        with lazy.guard.paused(others) as paused:
+        with lazy.guard.paused(self._others_blind) as paused:
             if lazy.deferred:
                 lazy.check_stale(todo, path)
             self._wait(todo, on_stream=True)  # the wrapped step's kernels go on the current stream
@@ -160,6 +159,12 @@ class Stepper:
                 paused.stay_off()  # nothing left to guard (the common case: all at the forward's leader)
         lazy.applied(todo, path)
 
+    def _others_blind(self) -> str:
+        """``paused(others)`` for the wrapped step of deferred updates (Note [Several guards] in reads.py): the
+        other optimizers' guards whose parameters share no memory with ours see nothing of it, unless a step hook
+        (which may read anything) came since the step was deferred."""
+        return "" if separable.has_step_hooks(self._optimizer()) else "apart"
+
     def _run_wrapped_step(self, todo) -> None:
         params, buffers = self.params, self._buffers
         optimizer = self._optimizer()
@@ -170,7 +175,7 @@ class Stepper:
         snapshot = self._lazy.snapshot
         saved_hyper = [{k: g[k] for k in snap} for g, snap in zip(groups, snapshot)]
         # The slots as they are (the common case), lent in one C++ pass; else each tensor's as the step takes it.
-        path = None if unused or buffers.as_sparse or True in buffers.sparse else self._backward.path
+        path = self._backward.path if buffers.steps_on_slots and not unused else None
         saved_grads = None if path is not None else [params[i].grad for i in todo]
         # Every update at once (the common case where communication ends before the next forward): the
         # groups as they are, when they hold exactly our parameters, still (a parameter put in a group since

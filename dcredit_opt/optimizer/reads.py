@@ -426,7 +426,7 @@ class PendingReadGuard(TorchFunctionMode):
         self.armed = False
         _remove_from_stack(self)
 
-    def paused(self, others: str = "") -> _Paused:
+    def paused(self, others=""):
         """Our own work (gradients and slots, the wrapped step on the parameters it updates): the guard
         leaves this thread's mode stack for it, so those calls do not come to it at all, and returns to the
         bottom afterwards if it was there (user modes and tensor subclasses still see every call). Inside
@@ -436,7 +436,8 @@ class PendingReadGuard(TorchFunctionMode):
         where they could see nothing of the work inside: ``"all"`` for work that touches no tensor's values
         (``p.grad = None``), ``"apart"`` for work that touches only this optimizer's parameters (a wrapped
         step that updates each parameter on its own), each guard then only if no parameter of its
-        shares memory with one of ours."""
+        shares memory with one of ours. A callable for ``others`` is asked for that string only where another
+        mode is on the stack (the common case has none: the question costs nothing then)."""
         return _Paused(self, others)
 
     def leave_if_idle(self) -> None:
@@ -471,7 +472,7 @@ class _Paused:
 
     __slots__ = ("_armed", "_guard", "_lifted", "_lifted_others", "_others")
 
-    def __init__(self, guard: PendingReadGuard, others: str = ""):
+    def __init__(self, guard: PendingReadGuard, others=""):
         self._guard = guard
         self._others = others
 
@@ -479,7 +480,11 @@ class _Paused:
         guard = self._guard
         self._armed, guard.armed = guard.armed, False
         self._lifted = _remove_from_stack(guard)
-        self._lifted_others = _lift_other_guards(guard, self._others) if self._others and _stack_len() else ()
+        others = self._others
+        if others and _stack_len():
+            self._lifted_others = _lift_other_guards(guard, others() if callable(others) else others)
+        else:
+            self._lifted_others = ()
         return self
 
     def stay_off(self) -> None:
@@ -501,6 +506,8 @@ def _lift_other_guards(guard: PendingReadGuard, others: str) -> list:
     taken off it, bottom first."""
     ours = guard._addresses
     lifted = []
+    if not others:
+        return lifted
     for m in [_stack_at(k) for k in range(_stack_len())]:
         if (isinstance(m, PendingReadGuard) and m is not guard and m.armed
                 and (others == "all" or (ours is not None and m._addresses is not None

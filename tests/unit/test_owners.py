@@ -463,8 +463,7 @@ class _StepperParts:
     def __init__(self, params, reduced):
         self.slots = reduced
         self.watched = list(reduced)
-        self.as_sparse = {}
-        self.sparse = [False] * len(params)
+        self.steps_on_slots = True  # no gradient came sparse
         self.checked = []
         self.rows = {}
         self.path = _Path(params, reduced)
