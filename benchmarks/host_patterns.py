@@ -48,6 +48,10 @@ PATTERNS = {
     "lora": "the model frozen, rank-4 adapters on every Linear trained",
     "tied": "an embedding tied to the output layer, 16 Linear blocks",
     "conv_bn": "20 convolutions with batch norm",
+    "root_reads_all": "300 tensors of a ParameterList read by the root's own forward (F.linear)",
+    "shared_block": "one block applied 12 times (ALBERT-style weight sharing)",
+    "reversed": "the layers read in the reverse of the order they were registered in",
+    "sparse_embedding": "an embedding with sparse gradients under 16 Linear blocks (SGD)",
 }
 WARMUP = 30
 
@@ -62,6 +66,19 @@ def _model(pattern: str):
         from benchmarks.models import TiedLM
 
         return TiedLM(), torch.randint(0, 512, (2, 16), generator=gen), torch.randint(0, 512, (32,), generator=gen)
+    if pattern == "root_reads_all":
+        from benchmarks.models import RootReadsAll
+
+        return RootReadsAll(), torch.randn(16, 32, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+    if pattern == "shared_block":
+        from benchmarks.models import SharedBlock
+
+        return SharedBlock(), torch.randn(16, 64, generator=gen), torch.randint(0, 10, (16,), generator=gen)
+    if pattern == "sparse_embedding":
+        from benchmarks.models import SparseEmbeddingMLP
+
+        return (SparseEmbeddingMLP(), torch.randint(0, 5000, (16, 8), generator=gen),
+                torch.randint(0, 10, (16,), generator=gen))
     if pattern == "conv_bn":
         layers = [nn.Conv2d(3, 16, 3, padding=1)]
         for _ in range(20):
@@ -72,6 +89,10 @@ def _model(pattern: str):
     for _ in range(24):
         layers += [nn.Linear(64, 64), nn.LayerNorm(64), nn.GELU()]
     model = nn.Sequential(*layers, nn.Linear(64, 10))
+    if pattern == "reversed":
+        from benchmarks.models import ReadBackwards
+
+        model = ReadBackwards(model)
     if pattern == "lora":
         for p in model.parameters():
             p.requires_grad_(False)
@@ -103,6 +124,8 @@ class Setup:
             opts = [torch.optim.AdamW([{"params": [p for p in trained if p.dim() > 1], "weight_decay": 0.1},
                                        {"params": [p for p in trained if p.dim() <= 1], "weight_decay": 0.0}],
                                       lr=1e-3)]
+        elif pattern == "sparse_embedding":
+            opts = [torch.optim.SGD(trained, lr=1e-2)]  # torch's AdamW takes no sparse gradient
         elif pattern == "layer_groups":
             layers = [m for m in self.model if any(p.requires_grad for p in m.parameters(recurse=False))]
             opts = [torch.optim.AdamW([{"params": list(m.parameters()), "lr": 1e-3 * 0.9 ** (len(layers) - k)}

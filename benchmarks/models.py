@@ -299,6 +299,68 @@ class TiedLM(nn.Module):
         return self.head(self.body(self.emb(x))).flatten(0, 1)
 
 
+class RootReadsAll(nn.Module):
+    """Every weight in a ParameterList of ``n`` blocks that the root's own forward reads with ``F.linear``: one
+    module reads them all (its apply point owns every tensor), as functional and hypernetwork-style code has it
+    (``benchmarks.host_patterns``)."""
+
+    def __init__(self, n: int = 150, width: int = 32, classes: int = 10):
+        super().__init__()
+        self.weights = nn.ParameterList([nn.Parameter(torch.randn(width, width) / width ** 0.5) for _ in range(n)])
+        self.biases = nn.ParameterList([nn.Parameter(torch.zeros(width)) for _ in range(n)])
+        self.head = nn.Parameter(torch.randn(classes, width) / width ** 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for w, b in zip(self.weights, self.biases):
+            x = x + torch.tanh(F.linear(x, w, b))
+        return F.linear(x, self.head)
+
+
+class SharedBlock(nn.Module):
+    """One block applied ``times`` times (ALBERT-style weight sharing): each of its tensors read at every pass,
+    its gradient the sum of them all (``benchmarks.host_patterns``)."""
+
+    def __init__(self, width: int = 64, times: int = 12, classes: int = 10):
+        super().__init__()
+        self.times = times
+        self.block = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.LayerNorm(width))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(self.times):
+            x = x + self.block(x)
+        return self.head(x)
+
+
+class SparseEmbeddingMLP(nn.Module):
+    """An embedding with sparse gradients (``sparse=True``), mean-pooled, under ``blocks`` Linear-ReLU blocks
+    (``benchmarks.host_patterns``)."""
+
+    def __init__(self, vocab: int = 5000, width: int = 64, blocks: int = 16, classes: int = 10):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width, sparse=True)
+        self.body = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(blocks)])
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.emb(x).mean(1)))
+
+
+class ReadBackwards(nn.Module):
+    """The layers of ``layers`` (a Sequential) read in the reverse of their registration order, but for the last,
+    which stays last: the order of first reads is not the order of the parameters (``benchmarks.host_patterns``)."""
+
+    def __init__(self, layers: nn.Sequential):
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        *body, head = self.layers
+        for layer in reversed(body):
+            x = layer(x)
+        return head(x)
+
+
 class TinyMLP(nn.Module):
     def __init__(self, width: int = 64):
         super().__init__()

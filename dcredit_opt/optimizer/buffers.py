@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import struct
 import weakref
-from itertools import compress
+from itertools import compress, count
 
 import torch
 
@@ -183,6 +183,11 @@ class GradientBuffers:
         """Whether the wrapped step takes every tensor's slot as it is (``for_step(i)`` is ``slots[i]``: no gradient
         came sparse), so that they can be lent in one C++ pass (``GradientPath.lend_slots``)."""
         return not self.as_sparse and True not in self.sparse
+
+    def not_as_is(self) -> set:
+        """The tensors whose slot the wrapped step does not take as it is (``for_step(i)`` is not ``slots[i]``:
+        their gradients came sparse)."""
+        return {i for i, ids in self.as_sparse.items() if ids is not None} | set(compress(count(), self.sparse))
 
     def for_step(self, i: int) -> torch.Tensor:
         """The reduced gradient of tensor ``i`` as the wrapped step takes it (sparse if it came sparse)."""

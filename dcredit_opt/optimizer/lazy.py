@@ -78,29 +78,31 @@ class Stepper:
         self._lazy.all_applied()
 
     @contextlib.contextmanager
-    def slots_lent(self, indices):
-        """Meanwhile ``p.grad`` of ``indices`` is the plain slot (as the wrapped step takes it: sparse where it
-        came sparse) where it is the watched alias now, so that our own work on final gradients (the wrapped step,
-        the scaler's unscaling) does not go through the watch, a Python call per operation and per attribute read
-        (Note [Gradient reads]); a tensor user code put in ``p.grad`` stays. Dense slots in one C++ pass."""
-        buffers, params = self._buffers, self.params
-        if buffers.steps_on_slots:
-            path = self._backward.path
-            path.lend_slots(indices, watched_only=True)
-            try:
-                yield
-            finally:
-                path.return_slots()
-            return
-        watched = buffers.watched
-        ours = [i for i in indices if params[i].grad is watched[i]]
+    def slots_lent(self, indices, watched_only: bool = True, skip=()):
+        """Meanwhile ``p.grad`` of ``indices`` (but ``skip``) is the reduced gradient as the wrapped step takes it,
+        so that our own work on final gradients (the wrapped step, the scaler's unscaling) does not go through the
+        watch, a Python call per operation and per attribute read (Note [Gradient reads]): the plain slot, lent in
+        one C++ pass (``GradientPath.lend_slots``), or, for a gradient that came sparse, its sparse form, set by
+        hand. ``watched_only``: only where ``p.grad`` is the watched alias now (a tensor user code put there stays);
+        else whatever it holds. Afterwards each ``p.grad`` holds what it held before."""
+        buffers, params, path = self._buffers, self.params, self._backward.path
+        if buffers.steps_on_slots and not skip:  # the common case: no Python per tensor
+            lent, by_hand = indices, ()
+        else:
+            special, watched = buffers.not_as_is(), buffers.watched
+            lent = [i for i in indices if i not in skip and i not in special]
+            by_hand = [i for i in indices if i in special and i not in skip
+                       and (not watched_only or params[i].grad is watched[i])]
+        saved = [params[i].grad for i in by_hand]
+        path.lend_slots(lent, watched_only=watched_only)
         try:
-            for i in ours:
+            for i in by_hand:
                 params[i].grad = buffers.for_step(i)
             yield
         finally:
-            for i in ours:
-                params[i].grad = watched[i]
+            path.return_slots()
+            for i, grad in zip(by_hand, saved):
+                params[i].grad = grad
 
     def step_base(self) -> None:
         """The wrapped step as it is, over every parameter, nothing reduced (a fresh optimizer's state made
@@ -166,7 +168,7 @@ class Stepper:
         return "" if separable.has_step_hooks(self._optimizer()) else "apart"
 
     def _run_wrapped_step(self, todo) -> None:
-        params, buffers = self.params, self._buffers
+        params = self.params
         optimizer = self._optimizer()
         groups = optimizer.param_groups
         self._backward.add_rows(todo)
@@ -174,9 +176,6 @@ class Stepper:
         saved_params = [g["params"] for g in groups]
         snapshot = self._lazy.snapshot
         saved_hyper = [{k: g[k] for k in snap} for g, snap in zip(groups, snapshot)]
-        # The slots as they are (the common case), lent in one C++ pass; else each tensor's as the step takes it.
-        path = self._backward.path if buffers.steps_on_slots and not unused else None
-        saved_grads = None if path is not None else [params[i].grad for i in todo]
         # Every update at once (the common case where communication ends before the next forward): the
         # groups as they are, when they hold exactly our parameters, still (a parameter put in a group since
         # step() is not stepped here; the next step() refuses it).
@@ -193,23 +192,13 @@ class Stepper:
                 g.update(snap)
             for g in groups[len(snapshot):]:  # added after wrapping: refused at the next step()
                 g["params"] = []
-            if path is not None:
-                path.lend_slots(todo)
-            else:
-                for i in todo:
-                    if i not in unused:
-                        params[i].grad = buffers.for_step(i)
-            self._step_outside_forward(optimizer)
+            with self.slots_lent(todo, watched_only=False, skip=unused):  # the unused stay None
+                self._step_outside_forward(optimizer)
         finally:
             for g, ps in zip(groups, saved_params):
                 g["params"] = ps
             for g, hyper in zip(groups, saved_hyper):
                 g.update(hyper)
-            if path is not None:
-                path.return_slots()
-            else:
-                for i, grad in zip(todo, saved_grads):
-                    params[i].grad = grad
 
     def _step_outside_forward(self, optimizer) -> None:
         """The wrapped step of deferred updates, in the context ``step()`` gave them, not the forward's where

@@ -103,6 +103,8 @@ class SparseRows:
             return None
         if not ids:
             return torch.zeros(0, dtype=torch.int64, device=slot.device)
+        if len(ids) == 1:  # one rank's rows (a world of one, or the only rank with any): coalesced, so sorted, unique
+            return ids[0]
         return torch.unique(torch.cat(ids))
 
     def remove(self) -> None:

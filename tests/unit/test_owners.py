@@ -379,9 +379,11 @@ class _Path:
         self._slots = slots
         self._lent = []
 
-    def lend_slots(self, indices):  # the C++ pass, as Python would write it
+    def lend_slots(self, indices, watched_only=False):  # the C++ pass, as Python would write it
         assert not self._lent, "slots lent twice"
+        assert not watched_only, "the wrapped step takes every slot, whatever p.grad holds"
         self._lent = [(i, self._params[i].grad) for i in indices]
+        self.lent_once = [i for i, _ in self._lent]
         for i in indices:
             self._params[i].grad = self._slots[i]
 
@@ -516,6 +518,36 @@ def test_the_stepper_applies_what_waits_with_the_deferring_steps_hyperparameters
     stepper.apply_pending()
     assert torch.equal(params[1].detach(), torch.full((2,), 1.0 - 0.1 * 20)) and lazy.npending == 0
     assert parts.checked[-1] == ([1], "the lazy step") and parts.path.refreshed == [[2, 0], [1]]
+    lazy.remove_hooks()
+
+
+def test_the_stepper_lends_dense_slots_and_gives_a_sparse_gradient_its_sparse_form():
+    """The wrapped step of deferred updates where one gradient came sparse and one went unused: the dense slot
+    lent as it is, the sparse one's rows handed over sparse, the unused one's p.grad left None (no update, as
+    under DDP); afterwards every p.grad holds what it held."""
+    from dcredit_opt.optimizer.lazy import Stepper
+    from dcredit_opt.optimizer.updates import LazyUpdates
+
+    params = [nn.Parameter(torch.full((2,), float(k))) for k in range(3)]
+    names = ["a", "b", "c"]
+    sgd = torch.optim.SGD(params, lr=0.1)
+    parts = _StepperParts(params, [torch.full((2,), 10.0 * (k + 1)) for k in range(3)])
+    parts.steps_on_slots = False
+    parts.not_as_is = lambda: {1}
+    given = {}
+    parts.for_step = lambda i: given.setdefault(i, parts.slots[i].to_sparse())
+    parts.drop_unused_grads = lambda todo: [2]
+    lazy = LazyUpdates(sgd, names, params, Notices())
+    stepper = Stepper(sgd, torch.optim.SGD, names, params, [], (parts, lazy, parts, parts, parts, None), Config(),
+                      Notices(), None)
+    lazy.take(sgd.param_groups, every_hook=False)
+    lazy.skip([])
+    lazy.defer(sgd, parts.path)
+    stepper.apply([0, 1, 2])
+    assert list(given) == [1] and given[1].is_sparse  # by hand: the sparse one alone
+    assert parts.path.lent_once == [0]  # in the C++ pass: the dense one alone
+    assert [float(p.detach()[0]) for p in params] == pytest.approx([0.0 - 1.0, 1.0 - 2.0, 2.0])
+    assert all(p.grad is None for p in params)
     lazy.remove_hooks()
 
 

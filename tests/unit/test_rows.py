@@ -85,3 +85,29 @@ def test_packed_rows_come_back_from_any_offset_and_padding():
         assert torch.equal(got_rows, values)
     empty_ids, empty_rows = unpack(pack(ids[:0], values[:0], 1), 0, 1, values)
     assert empty_ids.numel() == 0 and empty_rows.shape == (0, 7)
+
+
+def test_sparse_rows_sum_every_ranks_rows_at_the_union_of_their_indices():
+    """Note [Sparse gradients]: the rows of each rank added, times the scale, into the slot; the indices handed to
+    the optimizer are the sorted union, with one rank's rows alone (a world of one) as with several."""
+    from dcredit_opt.optimizer.sparse import SparseRows, as_sparse, row_sparse
+
+    w = nn.Parameter(torch.zeros(6, 2))
+
+    def grad(ids, values):
+        return torch.sparse_coo_tensor(torch.tensor([ids]), torch.tensor(values), (6, 2), check_invariants=True)
+
+    mine = row_sparse("w", grad([4, 1, 4], [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]))  # repeated: coalesced to 1, 4
+    theirs = row_sparse("w", grad([0, 4], [[5.0, 5.0], [6.0, 6.0]]))
+    empty = (torch.zeros(0, dtype=torch.int64), torch.zeros(0, 2))
+    for gathered, want_ids, want in (
+            ([mine], [1, 4], {1: 1.0, 4: 2.0}),
+            ([empty, mine], [1, 4], {1: 1.0, 4: 2.0}),
+            ([mine, theirs], [0, 1, 4], {0: 2.5, 1: 1.0, 4: 5.0})):
+        rows = SparseRows(0, w, "w")
+        rows.gathered = gathered
+        slot = torch.zeros(6, 2)
+        ids = rows.add_to(slot, 0.5)
+        assert ids.tolist() == want_ids and ids.dtype == torch.int64
+        assert slot[:, 0].tolist() == [want.get(r, 0.0) for r in range(6)]
+        assert torch.equal(as_sparse(slot, ids).to_dense(), slot)
