@@ -42,7 +42,7 @@ from ..reduce_ops import Average, block_reduction
 from ..world import job, process_sets
 from . import checks, devices
 from .buffers import GradientBuffers
-from .gradients import Backward, WeakMethod
+from .gradients import ANOTHER_MODELS_LOSS, TWO_PASS_OPTIMIZERS, Backward, WeakMethod
 from .layout import fixed_plan
 from .lazy import Stepper, holds_any, watch_module_hooks_when_compiled
 from .notices import Notices
@@ -329,13 +329,7 @@ class Core:
                 "loss.backward() (or a backward that raised part-way) and before optimizer.step() or "
                 "optimizer.synchronize(). Nothing was changed. To apply them, call optimizer.step(); to skip "
                 "this iteration, call optimizer.synchronize() and then optimizer.zero_grad(), on every rank "
-                "alike (Note [Skipped steps]). An optimizer that uses the averaged gradients between passes of "
-                "its own (SAM: first_step(), a second forward and backward, second_step()) needs "
-                "optimizer.synchronize() after each backward, before its own methods (docs/usage.md, 'Two passes "
-                "per update'). If that backward was meant for another model's loss (a GAN's "
-                "generator loss through the discriminator), keep this model's parameters out of it: "
-                "loss.backward(inputs=[...the other model's parameters]), or requires_grad_(False) on these "
-                "parameters during that backward")
+                f"alike (Note [Skipped steps]). {TWO_PASS_OPTIMIZERS} If that backward was {ANOTHER_MODELS_LOSS}")
         # Our own bookkeeping on gradients, not a read of any parameter: the read guard stands aside (it
         # would examine every call here while updates are pending; Note [Guard cost] in reads.py).
         # A zero_grad to None of torch's own only gets and sets p.grad, which no guard takes for a read: our other

@@ -25,6 +25,17 @@ from ..errors import DCreditError
 from ..world.peers import at_rank
 from .buffers import clear, indices_of, per_tensor
 
+# The advice two refusals share (here and in Core.zero_grad): what an optimizer with passes of its own does, and
+# what a backward meant for another model's loss does.
+TWO_PASS_OPTIMIZERS = (
+    "An optimizer that uses the averaged gradients between passes of its own (SAM: first_step(), a second "
+    "forward and backward, second_step()) runs without step(): call optimizer.synchronize() after each "
+    "backward, then its own methods (docs/usage.md, 'Two passes per update').")
+ANOTHER_MODELS_LOSS = (
+    "meant for another model's loss (a GAN's generator loss through the discriminator), keep this model's "
+    "parameters out of it: loss.backward(inputs=[...the other model's parameters]), or requires_grad_(False) "
+    "on these parameters during that backward.")
+
 
 class Backward:
     """One iteration's gradients, from the first hand-over to ``step()``.
@@ -103,17 +114,13 @@ class Backward:
     def too_many_passes(self, i: int) -> DCreditError:
         closure = (
             " This pass is the closure's that step(closure) ran: step(closure) reduces the gradients its "
-            "closure computes, so call it without a backward of your own before it. An optimizer that uses the "
-            "averaged gradients between passes of its own (SAM: first_step(), a second forward and backward, "
-            "second_step()) runs without step(): call optimizer.synchronize() after each backward, then its "
-            "own methods (docs/usage.md, 'Two passes per update')." if self.in_closure else "")
+            f"closure computes, so call it without a backward of your own before it. {TWO_PASS_OPTIMIZERS}"
+            if self.in_closure else "")
         return DCreditError(
             f"gradient of parameter '{self.names[i]}' was computed {self.counts[i] + 1} times before "
             f"step(), but backward_passes_per_step={self.passes}.{closure} Call step() after every "
             f"{self.passes} backward pass(es), or raise backward_passes_per_step. If one of those passes was "
-            f"meant for another model's loss (a GAN's generator loss through the discriminator), keep this "
-            f"model's parameters out of it: loss.backward(inputs=[...the other model's parameters]), or "
-            f"requires_grad_(False) on these parameters during that backward.")
+            f"{ANOTHER_MODELS_LOSS}")
 
     # Note [Gradients with a graph]
     # loss.backward(create_graph=True) leaves in p.grad a gradient that autograd can differentiate again (a
