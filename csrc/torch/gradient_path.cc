@@ -540,18 +540,20 @@ std::pair<int64_t, bool> GradientPath::FirstStale(const std::vector<int64_t>& in
   std::lock_guard<std::mutex> lock(state_->mu);
   const State& s = *state_;
   for (int64_t i : indices) CheckIndex(s.params.size(), i, "first_stale");
+  // One walk, the answer of two: a graph read anywhere before a moved version anywhere (see the header), so the
+  // first moved version is only remembered on the way.
+  int64_t written = -1;
   for (int64_t i : indices) {
     const at::Tensor& p = s.params[i];
     if (torch::autograd::impl::get_autograd_meta(p) != nullptr &&
         torch::autograd::impl::try_get_grad_accumulator(p)) {
       return {i, false};
     }
+    if (written < 0 && torch::autograd::impl::version_counter(p).enabled() && p._version() != s.param_versions[i]) {
+      written = i;
+    }
   }
-  for (int64_t i : indices) {
-    const at::Tensor& p = s.params[i];
-    if (torch::autograd::impl::version_counter(p).enabled() && p._version() != s.param_versions[i]) return {i, true};
-  }
-  return {-1, false};
+  return {written, written >= 0};
 }
 
 }  // namespace dcredit

@@ -777,6 +777,32 @@ def test_parameters_made_as_views_of_one_buffer_share_a_version_counter_and_step
     assert_same(model, ref)
 
 
+def test_first_stale_names_a_graph_read_before_a_moved_version():
+    """GradientPath.first_stale, the apply's check (Note [Graph reads], Note [Unseen parameter writes]): after
+    forget_graph_reads, a parameter a graph read since is named first, wherever it stands among the indices;
+    else the first whose version moved; else none."""
+    model, opt, _, _ = pair(LAZY)
+    try:
+        train(model, opt, range(3))
+        opt.synchronize()
+        params, path = list(model.parameters()), opt._dc.backward.path
+        T = len(params)
+        path.forget_graph_reads(list(range(T)))
+        assert tuple(path.first_stale(list(range(T)))) == (-1, False)
+        with torch.no_grad():
+            params[3].add_(1.0)  # a write no graph records: its version moves
+        assert tuple(path.first_stale(list(range(T)))) == (3, True)
+        kept = params[1] * 2.0  # a graph read: a new accumulator for params[1]
+        assert tuple(path.first_stale(list(range(T)))) == (1, False)
+        assert tuple(path.first_stale([3, 1])) == (1, False)
+        assert tuple(path.first_stale([0, 3])) == (3, True) and tuple(path.first_stale([0, 2])) == (-1, False)
+        with pytest.raises(IndexError, match="tensor 9 out of range"):
+            path.first_stale([0, 9])
+        del kept
+    finally:
+        opt._dc.close()
+
+
 def test_the_slots_lent_to_the_wrapped_step_go_back_as_they_came():
     """GradientPath.lend_slots: p.grad is each tensor's slot for the wrapped step (past the watched alias), and
     return_slots puts back whatever p.grad held, the watched alias or a tensor the script put there; a second
