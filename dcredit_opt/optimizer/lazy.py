@@ -78,15 +78,17 @@ class Stepper:
         self._lazy.all_applied()
 
     @contextlib.contextmanager
-    def slots_lent(self, indices, watched_only: bool = True, skip=()):
+    def slots_lent(self, indices, watched_only: bool = True, skip=(), sparse_form: bool = True):
         """Meanwhile ``p.grad`` of ``indices`` (but ``skip``) is the reduced gradient as the wrapped step takes it,
         so that our own work on final gradients (the wrapped step, the scaler's unscaling) does not go through the
         watch, a Python call per operation and per attribute read (Note [Gradient reads]): the plain slot, lent in
         one C++ pass (``GradientPath.lend_slots``), or, for a gradient that came sparse, its sparse form, set by
         hand. ``watched_only``: only where ``p.grad`` is the watched alias now (a tensor user code put there stays);
-        else whatever it holds. Afterwards each ``p.grad`` holds what it held before."""
+        else whatever it holds. ``sparse_form=False``: the plain slot for those too, for work that writes the
+        gradients in place (a sparse form holds a copy of the slot's rows: a write to it would be lost).
+        Afterwards each ``p.grad`` holds what it held before."""
         buffers, params, path = self._buffers, self.params, self._backward.path
-        if buffers.steps_on_slots and not skip:  # the common case: no Python per tensor
+        if (buffers.steps_on_slots or not sparse_form) and not skip:  # no Python per tensor
             lent, by_hand = indices, ()
         else:
             special, watched = buffers.not_as_is(), buffers.watched
@@ -418,7 +420,10 @@ class Stepper:
         backward.wait_final("step(), waiting for every block before GradScaler unscales them")
         backward.set_synchronized(True)  # final: the scaler's own writes below are expected
         if stage is OptState.READY:
-            with self.slots_lent(range(len(self.params))):  # final, and the scaler's writes expected
+            # Final, and the scaler's writes expected. It unscales in place, so it gets the slots themselves, dense
+            # also where the step takes a sparse form (a copy of the slot's rows, whose unscaling would be lost):
+            # the step then takes the unscaled rows, and the check for Inf/NaN sees them.
+            with self.slots_lent(range(len(self.params)), sparse_form=False):
                 scaler.unscale_(optimizer)
         if not sum(float(v.item()) for v in scaler._found_inf_per_device(optimizer).values()):
             return False

@@ -36,7 +36,10 @@ sparse in the first iteration and that gets one later is refused (the ranks
 never agreed to exchange it): the error names it and the fix (reach it in
 the first iteration, or ``sparse_as_dense=True``). ``p.grad`` read between
 ``backward()`` and ``step()`` is the averaged gradient in dense form; the
-optimizer gets it sparse.
+optimizer gets it sparse. The sparse form holds a copy of the slot's rows,
+so what writes gradients in place gets the dense slot itself: GradScaler's
+unscaling inside ``step()`` (``Stepper.scaled_skip``) unscales the slot,
+whose rows the optimizer then takes, and its check for Inf/NaN sees them.
 """
 
 from __future__ import annotations

@@ -252,6 +252,41 @@ def sparse_first_seen_later(job: Job) -> dict:
             "released": sorted(t[0] for t in trace if t[5]), "finished": sorted(t[0] for t in trace if t[7])}
 
 
+def grad_scaler(job: Job, recipe: bool = False) -> dict:
+    """GradScaler (``scaler.step(opt)``, scale 2**10 growing every 2 steps) over a sparse embedding and a dense
+    head: the scaler unscales the reduced rows themselves, which the step then takes; at step 2 rank 1's rows
+    alone are infinite, and every rank skips that step, as the reference on the summed loss does. ``recipe``:
+    Horovod's AMP recipe instead (``synchronize()``, ``scaler.unscale_``, then ``scaler.step`` under
+    ``skip_synchronize()``)."""
+    model, ref, opt, ropt = job.make(lambda: EmbedHead(head=True), sgd_momentum)
+    scaler, rscaler = (torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2) for _ in range(2))
+
+    def loss(m, step, rank):
+        out = mse(m, step, rank)
+        if step == 2 and rank == 1:  # infinite gradients in the embedding's rows only
+            out = out + m.emb(ids_of(step, rank)).sum() * float("inf")
+        return out
+
+    for step in range(STEPS):
+        opt.zero_grad()
+        scaler.scale(loss(model, step, job.rank)).backward()
+        if recipe:
+            opt.synchronize()
+            scaler.unscale_(opt)
+            with opt.skip_synchronize():
+                scaler.step(opt)
+        else:
+            scaler.step(opt)
+        scaler.update()
+        ropt.zero_grad()
+        rscaler.scale(sum(loss(ref, step, r) for r in range(job.world)) / job.world).backward()
+        rscaler.step(ropt)
+        rscaler.update()
+    opt.synchronize()
+    assert scaler.get_scale() == rscaler.get_scale(), (scaler.get_scale(), rscaler.get_scale())
+    return job.result(model, ref, opt)
+
+
 def _join(horovod_first: bool) -> None:
     if horovod_first:
         import horovod.torch as hvd
@@ -272,6 +307,8 @@ PATTERNS = {
     "dense_on_rank1_sometimes": dense_on_rank1_sometimes,
     "profiled_plan": profiled,
     "in_a_horovod_group": in_a_group,
+    "grad_scaler": grad_scaler,
+    "grad_scaler_horovod_recipe": lambda job: grad_scaler(job, recipe=True),
 }
 RAISE = {
     "sparse_first_seen_later": sparse_first_seen_later,
