@@ -41,15 +41,23 @@ struct GradientPath::State : std::enable_shared_from_this<GradientPath::State> {
   // Per parameter: its version counter when ForgetGraphReads last saw it (Note [Unseen parameter writes]).
   std::vector<int64_t> param_versions;
 
-  // Runs on autograd's thread before tensor i's gradient is added to p.grad;
-  // the GIL is not held. Python only where a refusal may apply.
-  void BeforeGradient(int32_t i) {
+  // Runs on autograd's thread before tensor i's gradient (`incoming`) is
+  // added to p.grad; the GIL is not held. Python only where a refusal may
+  // apply, or where a sparse gradient is about to be added to a dense p.grad
+  // (Note [Sparse gradients] in sparse.py: ours becomes sparse first).
+  void BeforeGradient(int32_t i, const at::Tensor* incoming) {
     std::unique_lock<std::mutex> lock(mu);
     if (closed) return;
     pre_seen[i] = 1;
-    if (!pending[i] && counts[i] < passes) return;
+    if (!pending[i] && counts[i] < passes && !SparseOntoDense(i, incoming)) return;
     lock.unlock();
     CallPython(before, i, nullptr);
+  }
+
+  bool SparseOntoDense(int32_t i, const at::Tensor* incoming) const {
+    if (incoming == nullptr || !incoming->defined() || !incoming->is_sparse()) return false;
+    const at::Tensor& grad = params[i].grad();
+    return grad.defined() && !grad.is_sparse();
   }
 
   // Tensor i's pre-hook, on the parameter (see the class comment).
@@ -189,7 +197,7 @@ class PreHook : public torch::autograd::FunctionPreHook {
   PreHook(std::shared_ptr<GradientPath::State> state, int32_t index) : state_(std::move(state)), index_(index) {}
 
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& values) override {
-    state_->BeforeGradient(index_);
+    state_->BeforeGradient(index_, values.empty() ? nullptr : &values[0]);
     return values;
   }
 

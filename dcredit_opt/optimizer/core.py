@@ -118,7 +118,8 @@ class Core:
             self.buffers.take_sparse(self.tally.put_sparse, self.tally.as_sparse)
         self.backward = Backward(names, params, passes, self.engine, self.buffers, self.tally, self.lazy, config,
                                  self.told, prescale=prescale, opening=WeakMethod(me, "_opening"),
-                                 restage=WeakMethod(me, "_restage"), apply_pending=WeakMethod(me, "apply_pending"))
+                                 restage=WeakMethod(me, "_restage"), apply_pending=WeakMethod(me, "apply_pending"),
+                                 spare_of=WeakMethod(me, "_spare_of"))
         parts = (self.buffers, self.lazy, self.tally, self.backward, self.engine, self.backend)
         self.stepper = Stepper(optimizer, base, names, params, frozen, parts, config, self.told, group_of)
         if config.policy == "deft" and not self.buffers.sums_delayed():
@@ -350,6 +351,10 @@ class Core:
                 self.apply_pending()
             # Reads and writes gradients only, never a parameter's values: the guard need not see it.
             self.stepper.zero_grad_base(set_to_none)
+
+    def _spare_of(self, i: int):
+        """Tensor ``i``'s spare (Note [Zeroed while pending]), or None."""
+        return None if self._spares is None else self._spares[i]
 
     def _give_spares(self) -> None:
         """Note [Zeroed while pending]: p.grad becomes zeros apart from the slot, where the slot holds a reduced

@@ -23,7 +23,8 @@ import torch
 from .. import _ext, timeline
 from ..errors import DCreditError
 from ..world.peers import at_rank
-from .buffers import clear, indices_of, per_tensor
+from .buffers import clear, indices_of, is_slot, per_tensor
+from .watched import WatchedGradient
 
 # The advice two refusals share (here and in Core.zero_grad): what an optimizer with passes of its own does, and
 # what a backward meant for another model's loss does.
@@ -56,7 +57,7 @@ class Backward:
     """
 
     def __init__(self, names, params, passes: int, engine, buffers, tally, lazy, config, notices, *,
-                 prescale: float, opening, restage, apply_pending):
+                 prescale: float, opening, restage, apply_pending, spare_of=lambda i: None):
         T = len(params)
         self.names = names
         self.params = params
@@ -82,6 +83,7 @@ class Backward:
         self._opening = opening
         self._restage = restage
         self._apply_pending = apply_pending
+        self._spare_of = spare_of  # Note [Zeroed while pending] in core.py: tensor i's spare, or None
         me = weakref.ref(self)
         # Note [Gradient path]: each gradient's hand-over, in C++; Python where it must.
         self.path = _ext.load().GradientPath(engine, params, self.counts, self.marked, tally.used, lazy.pending,
@@ -149,6 +151,28 @@ class Backward:
             raise self._lazy.stale_read(i)
         if self.counts[i] >= self.passes and _will_accumulate(self.params[i]):
             raise self.too_many_passes(i)
+        self._sparse_onto_ours(i)
+
+    def _sparse_onto_ours(self, i: int) -> None:
+        """Note [Sparse gradients] in sparse.py: a sparse gradient of tensor ``i`` is about to be added to a dense
+        ``p.grad``. Where that ``p.grad`` is ours (the slot of the reduced gradient, through its watched alias, or
+        a spare of zeros: Note [Zeroed while pending] in core.py) and the tensor's gradients travel as rows, plain
+        torch holds a sparse ``p.grad`` there (the optimizer got it sparse, and a zero_grad(set_to_none=False)
+        zeroes it in place, sparse), so its sum stays sparse, and an optimizer whose state is sparse (SGD's
+        momentum) takes it. So ``p.grad`` becomes the row-sparse form of what it holds first, the same values. A
+        dense tensor the script put there stays: dense plus sparse is dense, as in plain torch."""
+        p = self.params[i]
+        grad = p.grad
+        if grad is None or grad.is_sparse or not self._tally.travels_sparse(i):
+            return
+        # Ours: a watched alias (this plan's, or an earlier plan's that p.grad kept: a plan without the tensor's
+        # blocks is switched to once its gradients are found to come sparse), its slot, or its spare. Final: the
+        # update that read it is applied (else the check above raised), and nothing of ours writes it now.
+        if not (isinstance(grad, WatchedGradient) or is_slot(grad, self._buffers.slots[i])
+                or grad is self._spare_of(i)) or not _will_accumulate(p):
+            return
+        with torch._C.DisableTorchFunctionSubclass():  # its values as they are: no read to wait for
+            p.grad = grad.to_sparse(sparse_dim=1)
 
     def hand_over(self, i: int) -> None:
         """The C++ hook's Python path for tensor ``i`` (Note [Gradient path]): where the fast path cannot take

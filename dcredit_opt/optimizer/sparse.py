@@ -26,9 +26,17 @@ that never called the embedding). In the first iteration their blocks still
 run, carrying zeros from the ranks whose gradient came sparse.
 
 Plain torch makes a gradient dense once any dense part is added to it (a
-weight tied to a dense layer, a regulariser, ``zero_grad(set_to_none=False)``
-leaving a dense zero tensor): where some rank's gradient of such a tensor
-came dense in an iteration, the exchange says so, that dense part is
+weight tied to a dense layer, a regulariser, a dense zero tensor the script
+put in ``p.grad``), but keeps a sparse ``p.grad`` sparse when it zeroes it
+in place (``zero_grad(set_to_none=False)``) or adds the next gradient to it.
+Here ``p.grad`` after ``backward()`` is the dense slot (through its watched
+alias), or a dense spare of zeros: so where a sparse gradient is about to be
+added to one of ours, ``p.grad`` first becomes the row-sparse form of what
+it holds (``Backward._sparse_onto_ours``; the C++ pre-hook calls it where
+the incoming gradient is sparse and ``p.grad`` dense), and the sum stays
+sparse, as an optimizer whose state is sparse (SGD's momentum) needs.
+Where some rank's gradient of such a tensor came dense in an iteration,
+the exchange says so, that dense part is
 all-reduced whole on the side channel (after the first iteration; in it, by
 the blocks), the rows are added to it, and the wrapped step gets the dense
 sum, as synchronous training would. A tensor none of whose gradients came

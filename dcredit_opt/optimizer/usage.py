@@ -283,6 +283,10 @@ class UsageTally:
         self._first_sparse[i] = sparse.row_sparse(self._names[i], grad)
         return True
 
+    def travels_sparse(self, i: int) -> bool:
+        """Whether tensor ``i``'s gradients come sparse and travel as rows (Note [Sparse gradients])."""
+        return isinstance(self.rows.get(i), sparse.SparseRows)
+
     def sparse_rows(self) -> list:
         """Tensors whose gradients are reduced as sparse rows."""
         return [i for i, r in self.rows.items() if isinstance(r, sparse.SparseRows)]

@@ -287,6 +287,27 @@ def grad_scaler(job: Job, recipe: bool = False) -> dict:
     return job.result(model, ref, opt)
 
 
+def zeros_kept(job: Job, how: str) -> dict:
+    """Gradients zeroed in place, not dropped, under SGD with momentum (whose buffer is sparse, as the gradient it
+    was made from): ``model.zero_grad(set_to_none=False)`` after each step, or ``optimizer.zero_grad(set_to_none=
+    False)`` before each backward (while a lazy step's updates wait: Note [Zeroed while pending]). Plain torch
+    zeroes a sparse gradient sparse, so the next one adds to it sparse, and the momentum takes it: so here (Note
+    [Sparse gradients]; ``p.grad`` read between steps is dense, as that note says)."""
+    model, ref, opt, ropt = job.make(lambda: EmbedHead(head=True), sgd_momentum)
+    for step in range(STEPS):
+        if how == "optimizer":
+            opt.zero_grad(set_to_none=False)
+        mse(model, step, job.rank).backward()
+        opt.step()
+        if how == "model":
+            model.zero_grad(set_to_none=False)
+        ropt.zero_grad(set_to_none=False)
+        (sum(mse(ref, step, r) for r in range(job.world)) / job.world).backward()
+        ropt.step()
+    opt.synchronize()
+    return job.result(model, ref, opt)
+
+
 def _join(horovod_first: bool) -> None:
     if horovod_first:
         import horovod.torch as hvd
@@ -309,6 +330,8 @@ PATTERNS = {
     "in_a_horovod_group": in_a_group,
     "grad_scaler": grad_scaler,
     "grad_scaler_horovod_recipe": lambda job: grad_scaler(job, recipe=True),
+    "model_zero_grad_kept_with_momentum": lambda job: zeros_kept(job, "model"),
+    "optimizer_zero_grad_kept_with_momentum": lambda job: zeros_kept(job, "optimizer"),
 }
 RAISE = {
     "sparse_first_seen_later": sparse_first_seen_later,
