@@ -529,10 +529,13 @@ class Core:
         """Note [Replaced gradients]: the tensors whose gradient user code set to ``None`` after
         ``backward()``, and those whose gradient it replaced by another tensor."""
         dropped, replaced = [], []
-        buffers, marked, rows = self.buffers, self.backward.marked, self.tally.rows
+        buffers, marked = self.buffers, self.backward.marked
         for i in self.backward.path.not_watched():  # one C++ pass; nearly always none
             g = self.params[i].grad
-            if not marked[i] or i in rows:
+            # A tensor handed over (marked) had p.grad set to ours, embedding rows or not (a sparse gradient's
+            # hand-over too, and an embedding-only weight is handed over at the flush): anything else is the
+            # script's doing.
+            if not marked[i]:
                 continue
             if g is None:
                 dropped.append(i)

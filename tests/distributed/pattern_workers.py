@@ -1183,8 +1183,10 @@ def _rows_kinds(opt) -> dict:
 def embedding_rows(kind: str):
     """Note [Embedding rows]: an untied embedding ("untied"), one tied to the output layer ("tied"), an
     untied one that a regulariser also reads from step 4 on ("regularised": its dense rest is reduced in step()),
-    and an untied one whose gradients are zeroed, not dropped ("kept": zero_grad(set_to_none=False))."""
-    model_fn = TiedNet if kind == "tied" else EmbedNet
+    an untied one whose gradients are zeroed, not dropped ("kept": zero_grad(set_to_none=False)), and a tied
+    one whose gradient the script sets to None after every other backward ("dropped": no update at those steps,
+    Note [Replaced gradients], the rows and the rest alike)."""
+    model_fn = TiedNet if kind in ("tied", "dropped") else EmbedNet
 
     def run(job: Job) -> dict:
         model, ref, opt, ropt = job.make(model_fn, _adam)
@@ -1195,9 +1197,21 @@ def embedding_rows(kind: str):
                 out = out + 1e-2 * m.emb.weight.pow(2).sum()
             return out
 
-        job.train(model, ref, opt, ropt, loss, set_to_none=kind != "kept")
+        if kind == "dropped":
+            for step in range(STEPS):
+                opt.zero_grad()
+                loss(model, step, job.rank).backward()
+                if step % 2:
+                    model.emb.weight.grad = None
+                job.step(opt)
+                reference_grads(ref, lambda r, step=step: loss(ref, step, r), job.world)
+                if step % 2:
+                    ref.emb.weight.grad = None
+                ropt.step()
+        else:
+            job.train(model, ref, opt, ropt, loss, set_to_none=kind != "kept")
         kinds = _rows_kinds(opt)
-        expected = {"emb.weight": "tied" if kind == "tied" else "rows only"}
+        expected = {"emb.weight": "tied" if kind in ("tied", "dropped") else "rows only"}
         # The dense all-reduce of a rows-only weight's other gradient runs only when it has one.
         rest = any(str(key).startswith("rows rest") for key in opt._dc.told)
         return job.result(model, ref, opt, rows_path=kinds == expected, kinds=kinds,
@@ -1373,6 +1387,7 @@ WORK = {
     "embedding_rows_tied": embedding_rows("tied"),
     "embedding_rows_regularised_later": embedding_rows("regularised"),
     "embedding_rows_gradients_kept": embedding_rows("kept"),
+    "embedding_rows_gradient_dropped": embedding_rows("dropped"),
     "bare_parameter_of_parent": _module_pattern(BareParamNet),
     "functional_call_own_weights": functional_call_own,
     "no_grad_eval_after_step": eval_after_step,

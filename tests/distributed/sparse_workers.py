@@ -308,6 +308,25 @@ def zeros_kept(job: Job, how: str) -> dict:
     return job.result(model, ref, opt)
 
 
+def dropped_at_odd_steps(job: Job) -> dict:
+    """``p.grad = None`` for the embedding after every other backward (Note [Replaced gradients]): no update of
+    it at those steps, on every rank, as the reference has none."""
+    model, ref, opt, ropt = job.make(lambda: EmbedHead(head=True), sgd_momentum)
+    for step in range(STEPS):
+        opt.zero_grad()
+        mse(model, step, job.rank).backward()
+        if step % 2:
+            model.emb.weight.grad = None
+        opt.step()
+        ropt.zero_grad()
+        (sum(mse(ref, step, r) for r in range(job.world)) / job.world).backward()
+        if step % 2:
+            ref.emb.weight.grad = None
+        ropt.step()
+    opt.synchronize()
+    return job.result(model, ref, opt)
+
+
 def _join(horovod_first: bool) -> None:
     if horovod_first:
         import horovod.torch as hvd
@@ -332,6 +351,7 @@ PATTERNS = {
     "grad_scaler_horovod_recipe": lambda job: grad_scaler(job, recipe=True),
     "model_zero_grad_kept_with_momentum": lambda job: zeros_kept(job, "model"),
     "optimizer_zero_grad_kept_with_momentum": lambda job: zeros_kept(job, "optimizer"),
+    "gradient_dropped_at_odd_steps": dropped_at_odd_steps,
 }
 RAISE = {
     "sparse_first_seen_later": sparse_first_seen_later,
