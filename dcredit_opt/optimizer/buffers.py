@@ -174,6 +174,12 @@ class GradientBuffers:
             p.grad = watched  # Note [Gradient reads]
         self.versions[i] = slot._version  # from here on, only the collectives write the blocks
 
+    def stand_ready(self, i: int) -> None:
+        """``p.grad`` of tensor ``i`` becomes its watched alias, over its slot zeroed: before any gradient of its
+        own, which autograd then adds to it (Note [Embedding rows] in rows.py)."""
+        self.slots[i].zero_()
+        self._params[i].grad = self.watched[i]
+
     def is_ours(self, i: int, grad) -> bool:
         """``grad`` is tensor ``i``'s watched gradient or its slot: the reduction lands in it."""
         return grad is self.watched[i] or is_slot(grad, self.slots[i])
@@ -354,6 +360,9 @@ def _contiguous_strides(shape) -> tuple[int, ...]:
 
 
 def is_slot(grad, slot) -> bool:
-    """``grad`` is ``slot`` (our buffer), so the reduction already lands in it."""
-    return (grad is not None and not grad.is_sparse and slot.numel() > 0
-            and grad.data_ptr() == slot.data_ptr() and grad.shape == slot.shape)
+    """``grad`` is ``slot`` (our buffer), so the reduction already lands in it. Our own question: a watched
+    gradient (an earlier plan's, kept in p.grad) is asked past its watch, which would take it for a read."""
+    if grad is None or grad.is_sparse or slot.numel() == 0:
+        return False
+    with torch._C.DisableTorchFunctionSubclass():
+        return grad.data_ptr() == slot.data_ptr() and grad.shape == slot.shape

@@ -454,8 +454,8 @@ class Core:
             self.apply_pending()
         self.backward.gradients_read(indices)
 
-    def rows_arrived(self) -> None:
-        self.backward.rows_arrived()
+    def rows_arrived(self, i: int) -> None:
+        self.backward.rows_arrived(i)
 
     # ---- the backward's calls back ------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from .. import _ext, timeline
 from ..errors import DCreditError
 from ..world.peers import at_rank
 from .buffers import clear, indices_of, is_slot, per_tensor
+from .rows import ROWS_ONLY
 from .watched import WatchedGradient
 
 # The advice two refusals share (here and in Core.zero_grad): what an optimizer with passes of its own does, and
@@ -69,6 +70,7 @@ class Backward:
         self.every_final = not T  # False not in final, kept beside it: the watch asks at every operation
         self.open = False
         self.flushed = False
+        self._staging = False  # flush() is handing the unmarked tensors over
         self.synchronized = False
         self.in_closure = False  # step(closure) is running the closure (Core.step)
         self.iteration = 0  # iterations opened so far
@@ -215,11 +217,17 @@ class Backward:
         error = _ext.load().SchedulerError(message)  # what the Python path's mark_ready raises
         raise at_rank(error, f"phase 1 (backward), at the gradient of '{self.names[i]}' (tensor {i})")
 
-    def rows_arrived(self) -> None:
-        """An embedding's stand-in got its gradient (Note [Embedding rows]): the iteration opens here if no
-        other gradient opened it (its only gradients are embedding rows)."""
+    def rows_arrived(self, i: int) -> None:
+        """The stand-in of tensor ``i``'s embeddings got its gradient (Note [Embedding rows]): the iteration opens
+        here if no other gradient opened it (its only gradients are embedding rows). A weight only embeddings read
+        gets no gradient of its own, so its ``p.grad`` would stay None until ``step()``: it becomes the watched
+        alias of its slot now, zeroed (the gradient plain torch would show there is the rows', which a read waits
+        for: ``gradients_read``), and a gradient of its own that comes later in this backward adds to it."""
         if not self.open:
             self.begin()
+        r = self._tally.rows.get(i)
+        if r is not None and r.kind == ROWS_ONLY and self.params[i].grad is None:
+            self._buffers.stand_ready(i)
 
     # ---- the iteration ---------------------------------------------------------------
 
@@ -306,6 +314,13 @@ class Backward:
         self.final = [True] * len(self.params)
         self.every_final = True
 
+    def _rows_dropped(self, i: int) -> bool:
+        """A weight only embeddings read whose rows came this iteration (``rows_arrived`` made ``p.grad`` ours
+        then) and whose ``p.grad`` the script set to None since: dropped, as any other gradient set to None."""
+        r = self._tally.rows.get(i)
+        return (r is not None and r.kind == ROWS_ONLY and self.params[i].grad is None
+                and r.stand_in is not None and r.stand_in.grad is not None)
+
     def _stage(self, i: int) -> None:
         """This rank's gradient of tensor ``i`` into its slot; whether it had one, into the tally."""
         p = self.params[i]
@@ -316,10 +331,17 @@ class Backward:
         """End of backward: unmarked tensors (unused here) join with what they have."""
         buffers, marked = self._buffers, self.marked
         if not all(marked):  # in C: where every gradient was handed over (the common case), no Python per tensor
-            for i in range(len(self.params)):
-                if not marked[i]:
-                    self._stage(i)
-                    marked[i] = True
+            self._staging = True  # our own reads of a watched p.grad here (an earlier plan's) wait for nothing
+            try:
+                for i in range(len(self.params)):
+                    if not marked[i]:
+                        if self._rows_dropped(i):  # no update, as in plain torch (Note [Replaced gradients])
+                            buffers.versions[i] = buffers.slots[i]._version
+                        else:
+                            self._stage(i)
+                        marked[i] = True
+            finally:
+                self._staging = False
         if self._tally.exchanging:  # before the flush releases the last blocks: less queued ahead of them
             self._tally.exchange_rows(buffers.slots, buffers.versions, buffers.postscale)
         if buffers.delayed is not None:  # Note [Delayed updates]: the previous step's sum in, this step's out
@@ -364,8 +386,11 @@ class Backward:
         if self.open:
             marked = self.marked
             if not all(marked):
-                todo = [i for i in todo if marked[i]]  # the others: not handed over yet, the local gradient
-            if not todo:
+                # The others: not handed over yet, the local gradient; but an embedding's rows are the tensor's
+                # (Note [Embedding rows]): they come at the flush, which a read starts.
+                rows = self._tally.rows
+                todo = [i for i in todo if marked[i] or i in rows]
+            if not todo or self._staging:
                 return
             if not self.flushed:
                 if torch._C._current_graph_task_id() != -1:

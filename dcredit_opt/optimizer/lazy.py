@@ -438,8 +438,25 @@ class Stepper:
         where it has just learned them (for what else it saw), else None."""
         tracer = self._lazy.end_learning(recorder, closed)
         if tracer is not None:
+            self._refuse_renorm(tracer)
             self._propose_rows(tracer)
         return tracer
+
+    def _refuse_renorm(self, tracer) -> None:
+        """An embedding with ``max_norm`` renormalises, in place, in its forward, the rows its batch looks up: under
+        data parallelism each rank renormalises the rows of its own batch only, so the ranks' weights drift apart,
+        and none is what synchronous training on the global batch gives. Refused at the first ``step()`` with more
+        than one rank, before its updates."""
+        if runtime.size() < 2 or not tracer.renormed_by:
+            return
+        i, module = next(iter(sorted(tracer.renormed_by.items())))
+        raise DCreditError(
+            f"parameter '{self.names[i]}' is looked up by an {module}, which renormalises in place, in every forward, "
+            "the rows that this rank's batch looks up: each rank renormalises other rows, so the ranks' weights "
+            "would drift apart, unlike synchronous training on the global batch. Nothing was applied. Drop "
+            "max_norm, and where the rows must stay bounded, renormalise them after optimizer.step() on every rank "
+            "alike (with torch.no_grad(): torch.embedding_renorm_(weight, ids, max_norm, 2.0) with the ids of "
+            "every rank's batch, or weight.renorm_(2, 0, max_norm) for all rows)")
 
     def _propose_rows(self, tracer) -> None:
         """What this rank proposes for Note [Embedding rows] (in rows.py), from what the tracer saw; every

@@ -252,6 +252,9 @@ class FirstReadTracer(TorchFunctionMode):
         up (``F.embedding`` with the module's own weight; Note [Embedding rows] in ``rows.py``)."""
         self.read_otherwise: set[int] = set()
         """Tensors read by any other operation while we watched (a tied output layer, a regulariser)."""
+        self.renormed_by: dict[int, str] = {}
+        """Tensor index -> the embedding module (its class and ``max_norm``) whose forward renormalises, in place,
+        the rows of it that the batch looks up (``nn.Embedding(max_norm=...)``, ``nn.EmbeddingBag``'s too)."""
         self.entries: list[weakref.ref] = []
         """The modules whose forward began at the top (no module's forward around it) on the watching thread,
         in order, the first :data:`ENTRIES_KEPT`: where the next forward is expected to begin (Note [Resting
@@ -342,8 +345,12 @@ class FirstReadTracer(TorchFunctionMode):
             if weight is module.weight:
                 lookup = weight
         read = False
+        renorm = (getattr(module, "max_norm", None) is not None
+                  and isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)))
         for i in self._addresses.read_by(args, kwargs):
             read = True
+            if renorm and self._is_param(i, module.weight):
+                self.renormed_by.setdefault(i, f"{type(module).__name__}(max_norm={module.max_norm})")
             if i not in self.readers:
                 self.readers[i] = weakref.ref(module) if module is not None else None
                 self.first_read_ns[i] = time.perf_counter_ns()

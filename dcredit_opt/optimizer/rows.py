@@ -45,6 +45,16 @@ gradient before reducing. Every backend exchanges the rows on its side
 channel (a Gloo group, an MPI communicator, Horovod names); with one rank,
 with ``backward_passes_per_step`` above 1, for a weight in a Horovod group,
 or with ``Config(embedding_rows=False)``, embeddings reduce densely.
+A weight only embeddings read gets no gradient of its own, yet after
+``backward()`` plain torch shows it one (``clip_grad_norm_`` and any loop
+over ``p.grad`` read it): when its stand-in's gradient comes, its ``p.grad``
+becomes the watched alias of its slot, zeroed (``Backward.rows_arrived``),
+and a read of it starts the flush and waits for the rows, as a read of any
+gradient waits for its reduction; set to None after ``backward()``, it is
+dropped, no update, as any other gradient (Note [Replaced gradients]).
+``nn.Embedding(max_norm=...)`` renormalises in place the rows each rank's
+batch looks up, so the ranks' weights would drift apart: refused at the
+first ``step()`` with more than one rank (``Stepper._refuse_renorm``).
 A sparse gradient (``nn.Embedding(sparse=True)``) takes this path with no
 stand-in, on every backend and whatever those settings: its rows are
 ``p.grad`` itself (Note [Sparse gradients] in ``sparse.py``).
@@ -71,7 +81,7 @@ class EmbeddingRows:
         self.param = param
         self.name = name
         self.kind = kind
-        self._on_grad = on_grad  # called when the stand-in's gradient is accumulated (opens the iteration)
+        self._on_grad = on_grad  # on_grad(index) when the stand-in's gradient is accumulated (opens the iteration)
         self.stand_in: torch.Tensor | None = None
         self.ids: list[torch.Tensor] | None = []  # token ids of this iteration's lookups; None: some unknown
         self.gathered: list | None = None  # after the exchange: every rank's (indices, rows), in rank order
@@ -89,7 +99,7 @@ class EmbeddingRows:
         if self.stand_in is None:
             self.stand_in = self.param.detach().requires_grad_()
             self.stand_in.register_hook(self._before_accumulate)
-            self.stand_in.register_post_accumulate_grad_hook(lambda _: self._on_grad())
+            self.stand_in.register_post_accumulate_grad_hook(lambda _: self._on_grad(self.index))
         module._parameters["weight"] = self.stand_in
         if self.ids is not None:
             if args and isinstance(args[0], torch.Tensor):

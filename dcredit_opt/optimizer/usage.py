@@ -226,7 +226,7 @@ class UsageTally:
         self._turns = backend if isinstance(backend, TallyTurns) else None  # the steady tally in one call
         self._config = config
         self._notices = notices
-        self._on_rows_grad = on_rows_grad  # opens an iteration whose only gradients are embedding rows
+        self._on_rows_grad = on_rows_grad  # (i): tensor i's rows came; opens an iteration whose only gradients are rows
         self._usage = None  # the last flushed iteration's _Usage
         self._proposal = [0] * T  # what this rank learned: 0, rows.TIED or rows.ROWS_ONLY per tensor
         self._tail = per_tensor(2 * T, "i")  # the proposal's part of the tally (rows wanted, rows only)

@@ -143,6 +143,14 @@ class EmbedNet(nn.Module):
         return self.head(torch.tanh(self.mid(self.emb(tok).mean(1))))
 
 
+class MaxNormNet(EmbedNet):
+    """EmbedNet whose embedding renormalises the rows it looks up (``max_norm``), in place, in every forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb.max_norm = 1.0
+
+
 class TwiceNet(nn.Module):
     """One module called twice in a forward."""
 
@@ -1185,7 +1193,9 @@ def embedding_rows(kind: str):
     untied one that a regulariser also reads from step 4 on ("regularised": its dense rest is reduced in step()),
     an untied one whose gradients are zeroed, not dropped ("kept": zero_grad(set_to_none=False)), and a tied
     one whose gradient the script sets to None after every other backward ("dropped": no update at those steps,
-    Note [Replaced gradients], the rows and the rest alike)."""
+    Note [Replaced gradients], the rows and the rest alike; "dropped_untied": the same for an untied one, whose
+    p.grad only the rows make), and an untied one whose gradients are clipped after backward, without
+    synchronize() ("clipped": its p.grad must be there, non-None, with its rows, for the norm)."""
     model_fn = TiedNet if kind in ("tied", "dropped") else EmbedNet
 
     def run(job: Job) -> dict:
@@ -1197,15 +1207,19 @@ def embedding_rows(kind: str):
                 out = out + 1e-2 * m.emb.weight.pow(2).sum()
             return out
 
-        if kind == "dropped":
+        if kind in ("dropped", "dropped_untied", "clipped"):
             for step in range(STEPS):
                 opt.zero_grad()
                 loss(model, step, job.rank).backward()
-                if step % 2:
+                if kind == "clipped":
+                    nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+                elif step % 2:
                     model.emb.weight.grad = None
                 job.step(opt)
                 reference_grads(ref, lambda r, step=step: loss(ref, step, r), job.world)
-                if step % 2:
+                if kind == "clipped":
+                    nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+                elif step % 2:
                     ref.emb.weight.grad = None
                 ropt.step()
         else:
@@ -1388,6 +1402,8 @@ WORK = {
     "embedding_rows_regularised_later": embedding_rows("regularised"),
     "embedding_rows_gradients_kept": embedding_rows("kept"),
     "embedding_rows_gradient_dropped": embedding_rows("dropped"),
+    "embedding_rows_gradient_dropped_untied": embedding_rows("dropped_untied"),
+    "embedding_rows_clipped_without_synchronize": embedding_rows("clipped"),
     "bare_parameter_of_parent": _module_pattern(BareParamNet),
     "functional_call_own_weights": functional_call_own,
     "no_grad_eval_after_step": eval_after_step,
@@ -1513,6 +1529,21 @@ def rows_second_backward(job: Job) -> dict:
         job.step(opt)
 
     return _expect_error(job, model, ref, opt, ropt, body, loss)
+
+
+def embedding_max_norm(job: Job) -> dict:
+    """An embedding with max_norm: each rank renormalises the rows of its own batch, in place; refused at the
+    first step() (the weights of the ranks would drift apart)."""
+    model, ref, opt, ropt = job.make(MaxNormNet, _sgd)
+
+    def body(step, where):
+        opt.zero_grad()
+        where[0] = f"forward/backward of step {step}"
+        tied_loss(model, step, job.rank).backward()
+        where[0] = f"step() of step {step}"
+        job.step(opt)
+
+    return _expect_error(job, model, ref, opt, ropt, body, tied_loss)
 
 
 def p13_unscale_without_synchronize(job: Job) -> dict:
@@ -1650,6 +1681,7 @@ RAISE = {
     "weight_changed_on_one_rank": weight_changed_on_one_rank,
     "weight_restored_with_set_after_step": weight_restored_with_set_after_step,
     "gan_generator_backward_reaches_discriminator": gan("dcgan"),
+    "embedding_max_norm": embedding_max_norm,
 }
 
 LAST = {"P8_shutdown_after_lazy_step": p8_shutdown_after_lazy_step}

@@ -179,6 +179,8 @@ RAISES = {
     "P3e_stale_read_on_thread": (("a.weight",), ["synchronize()"]),
     "P3e_stale_read_untracked_on_thread": (("a.weight",), ["synchronize()"]),
     "rows_second_backward_before_step": (("emb.weight",), ["backward_passes_per_step"]),
+    "embedding_max_norm": (("emb.weight",), ["Embedding(max_norm=1.0)", "drift apart", "Nothing was applied",
+                                             "embedding_renorm_"]),
     "step_skipped_on_one_rank": (("",), ["not all applied the same number of optimizer updates",
                                          "zero_grad() without step() on every rank"]),
     "weight_changed_on_one_rank": (("out.bias",), ["differs between ranks", "on some ranks only",
