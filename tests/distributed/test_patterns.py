@@ -36,6 +36,7 @@ OTHER_BACKEND_TIMEOUT_S = 180
 OTHER_BACKENDS = ["P2_branch_on_rank1_while_profiling", "P3a_parameterlist_in_parent",
                   "P3b_child_weight_via_F_linear", "P3c_bare_weight_via_F_linear",
                   "unused_on_every_rank_with_momentum", "embedding_rows_tied", "embedding_rows_regularised_later",
+                  "embedding_rows_clipped_without_synchronize", "embedding_rows_gradient_dropped_untied",
                   "step_skipped_after_interrupted_backward"]
 
 _launched: dict = {}
