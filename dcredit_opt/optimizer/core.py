@@ -454,6 +454,25 @@ class Core:
             self.apply_pending()
         self.backward.gradients_read(indices)
 
+    def scaler_unscales(self, indices, device) -> list:
+        """Note [A scaler's unscale_] in watched.py: a scaler is about to unscale the gradients of ``indices``
+        (waited for here). Returns the slots on ``device`` that it must unscale too: gradients of ours that the
+        flush this read started gave to tensors whose ``p.grad`` was None when the scaler listed them."""
+        if self.closed:
+            return []
+        backward, params = self.backward, self.params
+        listed_unflushed = backward.open and not backward.flushed
+        had_none = [i for i, p in enumerate(params) if p.grad is None] if listed_unflushed else ()
+        self.gradients_read(indices, True)
+        backward.mark_unscaled(indices)
+        buffers, unscaled = self.buffers, backward.unscaled
+        unlisted = [i for i in had_none if i not in unscaled and buffers.is_ours(i, params[i].grad)
+                    and buffers.slots[i].device == device]
+        if unlisted:
+            self.gradients_read(unlisted, True)
+            backward.mark_unscaled(unlisted)
+        return [buffers.slots[i] for i in unlisted]
+
     def rows_arrived(self, i: int) -> None:
         self.backward.rows_arrived(i)
 

@@ -24,7 +24,6 @@ from .. import _ext, timeline
 from ..errors import DCreditError
 from ..world.peers import at_rank
 from .buffers import clear, indices_of, is_slot, per_tensor
-from .rows import ROWS_ONLY
 from .watched import WatchedGradient
 
 # The advice two refusals share (here and in Core.zero_grad): what an optimizer with passes of its own does, and
@@ -72,6 +71,7 @@ class Backward:
         self.flushed = False
         self._staging = False  # flush() is handing the unmarked tensors over
         self.synchronized = False
+        self.unscaled: set[int] = set()  # tensors a scaler unscaled in this iteration (Note [A scaler's unscale_])
         self.in_closure = False  # step(closure) is running the closure (Core.step)
         self.iteration = 0  # iterations opened so far
         self.python_handovers = 0  # gradients handed over in Python since wrapping (tests and benchmarks read it)
@@ -225,8 +225,7 @@ class Backward:
         for: ``gradients_read``), and a gradient of its own that comes later in this backward adds to it."""
         if not self.open:
             self.begin()
-        r = self._tally.rows.get(i)
-        if r is not None and r.kind == ROWS_ONLY and self.params[i].grad is None:
+        if self.params[i].grad is None and self._tally.rows_only_at(i) is not None:
             self._buffers.stand_ready(i)
 
     # ---- the iteration ---------------------------------------------------------------
@@ -264,6 +263,7 @@ class Backward:
         self._set_open(True)
         self.life.released = False
         self.synchronized = False
+        self.unscaled.clear()
         clear(self.marked)
         self.final = [False] * len(self.params)
         self.every_final = not self.params
@@ -309,6 +309,10 @@ class Backward:
         the step uses. Until ``step()`` ends (it clears it) or a skipped step leaves it."""
         self.synchronized = synchronized
 
+    def mark_unscaled(self, indices) -> None:
+        """A scaler is unscaling the gradients of ``indices`` (Note [A scaler's unscale_] in watched.py)."""
+        self.unscaled.update(indices)
+
     def all_final(self) -> None:
         """``synchronize()`` waited for every gradient: every read from here on is of final values."""
         self.final = [True] * len(self.params)
@@ -317,8 +321,8 @@ class Backward:
     def _rows_dropped(self, i: int) -> bool:
         """A weight only embeddings read whose rows came this iteration (``rows_arrived`` made ``p.grad`` ours
         then) and whose ``p.grad`` the script set to None since: dropped, as any other gradient set to None."""
-        r = self._tally.rows.get(i)
-        return (r is not None and r.kind == ROWS_ONLY and self.params[i].grad is None
+        r = self._tally.rows_only_at(i)
+        return (r is not None and self.params[i].grad is None
                 and r.stand_in is not None and r.stand_in.grad is not None)
 
     def _stage(self, i: int) -> None:

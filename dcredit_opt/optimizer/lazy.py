@@ -91,7 +91,7 @@ class Stepper:
         if (buffers.steps_on_slots or not sparse_form) and not skip:  # no Python per tensor
             lent, by_hand = indices, ()
         else:
-            special, watched = buffers.not_as_is(), buffers.watched
+            special, watched = buffers.not_as_is() if sparse_form else set(), buffers.watched
             lent = [i for i in indices if i not in skip and i not in special]
             by_hand = [i for i in indices if i in special and i not in skip
                        and (not watched_only or params[i].grad is watched[i])]
@@ -412,11 +412,7 @@ class Stepper:
         optimizer, backward = self._optimizer(), self._backward
         stage = scaler._per_optimizer_states[id(optimizer)]["stage"]
         if stage is OptState.UNSCALED and not backward.synchronized:
-            raise DCreditError(
-                "scaler.unscale_(optimizer) ran while dcredit_opt was still reducing the gradients, so it "
-                "unscaled and checked local, half-reduced values. Call optimizer.synchronize() before "
-                "scaler.unscale_(optimizer), then `with optimizer.skip_synchronize(): scaler.step(optimizer)`; "
-                "or leave the unscaling to scaler.step(optimizer), which reduces first")
+            self._check_unscaled()
         backward.wait_final("step(), waiting for every block before GradScaler unscales them")
         backward.set_synchronized(True)  # final: the scaler's own writes below are expected
         if stage is OptState.READY:
@@ -430,6 +426,25 @@ class Stepper:
         backward.end()
         backward.set_synchronized(False)
         return True
+
+    def _check_unscaled(self) -> None:
+        """``scaler.unscale_(optimizer)`` ran before ``step()`` without ``synchronize()``: every gradient of ours
+        must have been unscaled then, after its reduction (Note [A scaler's unscale_] in watched.py)."""
+        backward, buffers = self._backward, self._buffers
+        unscaled = backward.unscaled
+        missed = [i for i, p in enumerate(self.params)
+                  if i not in unscaled and p.grad is not None and buffers.is_ours(i, p.grad)]
+        if missed:  # those no rank used hold zeros, which step() drops (Note [Global usage])
+            unused = set(self._tally.unused_everywhere(missed))
+            missed = [i for i in missed if i not in unused]
+        if missed:
+            raise DCreditError(
+                f"scaler.unscale_(optimizer) did not unscale the reduced gradient of parameter "
+                f"'{self.names[missed[0]]}' (it had none on this rank when the scaler listed the gradients, and "
+                "the other ranks' sum that it got since lies on another device than that list): it would be "
+                "stepped still scaled here, while the other ranks unscaled theirs. Nothing was applied. Call "
+                "optimizer.synchronize() before scaler.unscale_(optimizer), then "
+                "`with optimizer.skip_synchronize(): scaler.step(optimizer)`")
 
     # ---- learning where parameters are first read (Note [First read]) ---------------
 

@@ -65,6 +65,8 @@ The lazy step defers only what it can prove safe, and checks the rest:
 - ``GradScaler.step(opt)`` passes the scaler to ``step()``
   (``_step_supports_amp_scaling``): the gradients are reduced first, then
   unscaled and checked for Inf/NaN, so every rank skips the same steps.
+  ``scaler.unscale_(opt)`` before it unscales the reduced gradients (Note
+  [A scaler's unscale_] in ``watched.py``).
 
 Note [Resting hooks]
 --------------------

@@ -287,6 +287,11 @@ class UsageTally:
         """Whether tensor ``i``'s gradients come sparse and travel as rows (Note [Sparse gradients])."""
         return isinstance(self.rows.get(i), sparse.SparseRows)
 
+    def rows_only_at(self, i: int):
+        """Tensor ``i``'s rows (Note [Embedding rows]) where it is reduced as embedding rows alone, else None."""
+        r = self.rows.get(i)
+        return r if r is not None and r.kind == rows.ROWS_ONLY else None
+
     def sparse_rows(self) -> list:
         """Tensors whose gradients are reduced as sparse rows."""
         return [i for i, r in self.rows.items() if isinstance(r, sparse.SparseRows)]

@@ -26,6 +26,23 @@ with ``writes``), so the change lands on the gradient as plain torch has it
 after ``step()``; on another thread than the one that called ``step()`` it
 is refused (applying there would race the next forward).
 
+Note [A scaler's unscale_]
+--------------------------
+The recipe for clipping under AMP (``scaler.unscale_(opt)``, clip,
+``scaler.step(opt)``) works as under DDP. ``unscale_`` lists every
+``p.grad`` that is not None, then unscales them in place with one operation
+per device and dtype, which the watch sees: it waits for their reductions,
+so the scaler unscales and checks the averaged gradients, alike on every
+rank. One case needs more: where that operation is the iteration's first
+read, the flush it starts gives ``p.grad`` to the tensors this rank did not
+use (their zeros join the sum, Note [Global usage]), after the scaler made
+its list without them, while another rank, which used them, lists them:
+left scaled here, they would be clipped and stepped 65536 times too large.
+So the first such operation also unscales those, with the scaler's
+``found_inf`` and scale (``Core.scaler_unscales``), and ``step()`` checks
+that every gradient of ours was unscaled (``Stepper.scaled_skip``), naming
+one that was not (one on another device than the scaler's list).
+
 Note [Unseen writes]
 --------------------
 ``p.grad.data`` is an alias of the slot with a version counter of its own
@@ -201,6 +218,8 @@ class WatchedGradient(torch.Tensor):
             reads, in_place = kind
             writes = (in_place and bool(args) and _has_watched(args[0])) or (
                 "out" in kwargs and _has_watched(kwargs["out"]))
+        if name == "_amp_foreach_non_finite_check_and_unscale_":
+            return _unscale(func, args, kwargs)
         if reads:
             _wait_for(args, kwargs, writes)
         if name in _PLAIN_COPIES and args and isinstance(args[0], WatchedGradient):
@@ -295,6 +314,31 @@ def _wait_for(args, kwargs, writes: bool) -> None:
 _MAY_HOLD_TENSORS = (torch.Tensor, list, tuple)
 _keeper_of = operator.attrgetter("_dc_keeper")
 _index_of = operator.attrgetter("_dc_index")
+
+
+def _unscale(func, args, kwargs):
+    """Note [A scaler's unscale_]: ``torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf,
+    inv_scale)``, the operation by which ``GradScaler.unscale_(optimizer)`` unscales its list of ``p.grad``."""
+    names = ("grads", "found_inf", "inv_scale")
+    bound = dict(zip(names, args), **kwargs)
+    grads, found_inf, inv_scale = (bound.get(k) for k in names)
+    reads: dict = {}  # keeper -> the indices of its tensors listed
+    for g in grads if isinstance(grads, (list, tuple)) else ():
+        if isinstance(g, WatchedGradient) and g._dc_keeper is not None:
+            reads.setdefault(g._dc_keeper, []).append(g._dc_index)
+    unlisted = []
+    for keeper, indices in reads.items():
+        core = keeper()
+        if core is not None:
+            unlisted += core.scaler_unscales(indices, found_inf.device)
+    with torch._C.DisableTorchFunctionSubclass():
+        result = func(*args, **kwargs)
+        by_dtype: dict = {}
+        for slot in unlisted:
+            by_dtype.setdefault(slot.dtype, []).append(slot)
+        for slots in by_dtype.values():
+            func(slots, found_inf, inv_scale)
+    return result
 
 
 def _keep(watched, alias: torch.Tensor) -> None:

@@ -252,12 +252,13 @@ def sparse_first_seen_later(job: Job) -> dict:
             "released": sorted(t[0] for t in trace if t[5]), "finished": sorted(t[0] for t in trace if t[7])}
 
 
-def grad_scaler(job: Job, recipe: bool = False) -> dict:
+def grad_scaler(job: Job, recipe: str = "") -> dict:
     """GradScaler (``scaler.step(opt)``, scale 2**10 growing every 2 steps) over a sparse embedding and a dense
     head: the scaler unscales the reduced rows themselves, which the step then takes; at step 2 rank 1's rows
     alone are infinite, and every rank skips that step, as the reference on the summed loss does. ``recipe``:
-    Horovod's AMP recipe instead (``synchronize()``, ``scaler.unscale_``, then ``scaler.step`` under
-    ``skip_synchronize()``)."""
+    Horovod's AMP recipe instead (``"horovod"``: ``synchronize()``, ``scaler.unscale_``, then ``scaler.step`` under
+    ``skip_synchronize()``), or torch's for clipping (``"torch_clip"``: ``scaler.unscale_``, ``clip_grad_norm_`` of the
+    head, ``scaler.step``; Note [A scaler's unscale_])."""
     model, ref, opt, ropt = job.make(lambda: EmbedHead(head=True), sgd_momentum)
     scaler, rscaler = (torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=2) for _ in range(2))
 
@@ -270,16 +271,23 @@ def grad_scaler(job: Job, recipe: bool = False) -> dict:
     for step in range(STEPS):
         opt.zero_grad()
         scaler.scale(loss(model, step, job.rank)).backward()
-        if recipe:
+        if recipe == "horovod":
             opt.synchronize()
             scaler.unscale_(opt)
             with opt.skip_synchronize():
                 scaler.step(opt)
+        elif recipe == "torch_clip":
+            scaler.unscale_(opt)
+            nn.utils.clip_grad_norm_(model.head.parameters(), 0.5)  # torch's norm takes no sparse gradient
+            scaler.step(opt)
         else:
             scaler.step(opt)
         scaler.update()
         ropt.zero_grad()
         rscaler.scale(sum(loss(ref, step, r) for r in range(job.world)) / job.world).backward()
+        if recipe == "torch_clip":
+            rscaler.unscale_(ropt)
+            nn.utils.clip_grad_norm_(ref.head.parameters(), 0.5)
         rscaler.step(ropt)
         rscaler.update()
     opt.synchronize()
@@ -348,7 +356,8 @@ PATTERNS = {
     "profiled_plan": profiled,
     "in_a_horovod_group": in_a_group,
     "grad_scaler": grad_scaler,
-    "grad_scaler_horovod_recipe": lambda job: grad_scaler(job, recipe=True),
+    "grad_scaler_horovod_recipe": lambda job: grad_scaler(job, recipe="horovod"),
+    "grad_scaler_torch_clip_recipe": lambda job: grad_scaler(job, recipe="torch_clip"),
     "model_zero_grad_kept_with_momentum": lambda job: zeros_kept(job, "model"),
     "optimizer_zero_grad_kept_with_momentum": lambda job: zeros_kept(job, "optimizer"),
     "gradient_dropped_at_odd_steps": dropped_at_odd_steps,

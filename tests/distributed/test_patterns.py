@@ -37,7 +37,7 @@ OTHER_BACKENDS = ["P2_branch_on_rank1_while_profiling", "P3a_parameterlist_in_pa
                   "P3b_child_weight_via_F_linear", "P3c_bare_weight_via_F_linear",
                   "unused_on_every_rank_with_momentum", "embedding_rows_tied", "embedding_rows_regularised_later",
                   "embedding_rows_clipped_without_synchronize", "embedding_rows_gradient_dropped_untied",
-                  "step_skipped_after_interrupted_backward"]
+                  "step_skipped_after_interrupted_backward", "P13_amp_clip_recipe"]
 
 _launched: dict = {}
 
@@ -78,7 +78,7 @@ def _per_rank(group: str, name: str) -> list:
 # Patterns whose updates wait for their first read (the lazy step); the others step eagerly by design: a custom
 # optimizer, a step hook, GradScaler.step (reduces first), synchronize() every step, every weight read by an EMA.
 EAGER_BY_DESIGN = {"P6_custom_optimizer_global_clip", "P7_step_post_hook", "P13p_plain_grad_scaler_with_inf",
-                   "horovod_amp_recipe", "ema_after_step", *gp.EAGER_BY_DESIGN}
+                   "P13_amp_clip_recipe", "horovod_amp_recipe", "ema_after_step", *gp.EAGER_BY_DESIGN}
 # Parameters read in a parent's forward: their updates must wait for that forward, not be applied in step().
 READ_BY_PARENT = {"P3a_parameterlist_in_parent", "P3b_child_weight_via_F_linear", "P3c_bare_weight_via_F_linear",
                   "bare_parameter_of_parent", "tied_weights"}
@@ -134,7 +134,7 @@ def test_pattern_equals_synchronous_reference(name):
             f"NumPy view lived (steps 2-{pw.STEPS - 3}) and lazy again after it was dropped")
         pending = per_rank[1]["pending"]  # the same clip by a torch operation: lazy throughout
         assert all(n > 0 for n in pending[1:]), f"rank 1: updates pending after each step(): {pending}"
-    elif name == "P13p_plain_grad_scaler_with_inf":
+    elif name in ("P13p_plain_grad_scaler_with_inf", "P13_amp_clip_recipe"):
         scales = [r["scales"] for r in per_rank]
         assert scales[0] == scales[1] == per_rank[0]["ref_scales"], f"scales per step: {scales}, reference " \
                                                                     f"{per_rank[0]['ref_scales']}"
@@ -175,7 +175,6 @@ NET_PARAMS = ("inp.weight", "inp.bias", "mid.weight", "mid.bias", "norm.weight",
 
 # name -> (parameter names one of which the message must quote, phrases of the fix it must contain)
 RAISES = {
-    "P13_unscale_without_synchronize": (NET_PARAMS + ("",), ["synchronize()"]),
     "P14_frozen_at_wrap_unfrozen_later": (("mid.weight",), ["after unfreezing"]),
     "P3e_stale_read_on_thread": (("a.weight",), ["synchronize()"]),
     "P3e_stale_read_untracked_on_thread": (("a.weight",), ["synchronize()"]),

@@ -240,3 +240,76 @@ def test_grad_scaler_step_unscales_the_plain_slots_and_equals_plain_torch(monkey
         assert_same(model, ref)
     finally:
         opt._dc.close()
+
+
+class Branched(nn.Module):
+    """``net()`` with a side branch that the forward takes at odd steps only."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.side = net(), nn.Linear(3, 3)
+        torch.manual_seed(1)
+        nn.init.normal_(self.side.weight)
+
+    def forward(self, x, side: bool):
+        y = self.body(x)
+        return y + self.side(y) if side else y
+
+
+def scaled_clipped(m, o, scaler, s):
+    """torch's recipe for clipping under AMP, without ``synchronize()``; the loss is Inf at step 3."""
+    o.zero_grad()
+    value = m(batch(s), s % 2 == 1).pow(2).mean() * (float("inf") if s == 3 else 1.0)
+    scaler.scale(value).backward()
+    scaler.unscale_(o)
+    nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+    scaler.step(o)
+    scaler.update()
+
+
+@pytest.mark.filterwarnings("ignore:GradScaler is going to stop passing itself:FutureWarning")
+def test_amp_clip_recipe_without_synchronize_equals_plain_torch():
+    """Note [A scaler's unscale_]: ``scaler.unscale_(opt)``, ``clip_grad_norm_``, ``scaler.step(opt)`` as torch's
+    AMP recipe has them. The side branch has no gradient when the scaler lists them at even steps; the flush that
+    its unscaling starts gives it one (zeros here, another rank's sum in a larger world), which is unscaled too."""
+    model, ref = Branched(), Branched()
+    opt, ropt = pair(LAZY, (model, ref))[1::2]
+    scalers = {opt: torch.amp.GradScaler("cpu", init_scale=2.0 ** 8), ropt: torch.amp.GradScaler("cpu",
+                                                                                                init_scale=2.0 ** 8)}
+    try:
+        for s in range(6):
+            scaled_clipped(model, opt, scalers[opt], s)
+            scaled_clipped(ref, ropt, scalers[ropt], s)
+            assert model.side.weight.grad is None if s % 2 == 0 else model.side.weight.grad is not None
+        assert scalers[opt].get_scale() == scalers[ropt].get_scale() < 2.0 ** 8  # the non-finite step backed off
+        opt.synchronize()
+        assert_same(model, ref)
+    finally:
+        opt._dc.close()
+
+
+@pytest.mark.filterwarnings("ignore:GradScaler is going to stop passing itself:FutureWarning")
+def test_a_gradient_the_scaler_did_not_unscale_is_refused_at_step(monkeypatch):
+    """Where the gradient that the flush gave to an unlisted tensor cannot be unscaled with the scaler's list (it
+    lies on another device than that list) and another rank used that tensor, ``scaler.step(opt)`` refuses,
+    naming it, and applies nothing. Both are pretended here (a world of one on one device)."""
+    from dcredit_opt.optimizer.core import Core
+    from dcredit_opt.optimizer.usage import UsageTally
+
+    model, ref = Branched(), Branched()
+    opt = pair(LAZY, (model, ref))[1]
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    try:
+        for s in range(2):
+            scaled_clipped(model, opt, scaler, s)
+        opt.synchronize()
+        before = [p.detach().clone() for p in model.parameters()]
+        unscales = Core.scaler_unscales
+        monkeypatch.setattr(Core, "scaler_unscales", lambda core, indices, device: unscales(core, indices, "meta"))
+        monkeypatch.setattr(UsageTally, "unused_everywhere", lambda tally, indices: [])
+        with pytest.raises(dc.DCreditError, match=r"did not unscale the reduced gradient of parameter 'side\.weight'.*"
+                                                  r"Nothing was applied.*optimizer\.synchronize\(\)"):
+            scaled_clipped(model, opt, scaler, 2)
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    finally:
+        opt._dc.close()
