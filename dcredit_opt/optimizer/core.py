@@ -119,7 +119,7 @@ class Core:
         self.backward = Backward(names, params, passes, self.engine, self.buffers, self.tally, self.lazy, config,
                                  self.told, prescale=prescale, opening=WeakMethod(me, "_opening"),
                                  restage=WeakMethod(me, "_restage"), apply_pending=WeakMethod(me, "apply_pending"),
-                                 spare_of=WeakMethod(me, "_spare_of"))
+                                 spare_of=WeakMethod(me, "_spare_of"), others=world > 1)
         parts = (self.buffers, self.lazy, self.tally, self.backward, self.engine, self.backend)
         self.stepper = Stepper(optimizer, base, names, params, frozen, parts, config, self.told, group_of)
         if config.policy == "deft" and not self.buffers.sums_delayed():
@@ -549,6 +549,7 @@ class Core:
         ``backward()``, and those whose gradient it replaced by another tensor."""
         dropped, replaced = [], []
         buffers, marked = self.buffers, self.backward.marked
+        read_while_unused = self.backward.read_while_unused
         for i in self.backward.path.not_watched():  # one C++ pass; nearly always none
             g = self.params[i].grad
             # A tensor handed over (marked) had p.grad set to ours, embedding rows or not (a sparse gradient's
@@ -556,6 +557,10 @@ class Core:
             # script's doing.
             if not marked[i]:
                 continue
+            if g is not None and i in read_while_unused and not buffers.is_ours(i, g):
+                # Note [Unused here]: made from the zeros shown for a tensor no rank used, where plain torch
+                # had None (and no update): a drop.
+                self.params[i].grad = g = None
             if g is None:
                 dropped.append(i)
             elif not buffers.is_ours(i, g):

@@ -57,7 +57,7 @@ class Backward:
     """
 
     def __init__(self, names, params, passes: int, engine, buffers, tally, lazy, config, notices, *,
-                 prescale: float, opening, restage, apply_pending, spare_of=lambda i: None):
+                 prescale: float, opening, restage, apply_pending, spare_of=lambda i: None, others: bool = True):
         T = len(params)
         self.names = names
         self.params = params
@@ -72,6 +72,11 @@ class Backward:
         self._staging = False  # flush() is handing the unmarked tensors over
         self.synchronized = False
         self.unscaled: set[int] = set()  # tensors a scaler unscaled in this iteration (Note [A scaler's unscale_])
+        # Note [Unused here]: tensors given p.grad at the end of this iteration's backward, unused on this rank,
+        # and those of them no rank used whose zeros user code read.
+        self.stood: set[int] = set()
+        self.read_while_unused: set[int] = set()
+        self._others = others  # other ranks reduce with this one: a tensor unused here may have their sum
         self.in_closure = False  # step(closure) is running the closure (Core.step)
         self.iteration = 0  # iterations opened so far
         self.python_handovers = 0  # gradients handed over in Python since wrapping (tests and benchmarks read it)
@@ -264,9 +269,31 @@ class Backward:
         self.life.released = False
         self.synchronized = False
         self.unscaled.clear()
+        self.stood.clear()
+        self.read_while_unused.clear()
         clear(self.marked)
         self.final = [False] * len(self.params)
         self.every_final = not self.params
+        if self._others and torch._C._current_graph_task_id() != -1:
+            torch.autograd.Variable._execution_engine.queue_callback(self._unused_stand_ready)
+
+    def _unused_stand_ready(self) -> None:
+        """Note [Unused here]: the end of the backward that opened this iteration; the tensors it did not reach
+        on this rank get ``p.grad``, the watched alias of their slot, zeroed."""
+        marked = self.marked
+        if all(marked) or not self.open or self.flushed:  # in C: every tensor reached (the common case)
+            return
+        params = self.params
+        todo = [i for i in range(len(params)) if not marked[i] and params[i].grad is None]
+        pending = self._lazy.pending
+        if any(pending[i] for i in todo):
+            # The last step()'s update of a tensor this forward did not read still needs its slot: applied
+            # first, as the flush would (the end of a backward: autograd no longer needs what it saved).
+            with self._lazy.guard.paused():
+                self._apply_pending()
+        for i in todo:
+            self._buffers.stand_ready(i)
+        self.stood.update(todo)
 
     def _aliases_kept(self) -> None:
         """Note [Kept aliases] in watched.py, at an iteration's first gradient: an alias of a slot whose
@@ -328,7 +355,9 @@ class Backward:
     def _stage(self, i: int) -> None:
         """This rank's gradient of tensor ``i`` into its slot; whether it had one, into the tally."""
         p = self.params[i]
-        self._tally.used[i] = p.grad is not None  # Note [Global usage]
+        grad = p.grad
+        # Note [Global usage]; the zeros of Note [Unused here], still ours, are no gradient of this rank's
+        self._tally.used[i] = grad is not None and not (i in self.stood and grad is self._buffers.watched[i])
         self._buffers.stage(i, p)
 
     def flush(self) -> None:
@@ -392,8 +421,9 @@ class Backward:
             if not all(marked):
                 # The others: not handed over yet, the local gradient; but an embedding's rows are the tensor's
                 # (Note [Embedding rows]): they come at the flush, which a read starts.
-                rows = self._tally.rows
-                todo = [i for i in todo if marked[i] or i in rows]
+                # And so do the zeros of Note [Unused here], which stand for the other ranks' sum.
+                rows, stood = self._tally.rows, self.stood
+                todo = [i for i in todo if marked[i] or i in rows or i in stood]
             if not todo or self._staging:
                 return
             if not self.flushed:
@@ -405,6 +435,8 @@ class Backward:
                         "in a hook registered before the DistributedOptimizer was built")
                 with self._lazy.guard.paused():
                     self.release()
+                if self.stood:
+                    self._unused_everywhere_dropped(todo)
             if self._engine.idle():
                 # Every reduction has ended (the flush launched every block; none is in flight): every gradient
                 # is final now, read or not, at no wait. Marked so in one go, a script that reads them one by one
@@ -431,6 +463,14 @@ class Backward:
         for i in todo:
             final[i] = True
         self.every_final = False not in final
+
+    def _unused_everywhere_dropped(self, read) -> None:
+        """Note [Unused here]: at the flush that a read of ``read`` started, the tensors given zeros at the end
+        of the backward that no rank used get ``p.grad = None`` now, as plain torch has it; those of them this
+        read is of are remembered (``read_while_unused``)."""
+        unused = self.drop_unused_grads(sorted(self.stood))
+        if unused:
+            self.read_while_unused.update(set(unused).intersection(read))
 
     def accept_final_writes(self) -> None:
         """At ``step()``: a gradient that user code read after its reduction had ended (Note [Gradient

@@ -17,6 +17,38 @@ this rank did not use (a tensor used here is used, whatever the others
 did). A tensor that no rank used gets ``p.grad = None`` before the wrapped
 step, on every rank alike, and keeps it, as under DDP.
 
+Note [Unused here]
+------------------
+Under DDP, ``p.grad`` after ``backward()`` is set for every parameter some
+rank used, this rank's unused ones included (their averaged gradient). Code
+that lists the gradients first and reads them after (``clip_grad_norm_``,
+``clip_grad_value_``, a GradScaler's ``unscale_``, ``for p in params: if
+p.grad is not None: ...``) relies on that: a rank that skipped a branch
+must list its parameters too, or its norm, its clipping and its update
+differ from the other ranks', silently. Ours are reduced after
+``backward()``, and the tally that says who used what comes at the flush.
+So at the end of the backward that opened the iteration (an autograd
+callback queued at its first gradient), each tensor this rank did not
+reach gets ``p.grad``: the watched alias of its slot, zeroed (``stood``).
+It is this rank's contribution, zeros, and, as any watched gradient, a
+read of it waits for the reduction: it then shows the other ranks' sum. At
+the flush it counts as no gradient of this rank's (``used``), unless user
+code put another tensor in its place. In a world of one there is no other
+rank's sum to show: nothing is done there, and an unused ``p.grad`` stays
+``None`` as in plain torch.
+
+A tensor that no rank used shows zeros until the flush, where DDP shows
+``None``; at a flush that a read starts, those get ``p.grad = None`` at
+once (the tally is waited for there), so the rest of a loop over the
+gradients skips them, as under DDP. Where the read was of such a tensor
+itself (the first in the loop) and user code then put a tensor made from
+those zeros in its ``p.grad``, ``step()`` takes that as a drop
+(``read_while_unused``): plain torch had ``None`` there and no update. What
+is left different from DDP: user code that tests ``p.grad is None``
+between ``backward()`` and its first read sees zeros for a tensor no rank
+used; where it does more for a gradient than read it (a random draw per
+gradient), it does that once more, alike on every rank.
+
 The same tally carries each rank's proposal of tensors to reduce as
 embedding rows (Note [Embedding rows]) its count of updates (Note [Same updates]) and, now and
 then, fingerprints of its weights (Note [Same weights]); once every rank proposes the same ones, all take the rows

@@ -531,6 +531,81 @@ def model_also_in_ddp(job: pw.Job) -> dict:
     return pw._expect_error(job, model, ref, opt, ropt, body)
 
 
+# ---- a branch some ranks skip (Note [Unused here] in usage.py) ----------------------------------
+
+
+class BranchFirstNet(nn.Module):
+    """``Net`` whose branch comes first among the parameters: a loop over them reads the branch first."""
+
+    def __init__(self):
+        super().__init__()
+        self.branch = nn.Linear(61, 7)
+        self.body = Net()
+
+    def forward(self, x, use_branch: bool = False):
+        b = self.body
+        h = b.norm(torch.relu(b.mid(torch.relu(b.inp(x)))))
+        y = b.out(h)
+        return y + self.branch(h) if use_branch else y
+
+
+def _branch_used(rank: int, step: int) -> bool:
+    """By rank 1 alone at odd steps; by no rank at even steps."""
+    return rank == 1 and step % 2 == 1
+
+
+def _train_branched(job: pw.Job, lazy: bool, model_fn, change):
+    """``_train`` with the branch taken as :func:`_branch_used` says: rank 0 never reaches it, and at odd steps
+    rank 1's gradient of it is the average's, so rank 0's ``p.grad`` must show it after backward as DDP's does."""
+    config = job.config(lazy_step="auto" if lazy else "off")
+    model, ref, opt, ropt = job.make(model_fn, pw._sgd, config=config)
+    skew = pw.Skew(job.rank, 0)
+
+    def loss(m, step, rank):
+        x, y = batch(step, rank)
+        return F.mse_loss(m(x, use_branch=_branch_used(rank, step)), y)
+
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss(model, step, job.rank).backward()
+        skew()
+        change(model, step)
+        skew()
+        job.step(opt)
+        pw.reference_grads(ref, lambda r, step=step: loss(ref, step, r), job.world)
+        change(ref, step)
+        ropt.step()
+    return job.result(model, ref, opt)
+
+
+def branch_clipped(job, lazy):
+    """``clip_grad_norm_`` lists the gradients that are not None, then reads them: rank 0 lists the branch's too,
+    whose average rank 1 computed (else its norm, so its clipping, differs from rank 1's)."""
+    return _train_branched(job, lazy, lambda: Net(branch=True),
+                           lambda m, step: nn.utils.clip_grad_norm_(m.parameters(), 0.05))
+
+
+def branch_clipped_by_value(job, lazy):
+    return _train_branched(job, lazy, lambda: Net(branch=True),
+                           lambda m, step: nn.utils.clip_grad_value_(m.parameters(), 0.01))
+
+
+def _scaled_in_a_loop(m, step):
+    for p in m.parameters():
+        if p.grad is not None:
+            if step % 2 == 0:
+                p.grad = p.grad * 0.5
+            else:
+                p.grad.mul_(0.5)  # in place: the step stays lazy (a replaced gradient makes it eager)
+
+
+def branch_first_grads_replaced(job, lazy):
+    """``p.grad = p.grad * 0.5`` for every gradient that is not None, the branch first: at even steps no rank used
+    it, and what the loop made from the zeros it read first is a drop (plain torch had None: no update, no weight
+    decay); at odd steps rank 0 scales, in place, the average rank 1 computed."""
+    return _train_branched(job, lazy, BranchFirstNet, _scaled_in_a_loop)
+
+
 GRADIENT_WORK = {f"{name}_{kind}": run for name, fn in {
     "grad_replaced_scaled": grad_scaled,
     "grad_replaced_noise": grad_noise,
@@ -545,6 +620,9 @@ GRADIENT_WORK = {f"{name}_{kind}": run for name, fn in {
     "parameters_to_vector_after_step": parameters_to_vector_after_step,
     "whole_model_saved_with_teacher": whole_model_saved,
     "whole_model_saved_on_embedding_rows_path": whole_model_saved_on_rows_path,
+    "branch_unused_here_clip_grad_norm": branch_clipped,
+    "branch_unused_here_clip_grad_value": branch_clipped_by_value,
+    "branch_first_unused_everywhere_grads_replaced_in_a_loop": branch_first_grads_replaced,
 }.items() for kind, run in _both(fn).items()}
 GRADIENT_WORK["sam_two_passes_with_synchronize"] = sam_two_passes_with_synchronize
 GRADIENT_WORK["two_optimizers_both_wrapped_first_names_the_whole_model"] = two_optimizers()

@@ -313,3 +313,20 @@ def test_a_gradient_the_scaler_did_not_unscale_is_refused_at_step(monkeypatch):
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     finally:
         opt._dc.close()
+
+
+def test_a_tensor_unused_at_a_world_of_one_keeps_none_after_backward():
+    """Note [Unused here] gives a tensor this rank did not reach the other ranks' sum as ``p.grad``; in a world of
+    one there is none, so its ``p.grad`` stays None after backward, as in plain torch, and a loop over the gradients
+    that are not None skips it."""
+    model, ref = Branched(), Branched()
+    opt = pair(LAZY, (model, ref))[1]
+    try:
+        for s in range(4):
+            opt.zero_grad()
+            model(batch(s), s % 2 == 1).pow(2).mean().backward()
+            assert (model.side.weight.grad is None) == (s % 2 == 0)
+            assert not opt._dc.backward.stood
+            opt.step()
+    finally:
+        opt._dc.close()
