@@ -352,6 +352,11 @@ class Backward:
         return (r is not None and self.params[i].grad is None
                 and r.stand_in is not None and r.stand_in.grad is not None)
 
+    def _unused_dropped(self, i: int) -> bool:
+        """A tensor given zeros at the end of the backward (Note [Unused here]) whose ``p.grad`` the script set
+        to None since: dropped, as any other gradient set to None (its slot holds zeros already)."""
+        return i in self.stood and self.params[i].grad is None
+
     def _stage(self, i: int) -> None:
         """This rank's gradient of tensor ``i`` into its slot; whether it had one, into the tally."""
         p = self.params[i]
@@ -368,7 +373,8 @@ class Backward:
             try:
                 for i in range(len(self.params)):
                     if not marked[i]:
-                        if self._rows_dropped(i):  # no update, as in plain torch (Note [Replaced gradients])
+                        if self._rows_dropped(i) or self._unused_dropped(i):
+                            # No update, as in plain torch (Note [Replaced gradients]); zeros in its blocks.
                             buffers.versions[i] = buffers.slots[i]._version
                         else:
                             self._stage(i)

@@ -590,6 +590,16 @@ def branch_clipped_by_value(job, lazy):
                            lambda m, step: nn.utils.clip_grad_value_(m.parameters(), 0.01))
 
 
+def branch_dropped(job, lazy):
+    """``p.grad = None`` for the branch's weight at odd steps, on every rank, where rank 1 took the branch: no
+    update, as in plain torch, on rank 0 too, whose ``p.grad`` there was the zeros standing for rank 1's sum."""
+    def change(m, step):
+        if step % 2 == 1:
+            m.branch.weight.grad = None
+
+    return _train_branched(job, lazy, lambda: Net(branch=True), change)
+
+
 def _scaled_in_a_loop(m, step):
     for p in m.parameters():
         if p.grad is not None:
@@ -623,6 +633,7 @@ GRADIENT_WORK = {f"{name}_{kind}": run for name, fn in {
     "branch_unused_here_clip_grad_norm": branch_clipped,
     "branch_unused_here_clip_grad_value": branch_clipped_by_value,
     "branch_first_unused_everywhere_grads_replaced_in_a_loop": branch_first_grads_replaced,
+    "branch_unused_here_grad_dropped": branch_dropped,
 }.items() for kind, run in _both(fn).items()}
 GRADIENT_WORK["sam_two_passes_with_synchronize"] = sam_two_passes_with_synchronize
 GRADIENT_WORK["two_optimizers_both_wrapped_first_names_the_whole_model"] = two_optimizers()
