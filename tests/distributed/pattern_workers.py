@@ -640,43 +640,13 @@ def horovod_amp_recipe(job: Job) -> dict:
     return job.result(model, ref, opt, scale_diff=abs(scaler.get_scale() - rscaler.get_scale()))
 
 
-def plain_grad_scaler_with_inf(job: Job) -> dict:
+def grad_scaler_with_inf(job: Job, clip: bool = False) -> dict:
     """P13': scaler.scale(loss).backward(); scaler.step(opt); scaler.update(), no synchronize; at step 3
-    rank 0's loss is multiplied by inf, so only rank 0's local gradient is Inf: every rank must skip it."""
-    model, ref, opt, ropt = job.make(Net, _sgd)
-    scaler, rscaler = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
-
-    def loss(m, step, rank):
-        value = mse(m, step, rank)
-        return value * float("inf") if (step == 3 and rank == 0) else value
-
-    scales, rscales = [], []
-    for step in range(STEPS):
-        opt.zero_grad()
-        scaler.scale(loss(model, step, job.rank)).backward()
-        scaler.step(opt)
-        job.note(opt)
-        scaler.update()
-        scales.append(scaler.get_scale())
-        for p in ref.parameters():
-            p.grad = None
-        for r in range(job.world):
-            rscaler.scale(loss(ref, step, r)).backward()
-        finish_reference_grads(ref, job.world)
-        rscaler.step(ropt)
-        rscaler.update()
-        rscales.append(rscaler.get_scale())
-    return job.result(model, ref, opt, scales=scales, ref_scales=rscales,
-                      scale_diff=max(abs(a - b) for a, b in zip(scales, rscales)),
-                      inf_step_skipped=rscales[3] < rscales[2])
-
-
-def p13_amp_clip_recipe(job: Job) -> dict:
-    """P13: torch's recipe for clipping under AMP, without synchronize(): scaler.unscale_(opt), clip_grad_norm_,
-    scaler.step(opt). The branch is used on rank 1 only at odd steps (on neither at steps 2 and 6), so rank 0 has no
-    gradient of it when its scaler lists them (Note [A scaler's unscale_]); at step 3 rank 0's loss is Inf: every
-    rank skips that step."""
-    model, ref, opt, ropt = job.make(lambda: Net(branch=True), _sgd)
+    rank 0's loss is multiplied by inf, so only rank 0's local gradient is Inf: every rank must skip it.
+    ``clip``: P13, torch's recipe for clipping under AMP (scaler.unscale_(opt), clip_grad_norm_, then
+    scaler.step(opt)), with a branch that rank 1 alone takes, at odd steps: rank 0 has no gradient of it when its
+    scaler lists them (Note [A scaler's unscale_])."""
+    model, ref, opt, ropt = job.make(lambda: Net(branch=clip), _sgd)
     scaler, rscaler = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
 
     def loss(m, step, rank):
@@ -684,12 +654,16 @@ def p13_amp_clip_recipe(job: Job) -> dict:
         value = F.mse_loss(m(x, use_branch=step % 2 == 1 and rank == 1), y)
         return value * float("inf") if (step == 3 and rank == 0) else value
 
+    def unscaled_and_clipped(s, o, m):
+        if clip:
+            s.unscale_(o)
+            nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+
     scales, rscales = [], []
     for step in range(STEPS):
         opt.zero_grad()
         scaler.scale(loss(model, step, job.rank)).backward()
-        scaler.unscale_(opt)
-        nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        unscaled_and_clipped(scaler, opt, model)
         scaler.step(opt)
         job.note(opt)
         scaler.update()
@@ -699,8 +673,7 @@ def p13_amp_clip_recipe(job: Job) -> dict:
         for r in range(job.world):
             rscaler.scale(loss(ref, step, r)).backward()
         finish_reference_grads(ref, job.world)
-        rscaler.unscale_(ropt)
-        nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        unscaled_and_clipped(rscaler, ropt, ref)
         rscaler.step(ropt)
         rscaler.update()
         rscales.append(rscaler.get_scale())
@@ -1430,8 +1403,8 @@ WORK = {
     "P5_tensor_lr_adam_steplr": p5_tensor_lr_steplr,
     "P6_custom_optimizer_global_clip": p6_custom_global_clip,
     "P7_step_post_hook": p7_step_post_hook,
-    "P13p_plain_grad_scaler_with_inf": plain_grad_scaler_with_inf,
-    "P13_amp_clip_recipe": p13_amp_clip_recipe,
+    "P13p_plain_grad_scaler_with_inf": grad_scaler_with_inf,
+    "P13_amp_clip_recipe": lambda job: grad_scaler_with_inf(job, clip=True),
     "tied_weights": _module_pattern(TiedNet, _adam, tied_loss),
     "module_called_twice": _module_pattern(TwiceNet),
     "branch_skipped_on_all_ranks": branch_skipped_everywhere,
