@@ -182,6 +182,8 @@ class Core:
         self._end_learning()
         self.apply_pending()
         backward, everything = self.backward, range(len(self.params))
+        if not backward.open and backward.missed:  # Note [Missed here]: this rank joins the others' flush
+            backward.begin()
         if backward.open and not backward.synchronized:
             self.stepper.check_frozen()
             if not backward.flushed:
@@ -223,7 +225,7 @@ class Core:
                           "consider using optimizer.skip_synchronize() context if you use "
                           "optimizer.synchronize() in your code.")
         if not backward.open:
-            if not any(backward.counts):
+            if not any(backward.counts) and not backward.missed:  # Note [Missed here]: a backward ran
                 if self._zero_gradients_only():
                     # hvd.broadcast_optimizer_state() makes a fresh optimizer's state so: pending updates
                     # first, then the wrapped step over every parameter, nothing reduced.
@@ -454,24 +456,10 @@ class Core:
             self.apply_pending()
         self.backward.gradients_read(indices)
 
-    def scaler_unscales(self, indices, device) -> list:
-        """Note [A scaler's unscale_] in watched.py: a scaler is about to unscale the gradients of ``indices``
-        (waited for here). Returns the slots on ``device`` that it must unscale too: gradients of ours that the
-        flush this read started gave to tensors whose ``p.grad`` was None when the scaler listed them."""
-        if self.closed:
-            return []
-        backward, params = self.backward, self.params
-        listed_unflushed = backward.open and not backward.flushed
-        had_none = [i for i, p in enumerate(params) if p.grad is None] if listed_unflushed else ()
-        self.gradients_read(indices, True)
-        backward.mark_unscaled(indices)
-        buffers, unscaled = self.buffers, backward.unscaled
-        unlisted = [i for i in had_none if i not in unscaled and buffers.is_ours(i, params[i].grad)
-                    and buffers.slots[i].device == device]
-        if unlisted:
-            self.gradients_read(unlisted, True)
-            backward.mark_unscaled(unlisted)
-        return [buffers.slots[i] for i in unlisted]
+    def scaler_unscales(self, indices) -> None:
+        """Note [A scaler's unscale_] in watched.py: a scaler unscales the gradients of ``indices``, waited for."""
+        if not self.closed:
+            self.backward.mark_unscaled(indices)
 
     def rows_arrived(self, i: int) -> None:
         self.backward.rows_arrived(i)
@@ -535,6 +523,27 @@ class Core:
     # used stays without a gradient and the optimizer skips it, as a plain
     # step() with no gradient does. Said once, since a step() with no
     # backward may also be a forgotten loss.backward().
+
+    # Note [Missed here]
+    # A backward on this rank may give gradients to another optimizer of ours
+    # and to none of this one's tensors (a branch with an optimizer of its own
+    # that this rank's batch skipped), while on another rank it reaches them.
+    # The ranks that got a gradient flush at synchronize(); this one must
+    # join them there, or the collectives of the optimizers meet in
+    # different orders (a timeout) or the Horovod recipe (synchronize(),
+    # clip_grad_norm_ over every optimizer's parameters, step()) clips
+    # without this optimizer's averaged gradients on this rank alone. So the
+    # end of a backward that opened some optimizer's iteration on this rank
+    # (the callback of Note [Unused here]) marks every other optimizer of
+    # ours whose iteration is not open as having missed it (``missed``, a
+    # flag: no collective), and synchronize() opens a missed iteration and
+    # flushes it as step() does with no gradient (Note [No gradient here]).
+    # After step() (which clears the flag) synchronize() only applies what
+    # is pending, as before. Not covered: code that lists this optimizer's
+    # gradients without synchronize(), between backward and step() (its
+    # p.grad stay None here, while other ranks show their average): such a
+    # branch belongs in the optimizer of the layers every rank reaches
+    # (docs/lazy-step.md); the weights check stops a run that differs.
 
     def _tell_no_gradient(self) -> None:
         self.told.tell("no gradient", (

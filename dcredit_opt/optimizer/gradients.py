@@ -38,6 +38,10 @@ ANOTHER_MODELS_LOSS = (
     "on these parameters during that backward.")
 
 
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+"""Every optimizer's :class:`Backward` in this process, for Note [Missed here] in core.py."""
+
+
 class Backward:
     """One iteration's gradients, from the first hand-over to ``step()``.
 
@@ -76,6 +80,9 @@ class Backward:
         # and those of them no rank used whose zeros user code read.
         self.stood: set[int] = set()
         self.read_while_unused: set[int] = set()
+        # Note [Missed here] in core.py: a backward since the last step() gave gradients to another optimizer of
+        # ours on this rank and to none of this one's tensors.
+        self.missed = False
         self._others = others  # other ranks reduce with this one: a tensor unused here may have their sum
         self.in_closure = False  # step(closure) is running the closure (Core.step)
         self.iteration = 0  # iterations opened so far
@@ -100,6 +107,7 @@ class Backward:
         buffers.use_path(self.path)
         self.path.set_passes_per_step(passes)
         self.path.set_prescale(prescale)
+        _LIVE.add(self)
 
     def set_passes_per_step(self, passes: int) -> None:
         if any(self.counts):
@@ -266,6 +274,7 @@ class Backward:
         except (RuntimeError, TimeoutError) as e:
             raise at_rank(e, "phase 1 (start of backward)") from e
         self._set_open(True)
+        self.missed = False
         self.life.released = False
         self.synchronized = False
         self.unscaled.clear()
@@ -279,7 +288,12 @@ class Backward:
 
     def _unused_stand_ready(self) -> None:
         """Note [Unused here]: the end of the backward that opened this iteration; the tensors it did not reach
-        on this rank get ``p.grad``, the watched alias of their slot, zeroed."""
+        on this rank get ``p.grad``, the watched alias of their slot, zeroed. The other optimizers of ours whose
+        iteration this backward did not open are told they missed it (Note [Missed here] in core.py)."""
+        if len(_LIVE) > 1:
+            for other in _LIVE:
+                if not other.open:
+                    other.missed = True
         marked = self.marked
         if all(marked) or not self.open or self.flushed:  # in C: every tensor reached (the common case)
             return
@@ -330,6 +344,7 @@ class Backward:
         """``step()`` took this iteration's gradients (or refused them all): the next gradient opens a new one."""
         clear(self.counts)
         self._set_open(False)
+        self.missed = False
 
     def set_synchronized(self, synchronized: bool) -> None:
         """Every gradient is final (``synchronize()``, a scaler's unscaling): user writes from here on are what

@@ -440,11 +440,11 @@ class Stepper:
         if missed:
             raise DCreditError(
                 f"scaler.unscale_(optimizer) did not unscale the reduced gradient of parameter "
-                f"'{self.names[missed[0]]}' (it had none on this rank when the scaler listed the gradients, and "
-                "the other ranks' sum that it got since lies on another device than that list): it would be "
-                "stepped still scaled here, while the other ranks unscaled theirs. Nothing was applied. Call "
-                "optimizer.synchronize() before scaler.unscale_(optimizer), then "
-                "`with optimizer.skip_synchronize(): scaler.step(optimizer)`")
+                f"'{self.names[missed[0]]}' (it had none on this rank when the scaler listed the gradients: this "
+                "rank's backward reached none of this optimizer's tensors, while another rank's did, "
+                "Note [Missed here] in core.py): it would be stepped still scaled here, while the other ranks "
+                "unscaled theirs. Nothing was applied. Call optimizer.synchronize() before "
+                "scaler.unscale_(optimizer), then `with optimizer.skip_synchronize(): scaler.step(optimizer)`")
 
     # ---- learning where parameters are first read (Note [First read]) ---------------
 

@@ -33,15 +33,17 @@ The recipe for clipping under AMP (``scaler.unscale_(opt)``, clip,
 ``p.grad`` that is not None, then unscales them in place with one operation
 per device and dtype, which the watch sees: it waits for their reductions,
 so the scaler unscales and checks the averaged gradients, alike on every
-rank. One case needs more: where that operation is the iteration's first
-read, the flush it starts gives ``p.grad`` to the tensors this rank did not
-use (their zeros join the sum, Note [Global usage]), after the scaler made
-its list without them, while another rank, which used them, lists them:
-left scaled here, they would be clipped and stepped 65536 times too large.
-So the first such operation also unscales those, with the scaler's
-``found_inf`` and scale (``Core.scaler_unscales``), and ``step()`` checks
-that every gradient of ours was unscaled (``Stepper.scaled_skip``), naming
-one that was not (one on another device than the scaler's list).
+rank. The list must hold the same tensors on every rank: a tensor this
+rank did not reach, which another rank used, has ``p.grad`` when the scaler
+lists it (the zeros that stand for the other ranks' sum, Note [Unused
+here] in ``usage.py``); left out here and unscaled there, its average would
+be clipped and stepped 65536 times too large on this rank alone. So each
+optimizer notes the gradients the operation unscales
+(``Core.scaler_unscales``), and ``step()`` checks that every gradient of
+ours was unscaled (``Stepper.scaled_skip``), refusing, with the gradient's
+name, where one was not: an optimizer whose tensors this rank's backward
+did not reach at all (Note [Missed here] in ``core.py``), whose ``p.grad``
+stay None until its flush.
 
 Note [Unseen writes]
 --------------------
@@ -218,10 +220,10 @@ class WatchedGradient(torch.Tensor):
             reads, in_place = kind
             writes = (in_place and bool(args) and _has_watched(args[0])) or (
                 "out" in kwargs and _has_watched(kwargs["out"]))
-        if name == "_amp_foreach_non_finite_check_and_unscale_":
-            return _unscale(func, args, kwargs)
         if reads:
             _wait_for(args, kwargs, writes)
+            if name == "_amp_foreach_non_finite_check_and_unscale_":
+                _mark_unscaled(args, kwargs)
         if name in _PLAIN_COPIES and args and isinstance(args[0], WatchedGradient):
             args = (plain(args[0]), *args[1:])
         with torch._C.DisableTorchFunctionSubclass():
@@ -301,14 +303,19 @@ def _wait_for(args, kwargs, writes: bool) -> None:
         if core is not None and core.reads_wait(writes):  # after the first read of an iteration, seldom
             core.gradients_read(list(map(_index_of, watched)), writes)
         return
-    reads = {}  # keeper -> the indices of its tensors read here
-    for w in watched:
-        if w._dc_keeper is not None:
-            reads.setdefault(w._dc_keeper, []).append(w._dc_index)
-    for keeper, indices in reads.items():
+    for keeper, indices in _indices_by_keeper(watched).items():
         core = keeper()
         if core is not None:
             core.gradients_read(indices, writes)
+
+
+def _indices_by_keeper(tensors) -> dict:
+    """The watched gradients among ``tensors``, as each optimizer's (its weak reference) indices."""
+    out: dict = {}
+    for t in tensors:
+        if isinstance(t, WatchedGradient) and t._dc_keeper is not None:
+            out.setdefault(t._dc_keeper, []).append(t._dc_index)
+    return out
 
 
 _MAY_HOLD_TENSORS = (torch.Tensor, list, tuple)
@@ -316,29 +323,15 @@ _keeper_of = operator.attrgetter("_dc_keeper")
 _index_of = operator.attrgetter("_dc_index")
 
 
-def _unscale(func, args, kwargs):
+def _mark_unscaled(args, kwargs) -> None:
     """Note [A scaler's unscale_]: ``torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf,
-    inv_scale)``, the operation by which ``GradScaler.unscale_(optimizer)`` unscales its list of ``p.grad``."""
-    names = ("grads", "found_inf", "inv_scale")
-    bound = dict(zip(names, args), **kwargs)
-    grads, found_inf, inv_scale = (bound.get(k) for k in names)
-    reads: dict = {}  # keeper -> the indices of its tensors listed
-    for g in grads if isinstance(grads, (list, tuple)) else ():
-        if isinstance(g, WatchedGradient) and g._dc_keeper is not None:
-            reads.setdefault(g._dc_keeper, []).append(g._dc_index)
-    unlisted = []
-    for keeper, indices in reads.items():
+    inv_scale)``, by which ``GradScaler.unscale_(optimizer)`` unscales its list of ``p.grad``, waited for: each
+    optimizer notes which of its gradients it unscales."""
+    grads = args[0] if args else kwargs.get("self")
+    for keeper, indices in _indices_by_keeper(grads if isinstance(grads, (list, tuple)) else ()).items():
         core = keeper()
         if core is not None:
-            unlisted += core.scaler_unscales(indices, found_inf.device)
-    with torch._C.DisableTorchFunctionSubclass():
-        result = func(*args, **kwargs)
-        by_dtype: dict = {}
-        for slot in unlisted:
-            by_dtype.setdefault(slot.dtype, []).append(slot)
-        for slots in by_dtype.values():
-            func(slots, found_inf, inv_scale)
-    return result
+            core.scaler_unscales(indices)
 
 
 def _keep(watched, alias: torch.Tensor) -> None:

@@ -270,8 +270,8 @@ def scaled_clipped(m, o, scaler, s):
 @pytest.mark.filterwarnings("ignore:GradScaler is going to stop passing itself:FutureWarning")
 def test_amp_clip_recipe_without_synchronize_equals_plain_torch():
     """Note [A scaler's unscale_]: ``scaler.unscale_(opt)``, ``clip_grad_norm_``, ``scaler.step(opt)`` as torch's
-    AMP recipe has them. The side branch has no gradient when the scaler lists them at even steps; the flush that
-    its unscaling starts gives it one (zeros here, another rank's sum in a larger world), which is unscaled too."""
+    AMP recipe has them. The side branch has no gradient when the scaler lists them at even steps (no rank used it:
+    its zeros are dropped at the step)."""
     model, ref = Branched(), Branched()
     opt, ropt = pair(LAZY, (model, ref))[1::2]
     scalers = {opt: torch.amp.GradScaler("cpu", init_scale=2.0 ** 8), ropt: torch.amp.GradScaler("cpu",
@@ -290,10 +290,10 @@ def test_amp_clip_recipe_without_synchronize_equals_plain_torch():
 
 @pytest.mark.filterwarnings("ignore:GradScaler is going to stop passing itself:FutureWarning")
 def test_a_gradient_the_scaler_did_not_unscale_is_refused_at_step(monkeypatch):
-    """Where the gradient that the flush gave to an unlisted tensor cannot be unscaled with the scaler's list (it
-    lies on another device than that list) and another rank used that tensor, ``scaler.step(opt)`` refuses,
-    naming it, and applies nothing. Both are pretended here (a world of one on one device)."""
-    from dcredit_opt.optimizer.core import Core
+    """Where a tensor had no gradient when the scaler listed them (this rank's backward reached none of the
+    optimizer's tensors: Note [Missed here] in core.py) and the flush gave it the sum of another rank, which used
+    it, ``scaler.step(opt)`` refuses, naming it, and applies nothing. Another rank's use is pretended here (a world
+    of one, the side branch not taken)."""
     from dcredit_opt.optimizer.usage import UsageTally
 
     model, ref = Branched(), Branched()
@@ -304,8 +304,6 @@ def test_a_gradient_the_scaler_did_not_unscale_is_refused_at_step(monkeypatch):
             scaled_clipped(model, opt, scaler, s)
         opt.synchronize()
         before = [p.detach().clone() for p in model.parameters()]
-        unscales = Core.scaler_unscales
-        monkeypatch.setattr(Core, "scaler_unscales", lambda core, indices, device: unscales(core, indices, "meta"))
         monkeypatch.setattr(UsageTally, "unused_everywhere", lambda tally, indices: [])
         with pytest.raises(dc.DCreditError, match=r"did not unscale the reduced gradient of parameter 'side\.weight'.*"
                                                   r"Nothing was applied.*optimizer\.synchronize\(\)"):
