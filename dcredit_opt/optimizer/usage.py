@@ -48,7 +48,16 @@ those zeros in its ``p.grad``, ``step()`` takes that as a drop
 is left different from DDP: user code that tests ``p.grad is None``
 between ``backward()`` and its first read sees zeros for a tensor no rank
 used; where it does more for a gradient than read it (a random draw per
-gradient), it does that once more, alike on every rank.
+gradient), it does that once more, alike on every rank. And code that
+lists the parameters whose ``p.grad`` is not None, then reads each
+``p.grad`` in a second loop (old copies of ``clip_grad_norm_``, a flat
+vector of the gradients), finds ``None`` after the first read for a listed
+tensor no rank used, and fails there (``AttributeError``); listing the
+gradients themselves (``[p.grad for p in ps if p.grad is not None]``), or
+``synchronize()`` first, works. Keeping the zeros until ``step()`` instead
+would make that code run, but every per-gradient loop after the first
+read would then see them too, and a random draw per gradient would change
+the results without a word: a loud failure was chosen over a silent one.
 
 The same tally carries each rank's proposal of tensors to reduce as
 embedding rows (Note [Embedding rows]) its count of updates (Note [Same updates]) and, now and
