@@ -138,10 +138,12 @@ def results(horovod_first: bool = False, marker: str = "") -> dict:
     return out
 
 
-def stalled_peer(stall_timeout_s: float, pause_s: float, horovod_first: bool = False) -> dict:
+def stalled_peer(stall_timeout_s: float, pause_s: float, marker: str, horovod_first: bool = False) -> dict:
     """Rank 1 never calls the allreduce that rank 0 waits in: rank 0 raises TimeoutError after stall_timeout_s
     (``init(timeout_s=)``; ``spawn`` keeps ``timeout_s`` for its own limit) and prints it. How the job ends
-    after that is the launcher's business (MPI may abort it at exit), so the test reads the printed line."""
+    after that is the launcher's business (MPI may abort it at exit), so the test reads the printed line.
+    Rank 1 stays alive, not calling, until rank 0 has raised (it creates the file ``marker``), at most
+    ``pause_s``: rank 0 must time out, not see a closed connection."""
     _join(horovod_first, stall_timeout_s)
     r = dc.rank()
     dc.barrier()
@@ -149,8 +151,11 @@ def stalled_peer(stall_timeout_s: float, pause_s: float, horovod_first: bool = F
         start = time.monotonic()
         error = error_of(lambda: dc.allreduce(torch.ones(1), name="never.answered"))
         print(f"COLLECTIVE-TIMEOUT waited {time.monotonic() - start:.3f} s: {error}", flush=True)
+        open(marker, "w").close()
     else:
-        time.sleep(pause_s)  # alive, but not calling: rank 0 must time out, not see a closed connection
+        deadline = time.monotonic() + pause_s
+        while time.monotonic() < deadline and not os.path.exists(marker):
+            time.sleep(0.05)
     return {"rank": r}
 
 

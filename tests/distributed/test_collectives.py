@@ -124,10 +124,11 @@ def test_each_collective_gives_the_hand_computed_result(name, tmp_path):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", RUNS)
-def test_a_peer_that_never_calls_is_a_timeout_error_not_a_hang(name):
+def test_a_peer_that_never_calls_is_a_timeout_error_not_a_hang(name, tmp_path):
     timeout_s = timing.STALL_TIMEOUT_S
     _, outputs = _launch(name, collective_workers.stalled_peer, timeout_s=240, expect_failure=True,
-                         stall_timeout_s=timeout_s, pause_s=timeout_s + timing.scaled(10))
+                         stall_timeout_s=timeout_s, pause_s=timeout_s + timing.scaled(60),
+                         marker=str(tmp_path / "rank-0-timed-out"))
     output = "\n".join(outputs) if isinstance(outputs, list) else outputs
     # horovodrun puts "[0]<stdout>:" before each line
     lines = [line[line.index("COLLECTIVE-TIMEOUT"):] for line in output.splitlines() if "COLLECTIVE-TIMEOUT" in line]
