@@ -80,6 +80,7 @@ class Backward:
         # and those of them no rank used whose zeros user code read.
         self.stood: set[int] = set()
         self.read_while_unused: set[int] = set()
+        self.held: set[int] = set()  # Note [Held gradients]: handed over at the end of the backward
         # Note [Missed here] in core.py: a backward since the last step() gave gradients to another optimizer of
         # ours on this rank and to none of this one's tensors.
         self.missed = False
@@ -133,8 +134,11 @@ class Backward:
             " This pass is the closure's that step(closure) ran: step(closure) reduces the gradients its "
             f"closure computes, so call it without a backward of your own before it. {TWO_PASS_OPTIMIZERS}"
             if self.in_closure else "")
+        times = ("was computed again after the backward that completed this iteration's passes (it had come in "
+                 "fewer of them, and was reduced from there: Note [Held gradients] in gradients.py)"
+                 if i in self.held else f"was computed {self.counts[i] + 1} times")
         return DCreditError(
-            f"gradient of parameter '{self.names[i]}' was computed {self.counts[i] + 1} times before "
+            f"gradient of parameter '{self.names[i]}' {times} before "
             f"step(), but backward_passes_per_step={self.passes}.{closure} Call step() after every "
             f"{self.passes} backward pass(es), or raise backward_passes_per_step. If one of those passes was "
             f"{ANOTHER_MODELS_LOSS}")
@@ -280,6 +284,7 @@ class Backward:
         self.unscaled.clear()
         self.stood.clear()
         self.read_while_unused.clear()
+        self.held.clear()
         clear(self.marked)
         self.final = [False] * len(self.params)
         self.every_final = not self.params
@@ -297,10 +302,17 @@ class Backward:
         marked = self.marked
         if all(marked) or not self.open or self.flushed:  # in C: every tensor reached (the common case)
             return
-        params = self.params
-        todo = [i for i in range(len(params)) if not marked[i] and params[i].grad is None]
+        params, rows = self.params, self._tally.rows
+        todo, held = [], []  # no gradient here; a gradient of this rank's that was not handed over
+        for i in range(len(params)):
+            if not marked[i]:
+                grad = params[i].grad
+                if grad is None:
+                    todo.append(i)
+                elif i not in rows and not grad.is_sparse:
+                    held.append(i)
         pending = self._lazy.pending
-        if any(pending[i] for i in todo):
+        if any(pending[i] for i in todo) or any(pending[i] for i in held):
             # The last step()'s update of a tensor this forward did not read still needs its slot: applied
             # first, as the flush would (the end of a backward: autograd no longer needs what it saved).
             with self._lazy.guard.paused():
@@ -308,6 +320,54 @@ class Backward:
         for i in todo:
             self._buffers.stand_ready(i)
         self.stood.update(todo)
+        if held:
+            self._hand_over_held(held)
+
+    # Note [Held gradients]
+    # A tensor's gradient is handed over when its backward passes are all
+    # counted (backward_passes_per_step): until then it is this rank's own,
+    # in a p.grad of autograd's, and a flush at step() hands over what a
+    # tensor has. Two kinds of tensors reach the end of the backward that
+    # opened the iteration with such a gradient: one that came in fewer of
+    # the passes than the others (a branch taken in some micro-batches), and
+    # one that no pass reached but whose p.grad is still there (zeros from
+    # zero_grad(set_to_none=False), which under DDP and in plain torch take
+    # part in the step as zeros). A read of it before step() (clip_grad_norm_)
+    # would see this rank's own gradient, not the average: each rank would
+    # clip its own, and the ranks' average of clipped gradients is not the
+    # clip of the average, alike on every rank, so no check of ours would
+    # ever see it. So they are handed over there, in the callback of Note
+    # [Unused here] (at 2 ranks or more: at a world of one this rank's is
+    # the average), as the flush would hand them over: staged, marked,
+    # their blocks ready; a read then waits for their average. The backward
+    # passes are over by then (the iteration opens in the pass where a
+    # tensor's count reaches backward_passes_per_step); a gradient of one of
+    # them computed after it is refused as one pass too many. Not covered: a
+    # step() that comes after fewer backward passes than
+    # backward_passes_per_step (the last, short accumulation of an epoch),
+    # where no iteration opened in backward: its gradients are this rank's
+    # until step(), whose flush reduces them, as Horovod's are until its
+    # synchronize(); call synchronize() before reading them there.
+
+    def _hand_over_held(self, held) -> None:
+        """Note [Held gradients]: at the end of the backward that opened the iteration, the gradients of ``held``
+        (this rank's, never handed over) are handed over as the flush would hand them over."""
+        marked, passes = self.marked, self.passes
+        self._staging = True  # our own reads of a watched p.grad here wait for nothing
+        try:
+            with self._lazy.guard.paused():
+                for i in held:
+                    self._stage(i)
+                    marked[i] = True
+                    self.counts[i] = passes  # one more pass is one too many, as for every tensor handed over
+                    self.held.add(i)
+                    try:
+                        self._engine.mark_ready(i)
+                    except (RuntimeError, TimeoutError) as e:
+                        raise at_rank(e, f"the end of backward, at the gradient of '{self.names[i]}' (tensor {i})") \
+                            from e
+        finally:
+            self._staging = False
 
     def _aliases_kept(self) -> None:
         """Note [Kept aliases] in watched.py, at an iteration's first gradient: an alias of a slot whose

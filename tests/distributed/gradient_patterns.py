@@ -600,6 +600,69 @@ def branch_dropped(job, lazy):
     return _train_branched(job, lazy, lambda: Net(branch=True), change)
 
 
+def branch_zeros_kept_clipped(job, lazy):
+    """``zero_grad(set_to_none=False)`` and the branch that rank 1 alone takes at odd steps: once it has had a
+    gradient, rank 0's ``p.grad`` there is zeros (kept, as in plain torch), not None; the first read must show
+    rank 1's average there too, or rank 0's norm, so its clipping, differs (Note [Held gradients])."""
+    config = job.config(lazy_step="auto" if lazy else "off")
+    model, ref, opt, ropt = job.make(lambda: Net(branch=True), pw._sgd, config=config)
+    skew = pw.Skew(job.rank, 0)
+
+    def loss(m, step, rank):
+        x, y = batch(step, rank)
+        return F.mse_loss(m(x, use_branch=_branch_used(rank, step)), y)
+
+    had = set()  # the reference's parameters that had a gradient once: plain torch keeps zeros there
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=False)
+        loss(model, step, job.rank).backward()
+        skew()
+        nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        job.step(opt)
+        pw.reference_grads(ref, lambda r, step=step: loss(ref, step, r), job.world)
+        for i, p in enumerate(ref.parameters()):
+            if p.grad is None and i in had:
+                p.grad = torch.zeros_like(p)
+            elif p.grad is not None:
+                had.add(i)
+        nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ropt.step()
+    return job.result(model, ref, opt)
+
+
+def accumulated_branch_in_fewer_passes_clipped(job, lazy):
+    """``backward_passes_per_step=2`` and a branch some of the passes take: every rank in the first pass at even
+    steps, rank 1 in the second at odd steps, then ``clip_grad_norm_`` without ``synchronize()``: the branch's
+    gradient, never handed over in backward (fewer passes than two), must be the average when the clip reads it,
+    not each rank's own (Note [Held gradients]; the ranks' average of clipped gradients is alike on every rank, so
+    only this comparison sees the difference)."""
+    config = job.config(lazy_step="auto" if lazy else "off")
+    model, ref, opt, ropt = job.make(lambda: Net(branch=True), pw._sgd, config=config, backward_passes_per_step=2)
+    skew = pw.Skew(job.rank, 0)
+
+    def loss(m, step, k, rank):
+        x, y = batch(2 * step + k, rank)
+        used = k == 0 and step % 2 == 0 or k == 1 and step % 2 == 1 and rank == 1
+        return F.mse_loss(m(x, use_branch=used), y)
+
+    for step in range(STEPS):
+        opt.zero_grad()
+        for k in range(2):
+            loss(model, step, k, job.rank).backward()
+            skew()
+        nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        job.step(opt)
+        for p in ref.parameters():
+            p.grad = None
+        for r in range(job.world):
+            for k in range(2):
+                loss(ref, step, k, r).backward()
+        pw.finish_reference_grads(ref, job.world)
+        nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ropt.step()
+    return job.result(model, ref, opt)
+
+
 def _scaled_in_a_loop(m, step):
     for p in m.parameters():
         if p.grad is not None:
@@ -677,6 +740,8 @@ GRADIENT_WORK = {f"{name}_{kind}": run for name, fn in {
     "branch_unused_here_clip_grad_value": branch_clipped_by_value,
     "branch_first_unused_everywhere_grads_replaced_in_a_loop": branch_first_grads_replaced,
     "branch_unused_here_grad_dropped": branch_dropped,
+    "branch_unused_here_zeros_kept_clip_grad_norm": branch_zeros_kept_clipped,
+    "accumulation_branch_in_fewer_passes_clip_grad_norm": accumulated_branch_in_fewer_passes_clipped,
 }.items() for kind, run in _both(fn).items()}
 GRADIENT_WORK["sam_two_passes_with_synchronize"] = sam_two_passes_with_synchronize
 GRADIENT_WORK["two_optimizers_both_wrapped_first_names_the_whole_model"] = two_optimizers()
