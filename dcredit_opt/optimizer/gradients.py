@@ -436,8 +436,11 @@ class Backward:
         """This rank's gradient of tensor ``i`` into its slot; whether it had one, into the tally."""
         p = self.params[i]
         grad = p.grad
-        # Note [Global usage]; the zeros of Note [Unused here], still ours, are no gradient of this rank's
-        self._tally.used[i] = grad is not None and not (i in self.stood and grad is self._buffers.watched[i])
+        # Note [Global usage]; the zeros of Note [Unused here], still ours and with no gradient added to them
+        # since (a backward pass that reached the tensor after the one that opened the iteration adds in place,
+        # and counts it), are no gradient of this rank's
+        self._tally.used[i] = grad is not None and not (
+            i in self.stood and grad is self._buffers.watched[i] and not self.counts[i])
         self._buffers.stage(i, p)
 
     def flush(self) -> None:

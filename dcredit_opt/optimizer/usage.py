@@ -33,7 +33,9 @@ reach gets ``p.grad``: the watched alias of its slot, zeroed (``stood``).
 It is this rank's contribution, zeros, and, as any watched gradient, a
 read of it waits for the reduction: it then shows the other ranks' sum. At
 the flush it counts as no gradient of this rank's (``used``), unless user
-code put another tensor in its place; set to ``None`` since, it is a drop
+code put another tensor in its place or a later backward pass reached the
+tensor (autograd adds that gradient onto the zeros, in place, and the pass
+is counted: this rank's gradient then); set to ``None`` since, it is a drop
 (no update, as for any gradient set to ``None``). In a world of one there is no other
 rank's sum to show: nothing is done there, and an unused ``p.grad`` stays
 ``None`` as in plain torch.

@@ -663,6 +663,47 @@ def accumulated_branch_in_fewer_passes_clipped(job, lazy):
     return job.result(model, ref, opt)
 
 
+def accumulated_head_in_a_pass_of_its_own(job, lazy):
+    """``backward_passes_per_step=2``, two passes through the model and a third through a second head alone (on the
+    body's output detached), as Horovod counts passes per tensor: the head's one pass comes after the iteration
+    opened, onto the zeros that stood for it (Note [Unused here]); it is this rank's gradient, reduced and applied,
+    not zeros unused everywhere and dropped (Note [Held gradients])."""
+    config = job.config(lazy_step="auto" if lazy else "off")
+    torch.manual_seed(0)
+    model = Net()
+    head = nn.Linear(61, 7)
+    ref, ref_head = copy.deepcopy(model), copy.deepcopy(head)
+    params = [*model.named_parameters(), *(("head." + n, p) for n, p in head.named_parameters())]
+    opt = job.wrap(pw._sgd([p for _, p in params]), params, config, backward_passes_per_step=2)
+    ropt = pw._sgd([*ref.parameters(), *ref_head.parameters()])
+    skew = pw.Skew(job.rank, 0)
+
+    def losses(m, h, step, k, rank):
+        x, y = batch(2 * step + k, rank)
+        hidden = torch.relu(m.mid(torch.relu(m.inp(x))))
+        return F.mse_loss(m(x), y), F.mse_loss(h(hidden.detach()), y)
+
+    for step in range(STEPS):
+        opt.zero_grad()
+        for k in range(2):
+            losses(model, head, step, k, job.rank)[0].backward()
+            skew()
+        losses(model, head, step, 0, job.rank)[1].backward()
+        nn.utils.clip_grad_norm_([*model.parameters(), *head.parameters()], 0.05)
+        job.step(opt)
+        for p in [*ref.parameters(), *ref_head.parameters()]:
+            p.grad = None
+        for r in range(job.world):
+            for k in range(2):
+                losses(ref, ref_head, step, k, r)[0].backward()
+            losses(ref, ref_head, step, 0, r)[1].backward()
+        pw.finish_reference_grads(ref, job.world)
+        pw.finish_reference_grads(ref_head, job.world)
+        nn.utils.clip_grad_norm_([*ref.parameters(), *ref_head.parameters()], 0.05)
+        ropt.step()
+    return job.result(model, ref, opt, head_diff=pw.param_diff(head, ref_head))
+
+
 def _scaled_in_a_loop(m, step):
     for p in m.parameters():
         if p.grad is not None:
@@ -742,6 +783,7 @@ GRADIENT_WORK = {f"{name}_{kind}": run for name, fn in {
     "branch_unused_here_grad_dropped": branch_dropped,
     "branch_unused_here_zeros_kept_clip_grad_norm": branch_zeros_kept_clipped,
     "accumulation_branch_in_fewer_passes_clip_grad_norm": accumulated_branch_in_fewer_passes_clipped,
+    "accumulation_head_in_a_pass_of_its_own": accumulated_head_in_a_pass_of_its_own,
 }.items() for kind, run in _both(fn).items()}
 GRADIENT_WORK["sam_two_passes_with_synchronize"] = sam_two_passes_with_synchronize
 GRADIENT_WORK["two_optimizers_both_wrapped_first_names_the_whole_model"] = two_optimizers()
