@@ -125,7 +125,19 @@ def draw_case(seed: int) -> dict:
     # Drawn last, so that the fields above stay what they were for every seed: an input embedding (tokens
     # in, Note [Embedding rows]), untied or tied to the output layer (whose width is then the vocabulary).
     case["embed"] = rng.choice((None, None, "untied", "tied"))
+    # And what the script does between backward and step() (Note [Gradient reads], Note [Held gradients]), and
+    # how it clears gradients: to None, or to zeros that plain torch steps with once a tensor had a gradient.
+    case["between"] = rng.choice((None, None, "clip_norm", "clip_value"))
+    case["zero_to_none"] = rng.random() < 0.75
     return case
+
+
+def between(case: dict, params) -> None:
+    """What ``case`` does to the gradients between backward and ``step()``."""
+    if case.get("between") == "clip_norm":
+        nn.utils.clip_grad_norm_(params, 0.5)
+    elif case.get("between") == "clip_value":
+        nn.utils.clip_grad_value_(params, 0.05)
 
 
 class _Names:
@@ -226,7 +238,8 @@ def describe(case: dict) -> str:
     plan_text = ", ".join(f"{k}={v}" for k, v in plan.items())
     return (f"seed={case['seed']} {'STALE-PRONE ' if case['stale_prone'] else ''}hidden={case['hidden']} "
             f"ops=[{', '.join(ops_text(case['ops']))}] opt={case['opt']}{case['hyper']} plan=({plan_text}) "
-            f"bpps={case['bpps']} steps={case['steps']} step_sleep={case['step_sleep']} embed={case.get('embed')}")
+            f"bpps={case['bpps']} steps={case['steps']} step_sleep={case['step_sleep']} embed={case.get('embed')} "
+            f"between={case.get('between')} zero_to_none={case.get('zero_to_none', True)}")
 
 
 # ---- the model -----------------------------------------------------------------------------------
@@ -406,14 +419,20 @@ def loss_of(model: RandNet, case: dict, step: int, k: int, rank: int, sleepy: bo
 
 
 def _reference_step(ref: RandNet, ropt, case: dict, step: int, world: int) -> None:
+    had = ref.__dict__.setdefault("had_gradient", set())  # the parameters that had one: zeros kept there
     for p in ref.parameters():
         p.grad = None
     for r in range(world):
         for k in range(case["bpps"]):
             loss_of(ref, case, step, k, r, sleepy=False).backward()
-    for p in ref.parameters():
-        if p.grad is not None:  # one no rank used keeps None: the optimizer skips it
+    for i, p in enumerate(ref.parameters()):
+        if p.grad is not None:
             p.grad /= world
+            had.add(i)
+        elif i in had and not case.get("zero_to_none", True):
+            p.grad = torch.zeros_like(p)  # zero_grad(set_to_none=False) in plain torch
+        # else: one no rank used keeps None, and the optimizer skips it
+    between(case, list(ref.parameters()))
     ropt.step()
 
 
@@ -475,7 +494,7 @@ def run_case(case: dict, rank: int, world: int) -> dict:
                                       backward_passes_per_step=case["bpps"], config=config)
         lazy_steps = 0
         for step in range(case["steps"]):
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=case.get("zero_to_none", True))
             for k in range(case["bpps"]):
                 where = f"forward of step {step} pass {k}"
                 loss = loss_of(model, case, step, k, rank, sleepy=True)
@@ -483,6 +502,8 @@ def run_case(case: dict, rank: int, world: int) -> dict:
                 loss.backward()
             if case["step_sleep"]:
                 nap(model.ctx, "before_step")
+            where = f"between backward and step() of step {step}"
+            between(case, list(model.parameters()))
             where = f"step() of step {step}"
             opt.step()
             lazy_steps += bool(opt._dc.lazy.npending)  # this step() left updates for the next forward to apply
