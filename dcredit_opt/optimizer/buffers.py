@@ -174,6 +174,18 @@ class GradientBuffers:
             p.grad = watched  # Note [Gradient reads]
         self.versions[i] = slot._version  # from here on, only the collectives write the blocks
 
+    def hold(self, i: int) -> None:
+        """``p.grad`` of tensor ``i`` becomes its watched alias, over its slot holding what ``p.grad`` held: this
+        rank's gradient so far, not pre-scaled (``stage`` scales it) nor handed over (Note [Held gradients] in
+        gradients.py)."""
+        slot, watched = self.slots[i], self.watched[i]
+        p = self._params[i]
+        g = p.grad
+        if g is not watched:
+            if not is_slot(g, slot):
+                slot.copy_(g)
+            p.grad = watched
+
     def stand_ready(self, i: int) -> None:
         """``p.grad`` of tensor ``i`` becomes its watched alias, over its slot zeroed: before any gradient of its
         own, which autograd then adds to it (Note [Embedding rows] in rows.py)."""

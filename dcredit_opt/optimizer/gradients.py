@@ -80,7 +80,7 @@ class Backward:
         # and those of them no rank used whose zeros user code read.
         self.stood: set[int] = set()
         self.read_while_unused: set[int] = set()
-        self.held: set[int] = set()  # Note [Held gradients]: handed over at the end of the backward
+        self.held: set[int] = set()  # Note [Held gradients]: this rank's gradient, in the slot, not handed over
         # Note [Missed here] in core.py: a backward since the last step() gave gradients to another optimizer of
         # ours on this rank and to none of this one's tensors.
         self.missed = False
@@ -134,11 +134,8 @@ class Backward:
             " This pass is the closure's that step(closure) ran: step(closure) reduces the gradients its "
             f"closure computes, so call it without a backward of your own before it. {TWO_PASS_OPTIMIZERS}"
             if self.in_closure else "")
-        times = ("was computed again after the backward that completed this iteration's passes (it had come in "
-                 "fewer of them, and was reduced from there: Note [Held gradients] in gradients.py)"
-                 if i in self.held else f"was computed {self.counts[i] + 1} times")
         return DCreditError(
-            f"gradient of parameter '{self.names[i]}' {times} before "
+            f"gradient of parameter '{self.names[i]}' was computed {self.counts[i] + 1} times before "
             f"step(), but backward_passes_per_step={self.passes}.{closure} Call step() after every "
             f"{self.passes} backward pass(es), or raise backward_passes_per_step. If one of those passes was "
             f"{ANOTHER_MODELS_LOSS}")
@@ -321,53 +318,42 @@ class Backward:
             self._buffers.stand_ready(i)
         self.stood.update(todo)
         if held:
-            self._hand_over_held(held)
+            self._staging = True  # our own look at a watched p.grad here waits for nothing
+            try:
+                with self._lazy.guard.paused():
+                    for i in held:
+                        self._buffers.hold(i)
+            finally:
+                self._staging = False
+            self.held.update(held)
 
     # Note [Held gradients]
     # A tensor's gradient is handed over when its backward passes are all
-    # counted (backward_passes_per_step): until then it is this rank's own,
-    # in a p.grad of autograd's, and a flush at step() hands over what a
-    # tensor has. Two kinds of tensors reach the end of the backward that
-    # opened the iteration with such a gradient: one that came in fewer of
-    # the passes than the others (a branch taken in some micro-batches), and
-    # one that no pass reached but whose p.grad is still there (zeros from
-    # zero_grad(set_to_none=False), which under DDP and in plain torch take
-    # part in the step as zeros). A read of it before step() (clip_grad_norm_)
-    # would see this rank's own gradient, not the average: each rank would
-    # clip its own, and the ranks' average of clipped gradients is not the
-    # clip of the average, alike on every rank, so no check of ours would
-    # ever see it. So they are handed over there, in the callback of Note
-    # [Unused here] (at 2 ranks or more: at a world of one this rank's is
-    # the average), as the flush would hand them over: staged, marked,
-    # their blocks ready; a read then waits for their average. The backward
-    # passes are over by then (the iteration opens in the pass where a
-    # tensor's count reaches backward_passes_per_step); a gradient of one of
-    # them computed after it is refused as one pass too many. Not covered: a
-    # step() that comes after fewer backward passes than
-    # backward_passes_per_step (the last, short accumulation of an epoch),
-    # where no iteration opened in backward: its gradients are this rank's
-    # until step(), whose flush reduces them, as Horovod's are until its
-    # synchronize(); call synchronize() before reading them there.
-
-    def _hand_over_held(self, held) -> None:
-        """Note [Held gradients]: at the end of the backward that opened the iteration, the gradients of ``held``
-        (this rank's, never handed over) are handed over as the flush would hand them over."""
-        marked, passes = self.marked, self.passes
-        self._staging = True  # our own reads of a watched p.grad here wait for nothing
-        try:
-            with self._lazy.guard.paused():
-                for i in held:
-                    self._stage(i)
-                    marked[i] = True
-                    self.counts[i] = passes  # one more pass is one too many, as for every tensor handed over
-                    self.held.add(i)
-                    try:
-                        self._engine.mark_ready(i)
-                    except (RuntimeError, TimeoutError) as e:
-                        raise at_rank(e, f"the end of backward, at the gradient of '{self.names[i]}' (tensor {i})") \
-                            from e
-        finally:
-            self._staging = False
+    # counted (backward_passes_per_step); until then, and for a tensor no
+    # pass reached, p.grad is this rank's own. Two kinds of tensors reach
+    # the end of the backward that opened the iteration with such a p.grad:
+    # one that came in fewer of the passes than the others (a branch taken in
+    # some micro-batches), in a tensor of autograd's; and one that no pass
+    # reached but whose p.grad is still there (zeros kept by
+    # zero_grad(set_to_none=False), which plain torch and DDP step with as
+    # zeros). Code that lists the gradients and then reads them
+    # (clip_grad_norm_) would read this rank's own there, not the average:
+    # each rank clips its own, and the ranks' average of clipped gradients
+    # is not the clip of the average, alike on every rank, so no check of
+    # ours would ever see it. So, in the callback of Note [Unused here] (at 2
+    # ranks or more: at a world of one this rank's is the average), each gets
+    # as p.grad the watched alias of its slot, holding what p.grad held
+    # (``GradientBuffers.hold``): not handed over, its count unchanged, so a
+    # later backward pass of the same iteration (a loss of its own, a pass
+    # Horovod counts per tensor, a reentrant checkpoint's outer backward)
+    # adds onto it in place and is counted, as onto the zeros of Note [Unused
+    # here]; a read waits for its reduction, which the flush that the read
+    # starts hands over with the rest. Not covered: a step() that comes
+    # after fewer backward passes than backward_passes_per_step (the last,
+    # short accumulation of an epoch), where no iteration opened in
+    # backward: its gradients are this rank's until step(), whose flush
+    # reduces them, as Horovod's are until its synchronize(); call
+    # synchronize() before reading them there.
 
     def _aliases_kept(self) -> None:
         """Note [Kept aliases] in watched.py, at an iteration's first gradient: an alias of a slot whose
@@ -428,9 +414,15 @@ class Backward:
                 and r.stand_in is not None and r.stand_in.grad is not None)
 
     def _unused_dropped(self, i: int) -> bool:
-        """A tensor given zeros at the end of the backward (Note [Unused here]) whose ``p.grad`` the script set
-        to None since: dropped, as any other gradient set to None (its slot holds zeros already)."""
-        return i in self.stood and self.params[i].grad is None
+        """A tensor given its slot at the end of the backward (zeros: Note [Unused here]; this rank's gradient:
+        Note [Held gradients]) whose ``p.grad`` the script set to None since: dropped, as any other gradient set
+        to None (its slot then holds zeros)."""
+        if self.params[i].grad is not None:
+            return False
+        if i in self.held:
+            self._buffers.slots[i].zero_()
+            return True
+        return i in self.stood
 
     def _stage(self, i: int) -> None:
         """This rank's gradient of tensor ``i`` into its slot; whether it had one, into the tally."""
@@ -506,8 +498,8 @@ class Backward:
                 # The others: not handed over yet, the local gradient; but an embedding's rows are the tensor's
                 # (Note [Embedding rows]): they come at the flush, which a read starts.
                 # And so do the zeros of Note [Unused here], which stand for the other ranks' sum.
-                rows, stood = self._tally.rows, self.stood
-                todo = [i for i in todo if marked[i] or i in rows or i in stood]
+                rows, stood, held = self._tally.rows, self.stood, self.held
+                todo = [i for i in todo if marked[i] or i in rows or i in stood or i in held]
             if not todo or self._staging:
                 return
             if not self.flushed:
