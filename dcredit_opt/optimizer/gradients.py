@@ -309,7 +309,7 @@ class Backward:
                 elif i not in rows and not grad.is_sparse:
                     held.append(i)
         pending = self._lazy.pending
-        if any(pending[i] for i in todo) or any(pending[i] for i in held):
+        if any(pending[i] for i in (*todo, *held)):
             # The last step()'s update of a tensor this forward did not read still needs its slot: applied
             # first, as the flush would (the end of a backward: autograd no longer needs what it saved).
             with self._lazy.guard.paused():
@@ -417,12 +417,7 @@ class Backward:
         """A tensor given its slot at the end of the backward (zeros: Note [Unused here]; this rank's gradient:
         Note [Held gradients]) whose ``p.grad`` the script set to None since: dropped, as any other gradient set
         to None (its slot then holds zeros)."""
-        if self.params[i].grad is not None:
-            return False
-        if i in self.held:
-            self._buffers.slots[i].zero_()
-            return True
-        return i in self.stood
+        return (i in self.stood or i in self.held) and self.params[i].grad is None
 
     def _stage(self, i: int) -> None:
         """This rank's gradient of tensor ``i`` into its slot; whether it had one, into the tally."""
@@ -445,6 +440,8 @@ class Backward:
                     if not marked[i]:
                         if self._rows_dropped(i) or self._unused_dropped(i):
                             # No update, as in plain torch (Note [Replaced gradients]); zeros in its blocks.
+                            if i in self.held:  # its slot holds this rank's gradient
+                                buffers.slots[i].zero_()
                             buffers.versions[i] = buffers.slots[i]._version
                         else:
                             self._stage(i)

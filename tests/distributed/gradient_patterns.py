@@ -554,9 +554,11 @@ def _branch_used(rank: int, step: int) -> bool:
     return rank == 1 and step % 2 == 1
 
 
-def _train_branched(job: pw.Job, lazy: bool, model_fn, change):
+def _train_branched(job: pw.Job, lazy: bool, model_fn, change, set_to_none: bool = True):
     """``_train`` with the branch taken as :func:`_branch_used` says: rank 0 never reaches it, and at odd steps
-    rank 1's gradient of it is the average's, so rank 0's ``p.grad`` must show it after backward as DDP's does."""
+    rank 1's gradient of it is the average's, so rank 0's ``p.grad`` must show it after backward as DDP's does.
+    ``set_to_none=False``: gradients are cleared to zeros, which plain torch keeps (and steps with) wherever a
+    parameter had a gradient once."""
     config = job.config(lazy_step="auto" if lazy else "off")
     model, ref, opt, ropt = job.make(model_fn, pw._sgd, config=config)
     skew = pw.Skew(job.rank, 0)
@@ -565,14 +567,20 @@ def _train_branched(job: pw.Job, lazy: bool, model_fn, change):
         x, y = batch(step, rank)
         return F.mse_loss(m(x, use_branch=_branch_used(rank, step)), y)
 
+    had = set()  # the reference's parameters that had a gradient once
     for step in range(STEPS):
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         loss(model, step, job.rank).backward()
         skew()
         change(model, step)
         skew()
         job.step(opt)
         pw.reference_grads(ref, lambda r, step=step: loss(ref, step, r), job.world)
+        for i, p in enumerate(ref.parameters()):
+            if p.grad is not None:
+                had.add(i)
+            elif i in had and not set_to_none:
+                p.grad = torch.zeros_like(p)
         change(ref, step)
         ropt.step()
     return job.result(model, ref, opt)
@@ -604,30 +612,8 @@ def branch_zeros_kept_clipped(job, lazy):
     """``zero_grad(set_to_none=False)`` and the branch that rank 1 alone takes at odd steps: once it has had a
     gradient, rank 0's ``p.grad`` there is zeros (kept, as in plain torch), not None; the first read must show
     rank 1's average there too, or rank 0's norm, so its clipping, differs (Note [Held gradients])."""
-    config = job.config(lazy_step="auto" if lazy else "off")
-    model, ref, opt, ropt = job.make(lambda: Net(branch=True), pw._sgd, config=config)
-    skew = pw.Skew(job.rank, 0)
-
-    def loss(m, step, rank):
-        x, y = batch(step, rank)
-        return F.mse_loss(m(x, use_branch=_branch_used(rank, step)), y)
-
-    had = set()  # the reference's parameters that had a gradient once: plain torch keeps zeros there
-    for step in range(STEPS):
-        opt.zero_grad(set_to_none=False)
-        loss(model, step, job.rank).backward()
-        skew()
-        nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-        job.step(opt)
-        pw.reference_grads(ref, lambda r, step=step: loss(ref, step, r), job.world)
-        for i, p in enumerate(ref.parameters()):
-            if p.grad is None and i in had:
-                p.grad = torch.zeros_like(p)
-            elif p.grad is not None:
-                had.add(i)
-        nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
-        ropt.step()
-    return job.result(model, ref, opt)
+    return _train_branched(job, lazy, lambda: Net(branch=True),
+                           lambda m, step: nn.utils.clip_grad_norm_(m.parameters(), 0.05), set_to_none=False)
 
 
 def accumulated_branch_in_fewer_passes_clipped(job, lazy):
