@@ -385,6 +385,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("first_written", &GradientPath::FirstWritten, py::arg("indices"),
            "The first of `indices` whose slot was written since its version was recorded, or -1.")
       .def("not_watched", &GradientPath::NotWatched, "The tensors whose p.grad is not their watched alias now.")
+      .def("note_pass", &GradientPath::NotePass, py::arg("i"),
+           "Tensor i's backward pass was counted in Python: its p.grad and version are recorded.")
+      .def("first_written_since_pass", &GradientPath::FirstWrittenSincePass,
+           "The first counted tensor whose p.grad was written or replaced since its last pass, or -1.")
       .def("addresses", &GradientPath::Addresses, "Every parameter's data address, in order.")
       .def("lend_slots", &GradientPath::LendSlots, py::arg("indices"), py::arg("watched_only") = false,
            "p.grad = its slot for each of `indices` (watched_only: where p.grad is its watched alias now); what "

@@ -40,6 +40,10 @@ struct GradientPath::State : std::enable_shared_from_this<GradientPath::State> {
   std::vector<uint8_t> pre_seen;
   // Per parameter: its version counter when ForgetGraphReads last saw it (Note [Unseen parameter writes]).
   std::vector<int64_t> param_versions;
+  // Per tensor: p.grad (weakly: its memory is not kept) and its version at its last counted backward pass
+  // (Note [Short accumulations]).
+  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>> pass_grads;
+  std::vector<int64_t> pass_versions;
 
   // Runs on autograd's thread before tensor i's gradient (`incoming`) is
   // added to p.grad; the GIL is not held. Python only where a refusal may
@@ -49,7 +53,9 @@ struct GradientPath::State : std::enable_shared_from_this<GradientPath::State> {
     std::unique_lock<std::mutex> lock(mu);
     if (closed) return;
     pre_seen[i] = 1;
-    if (!pending[i] && counts[i] < passes && !SparseOntoDense(i, incoming)) return;
+    // After the flush (synchronize(), a read that waited, step() opening a short accumulation) a gradient
+    // would never be reduced: Python refuses it.
+    if (!pending[i] && counts[i] < passes && !(open && flushed) && !SparseOntoDense(i, incoming)) return;
     lock.unlock();
     CallPython(before, i, nullptr);
   }
@@ -85,6 +91,7 @@ struct GradientPath::State : std::enable_shared_from_this<GradientPath::State> {
       // gradient in p.grad, where the next pass adds to it; it is only counted (the pre-hook refused it where
       // its update was pending).
       counts[i] += 1;
+      NotePass(i);
       return;
     }
     const bool last_pass = counts[i] == passes - 1;  // else one pass too many: Python raises
@@ -111,6 +118,17 @@ struct GradientPath::State : std::enable_shared_from_this<GradientPath::State> {
       const std::string message = e.what();
       lock.unlock();
       CallPython(failed, i, &message);
+    }
+  }
+
+  // Note [Short accumulations]: what p.grad is after tensor i's counted pass. The lock is held.
+  void NotePass(int32_t i) {
+    const at::Tensor& grad = params[i].grad();
+    if (grad.defined()) {
+      pass_grads[i] = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(grad.getIntrusivePtr());
+      pass_versions[i] = grad._version();
+    } else {
+      pass_grads[i].reset();
     }
   }
 
@@ -254,6 +272,9 @@ GradientPath::GradientPath(std::vector<at::Tensor> params, std::function<void(in
   s.opener = opener_.ptr();
   s.pre_seen.assign(s.params.size(), 0);
   s.param_versions.assign(s.params.size(), 0);
+  s.pass_grads.assign(s.params.size(), c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(
+                                          c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()));
+  s.pass_versions.assign(s.params.size(), 0);
   accumulators_.resize(s.params.size());
   keys_.resize(s.params.size(), 0);
 }
@@ -402,6 +423,48 @@ std::vector<int64_t> GradientPath::NotWatched() {
     }
   }
   return out;
+}
+
+// Note [Short accumulations]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// With backward_passes_per_step = n, a tensor's gradient is handed over at
+// its n-th backward pass; the passes before are only counted, and p.grad is
+// this rank's own meanwhile, as in Horovod. A step() after fewer passes (an
+// epoch's last, short accumulation) reduces what there is: no iteration
+// opened in backward, so step() or synchronize() opens it and flushes. Code
+// that changed p.grad before that (clip_grad_norm_, clip_grad_value_, a
+// scaler's unscale_) changed this rank's own gradient, and the ranks'
+// average of clipped gradients is not the clip of the average: alike on
+// every rank, so no check between ranks would see it. Each counted pass
+// records p.grad (weakly) and its version; where the iteration opens outside
+// backward, a counted tensor whose p.grad is still there but is another
+// tensor or moved its version was written in between: refused there,
+// naming it and synchronize() (which, called first, makes those reads and
+// writes see the average). A p.grad set to None is a dropped gradient, as
+// anywhere. A write that moves no version (through `.data`) is not seen; so
+// is a write between two counted passes (each rank's own micro-batch
+// gradient, as in Horovod).
+void GradientPath::NotePass(int32_t i) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  if (state_->closed) return;
+  CheckIndex(state_->params.size(), i, "note_pass");
+  state_->NotePass(i);
+}
+
+int64_t GradientPath::FirstWrittenSincePass() {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  const State& s = *state_;
+  if (s.closed) return -1;
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    if (s.counts[i] == 0) continue;
+    const at::Tensor& grad = s.params[i].grad();
+    if (!grad.defined()) continue;
+    auto recorded = s.pass_grads[i].lock();
+    if (recorded.get() != grad.unsafeGetTensorImpl() || grad._version() != s.pass_versions[i]) {
+      return static_cast<int64_t>(i);
+    }
+  }
+  return -1;
 }
 
 std::vector<int64_t> GradientPath::Addresses() {

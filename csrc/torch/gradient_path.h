@@ -94,6 +94,13 @@ class GradientPath {
   int64_t FirstWritten(const std::vector<int64_t>& indices);
   // The tensors whose p.grad is not their slot's watched alias now.
   std::vector<int64_t> NotWatched();
+  // Note [Short accumulations] (gradient_path.cc): tensor i's backward pass
+  // was counted, not handed over (the Python path's record; the C++ path
+  // records its own).
+  void NotePass(int32_t i);
+  // The first counted tensor whose p.grad is still there but was written or
+  // replaced since its last counted pass, or -1.
+  int64_t FirstWrittenSincePass();
   // Every parameter's data address, in order (the read guard's table is
   // rebuilt only when one moved).
   std::vector<int64_t> Addresses();

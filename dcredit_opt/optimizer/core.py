@@ -182,7 +182,10 @@ class Core:
         self._end_learning()
         self.apply_pending()
         backward, everything = self.backward, range(len(self.params))
-        if not backward.open and backward.missed:  # Note [Missed here]: this rank joins the others' flush
+        if not backward.open and (backward.missed or any(backward.counts)):
+            # Note [Missed here]: this rank joins the others' flush; or fewer backward passes than
+            # backward_passes_per_step (Note [Short accumulations] in csrc/torch/gradient_path.cc): reduced now
+            backward.check_short("synchronize()")
             backward.begin()
         if backward.open and not backward.synchronized:
             self.stepper.check_frozen()
@@ -237,7 +240,9 @@ class Core:
                 # Gradients assigned by hand (from torch.autograd.grad): reduced now, as Horovod's
                 # synchronize() reduces every p.grad whose hook did not fire; none at all, this rank joins the
                 # others' reduction with none (Note [No gradient here]).
-            backward.begin()  # or fewer backward passes than backward_passes_per_step: reduce what there is
+            else:  # fewer backward passes than backward_passes_per_step: reduce what there is
+                backward.check_short("step()")  # Note [Short accumulations] in csrc/torch/gradient_path.cc
+            backward.begin()
         if self.timeline is not None:
             self.timeline.settle()  # Note [Timeline writer] in timeline.py
         stepper.check_frozen()

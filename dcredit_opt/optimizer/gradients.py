@@ -165,8 +165,8 @@ class Backward:
         path])."""
         if self._lazy.pending[i]:
             raise self._lazy.stale_read(i)
-        if self.counts[i] >= self.passes and _will_accumulate(self.params[i]):
-            raise self.too_many_passes(i)
+        if (self.counts[i] >= self.passes or self.open and self.flushed) and _will_accumulate(self.params[i]):
+            raise self.too_many_passes(i) if self.counts[i] >= self.passes else self._after_flush(i)
         self._sparse_onto_ours(i)
 
     def _sparse_onto_ours(self, i: int) -> None:
@@ -201,17 +201,12 @@ class Backward:
             raise self.too_many_passes(i)
         self.counts[i] = count
         if count < self.passes:
+            self.path.note_pass(i)  # Note [Short accumulations] in gradient_path.cc
             return
         if not self.open:
             self.begin()
         elif self.flushed:
-            raise DCreditError(
-                f"the gradient of parameter '{self.names[i]}' was computed after this iteration's gradients "
-                "were already being reduced whole (by optimizer.synchronize(), or by reading a p.grad after a "
-                "backward, which waits for its average: Note [Gradient reads]), so it would never be reduced. "
-                "Run every backward of an iteration before reading gradients or calling synchronize(); to "
-                "skip the update of an iteration after synchronize(), call optimizer.zero_grad() (the "
-                "DistributedOptimizer's, on every rank) before the next backward (Note [Skipped steps])")
+            raise self._after_flush(i)
         with self._lazy.guard.paused():  # our buffers only (Note [Guard cost] in reads.py)
             self._stage(i)
         self.marked[i] = True
@@ -219,6 +214,33 @@ class Backward:
             self._engine.mark_ready(i)
         except (RuntimeError, TimeoutError) as e:
             raise at_rank(e, f"phase 1 (backward), at the gradient of '{self.names[i]}' (tensor {i})") from e
+
+    def _after_flush(self, i: int) -> DCreditError:
+        return DCreditError(
+            f"the gradient of parameter '{self.names[i]}' was computed after this iteration's gradients "
+            "were already being reduced whole (by optimizer.synchronize(), or by reading a p.grad after a "
+            "backward, which waits for its average: Note [Gradient reads]), so it would never be reduced. "
+            "Run every backward of an iteration before reading gradients or calling synchronize(); to "
+            "skip the update of an iteration after synchronize(), call optimizer.zero_grad() (the "
+            "DistributedOptimizer's, on every rank) before the next backward (Note [Skipped steps])")
+
+    def check_short(self, call: str) -> None:
+        """``call`` (step() or synchronize()) opens the iteration after fewer backward passes than
+        backward_passes_per_step: refused where user code wrote a counted gradient since its last pass (Note
+        [Short accumulations] in csrc/torch/gradient_path.cc). Nothing is changed."""
+        i = self.path.first_written_since_pass()
+        if i < 0:
+            return
+        passes = self.counts[i]
+        raise DCreditError(
+            f"p.grad of '{self.names[i]}' was changed (clip_grad_norm_, clip_grad_value_, a scaler's unscale_, an "
+            f"in-place write or a new tensor) after {passes} backward pass(es) of backward_passes_per_step="
+            f"{self.passes}, before {call}: that p.grad was still this rank's own, not yet reduced (the iteration's "
+            f"gradients are reduced at the last of the {self.passes} passes, or at {call} after fewer), so each "
+            "rank would have changed its own and the result would differ from synchronous training. Nothing was "
+            "changed. Call optimizer.synchronize() after the last backward pass and before changing gradients "
+            "(then step() inside optimizer.skip_synchronize()), as Horovod asks (Note [Short accumulations] in "
+            "csrc/torch/gradient_path.cc)")
 
     def open_at(self, i: int) -> None:
         """The C++ hook at an iteration's first gradient (tensor ``i``'s): open the iteration; the hook then hands
@@ -353,7 +375,8 @@ class Backward:
     # short accumulation of an epoch), where no iteration opened in
     # backward: its gradients are this rank's until step(), whose flush
     # reduces them, as Horovod's are until its synchronize(); call
-    # synchronize() before reading them there.
+    # synchronize() before reading them there (a write before it is
+    # refused: Note [Short accumulations] in csrc/torch/gradient_path.cc).
 
     def _aliases_kept(self) -> None:
         """Note [Kept aliases] in watched.py, at an iteration's first gradient: an alias of a slot whose

@@ -649,6 +649,45 @@ def accumulated_branch_in_fewer_passes_clipped(job, lazy):
     return job.result(model, ref, opt)
 
 
+def _short_accumulation_loss(m, step, k, rank):
+    x, y = batch(2 * step + k, rank)
+    return F.mse_loss(m(x), y)
+
+
+def _short(step: int) -> bool:
+    """Every third step ends after one backward pass of ``backward_passes_per_step=2`` (an epoch's short last
+    accumulation)."""
+    return step % 3 == 2
+
+
+def accumulated_short_synchronized_then_clipped(job):
+    """``backward_passes_per_step=2``, every third step after one pass only, and Horovod's clip recipe
+    (``synchronize()``, ``clip_grad_norm_``, ``step()`` inside ``skip_synchronize()``): after the short
+    accumulation no iteration opened in backward, so ``synchronize()`` opens it and reduces what there is, and
+    the clip reads the average, as after a full one (Note [Short accumulations] in csrc/torch/gradient_path.cc)."""
+    model, ref, opt, ropt = job.make(Net, pw._sgd, backward_passes_per_step=2)
+    skew = pw.Skew(job.rank, 0)
+    for step in range(STEPS):
+        passes = 1 if _short(step) else 2
+        opt.zero_grad()
+        for k in range(passes):
+            _short_accumulation_loss(model, step, k, job.rank).backward()
+            skew()
+        opt.synchronize()
+        nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        with opt.skip_synchronize():
+            job.step(opt)
+        for p in ref.parameters():
+            p.grad = None
+        for r in range(job.world):
+            for k in range(passes):
+                _short_accumulation_loss(ref, step, k, r).backward()
+        pw.finish_reference_grads(ref, job.world)
+        nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ropt.step()
+    return job.result(model, ref, opt)
+
+
 def accumulated_head_in_a_pass_of_its_own(job, lazy):
     """``backward_passes_per_step=2``, two passes through the model and a third through a second head alone (on the
     body's output detached), as Horovod counts passes per tensor: the head's one pass comes after the iteration
@@ -778,15 +817,18 @@ GRADIENT_WORK["second_optimizer_averaged_by_hand_first_names_its_own"] = two_opt
 GRADIENT_WORK["head_called_apart_on_a_wrapped_optimizer_of_its_own"] = head_apart(wrap_head=True)
 GRADIENT_WORK["head_per_rank_stepped_and_cleared_first"] = head_per_rank_stepped_and_cleared_first
 GRADIENT_WORK["branch_own_optimizer_synchronized_then_clipped"] = branch_own_optimizer_synchronized_then_clipped
+GRADIENT_WORK["accumulation_short_synchronized_then_clip_grad_norm"] = accumulated_short_synchronized_then_clipped
 
 # Steps that use a replaced gradient are eager by design (Note [Replaced gradients]); with
 # autograd.grad no hook fires, so the tracer never learns reads and every step is eager.
 # With an alias of every slot kept (and p.grad kept: set_to_none=False), step() applies every update itself (Note
 # [Kept aliases] in watched.py).
 # SAM's update is its base optimizer's step(), not ours: nothing is deferred.
+# A step() after synchronize() applies every update itself (the script asked for every gradient then).
 EAGER_BY_DESIGN = {name for name in GRADIENT_WORK if name.endswith("_eager")} | {
     "autograd_grad_assigned_by_hand_lazy", "grad_alias_kept_and_written_after_zero_grad_in_place_lazy",
-    "sam_two_passes_with_synchronize", "branch_own_optimizer_synchronized_then_clipped"}
+    "sam_two_passes_with_synchronize", "branch_own_optimizer_synchronized_then_clipped",
+    "accumulation_short_synchronized_then_clip_grad_norm"}
 
 
 # ---- refused with DCreditError -----------------------------------------------------------------
@@ -895,6 +937,33 @@ def wrapped_object_stepped(job: pw.Job) -> dict:
     return pw._expect_error(job, model, ref, opt, ropt, body)
 
 
+def accumulated_short_clipped_without_synchronize(job: pw.Job) -> dict:
+    """``backward_passes_per_step=2``, ``clip_grad_norm_`` before ``step()`` without ``synchronize()``, and at
+    step 2 one backward pass only: that clip changed each rank's own gradient, not yet reduced, so ``step()``
+    refuses, naming a parameter and ``synchronize()`` (Note [Short accumulations] in
+    csrc/torch/gradient_path.cc); the full accumulations before it train as the reference does."""
+    model, ref, opt, ropt = job.make(Net, pw._sgd, backward_passes_per_step=2)
+
+    def body(step, where):
+        opt.zero_grad()
+        where[0] = f"forward/backward of step {step}"
+        for k in range(1 if _short(step) else 2):
+            _short_accumulation_loss(model, step, k, job.rank).backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        where[0] = f"step() of step {step}"
+        job.step(opt)
+        for p in ref.parameters():
+            p.grad = None
+        for r in range(job.world):
+            for k in range(1 if _short(step) else 2):
+                _short_accumulation_loss(ref, step, k, r).backward()
+        pw.finish_reference_grads(ref, job.world)
+        nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        ropt.step()
+
+    return pw._expect_error(job, model, ref, opt, ropt, body, None)
+
+
 GRADIENT_RAISE = {
     "group_added_to_wrapped_optimizer": group_added_after_wrapping,
     "model_cast_to_bf16_after_wrapping": model_cast_after_wrapping,
@@ -907,6 +976,7 @@ GRADIENT_RAISE = {
     "second_optimizer_not_wrapped_first_names_none": second_optimizer_not_wrapped("none"),
     "head_called_apart_on_an_unwrapped_optimizer": head_apart(wrap_head=False),
     "model_also_wrapped_in_ddp": model_also_in_ddp,
+    "accumulation_short_clip_grad_norm_without_synchronize": accumulated_short_clipped_without_synchronize,
 }
 
 GRADIENT_PATTERNS = {**GRADIENT_WORK, **GRADIENT_RAISE}

@@ -213,6 +213,9 @@ KNOWN_GAPS = {
 
 # Issue C2: refused at the next step() or backward, before anything is applied or launched.
 GRADIENT_RAISES = {
+    "accumulation_short_clip_grad_norm_without_synchronize": (NET_PARAMS, [
+        "after 1 backward pass(es) of backward_passes_per_step=2, before step()", "Nothing was changed",
+        "Call optimizer.synchronize() after the last backward pass"]),
     "group_added_to_wrapped_optimizer": (("",), ["add_param_group", "before wrapping", "Nothing was applied"]),
     "model_cast_to_bf16_after_wrapping": (NET_PARAMS, ["Cast or move the model first", "Nothing was launched"]),
     "gradient_penalty_through_p_grad": (NET_PARAMS, ["carries an autograd graph", "torch.autograd.grad("]),
