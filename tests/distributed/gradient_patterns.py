@@ -576,11 +576,8 @@ def _train_branched(job: pw.Job, lazy: bool, model_fn, change, set_to_none: bool
         skew()
         job.step(opt)
         pw.reference_grads(ref, lambda r, step=step: loss(ref, step, r), job.world)
-        for i, p in enumerate(ref.parameters()):
-            if p.grad is not None:
-                had.add(i)
-            elif i in had and not set_to_none:
-                p.grad = torch.zeros_like(p)
+        if not set_to_none:
+            pw.keep_zeros_where_had(ref, had)
         change(ref, step)
         ropt.step()
     return job.result(model, ref, opt)

@@ -312,6 +312,17 @@ def finish_reference_grads(ref: nn.Module, world: int) -> None:
             p.grad /= world
 
 
+def keep_zeros_where_had(ref: nn.Module, had: set) -> None:
+    """Plain torch's ``zero_grad(set_to_none=False)`` for a reference whose gradients were computed afresh (each
+    ``p.grad`` set to None first): a parameter that had a gradient once (``had``, its index; filled here) holds
+    zeros where this step gave it none, and the optimizer steps with them."""
+    for i, p in enumerate(ref.parameters()):
+        if p.grad is not None:
+            had.add(i)
+        elif i in had:
+            p.grad = torch.zeros_like(p)
+
+
 def state_diff(a: dict, b: dict) -> float:
     assert list(a) == list(b), (list(a), list(b))
     return max((float((x.float() - y.float()).abs().max()) for x, y in zip(a.values(), b.values())), default=0.0)

@@ -60,6 +60,8 @@ from torch import nn
 import dcredit_opt as dc
 from dcredit_opt import _ext
 
+from . import pattern_workers as pw
+
 SEED_VAR = "DC_TEST_RANDOM_SEED"
 TOL = 2e-5
 
@@ -419,19 +421,15 @@ def loss_of(model: RandNet, case: dict, step: int, k: int, rank: int, sleepy: bo
 
 
 def _reference_step(ref: RandNet, ropt, case: dict, step: int, world: int) -> None:
-    had = ref.__dict__.setdefault("had_gradient", set())  # the parameters that had one: zeros kept there
+    had = ref.__dict__.setdefault("had_gradient", set())  # the parameters that had one (keep_zeros_where_had)
     for p in ref.parameters():
         p.grad = None
     for r in range(world):
         for k in range(case["bpps"]):
             loss_of(ref, case, step, k, r, sleepy=False).backward()
-    for i, p in enumerate(ref.parameters()):
-        if p.grad is not None:
-            p.grad /= world
-            had.add(i)
-        elif i in had and not case.get("zero_to_none", True):
-            p.grad = torch.zeros_like(p)  # zero_grad(set_to_none=False) in plain torch
-        # else: one no rank used keeps None, and the optimizer skips it
+    pw.finish_reference_grads(ref, world)  # one no rank used keeps None, and the optimizer skips it
+    if not case.get("zero_to_none", True):
+        pw.keep_zeros_where_had(ref, had)
     between(case, list(ref.parameters()))
     ropt.step()
 
