@@ -107,7 +107,7 @@ class Core:
         self.engine = self.backend.engine
         # Note [Global usage] and Note [Embedding rows]: which gradients exist where, and the rows agreed on.
         self.tally = UsageTally(names, params, world, self.backend, config, self.told, WeakMethod(me, "rows_arrived"),
-                                rows=reduction == "sum", outside=self.outside)
+                                rows=reduction == "sum", outside=self.outside, groups=WeakMethod(me, "_param_groups"))
         # The memory behind every gradient, laid out by the plan; the engine reduces in it.
         self.buffers = GradientBuffers(names, params, self.engine, self.backend, config, self.lazy.keeper,
                                        prescale=prescale, postscale=postscale, wire=wire, groups=group_of,
@@ -358,6 +358,11 @@ class Core:
                 self.apply_pending()
             # Reads and writes gradients only, never a parameter's values: the guard need not see it.
             self.stepper.zero_grad_base(set_to_none)
+
+    def _param_groups(self) -> list:
+        """The wrapped optimizer's param groups, for Note [Same hyperparameters] in usage.py."""
+        optimizer = self._optimizer()
+        return [] if optimizer is None else optimizer.param_groups
 
     def _spare_of(self, i: int):
         """Tensor ``i``'s spare (Note [Zeroed while pending]), or None."""

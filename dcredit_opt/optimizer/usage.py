@@ -99,6 +99,29 @@ alike (``synchronize()``, a decision from the reduced gradients, then
 ``zero_grad()``: the iteration ends without an update, as GradScaler's
 skipped steps do) changes every rank's count alike.
 
+Note [Same hyperparameters]
+---------------------------
+Synchronous training steps every rank with the same hyperparameters. A
+learning-rate scheduler driven by a rank's own metric (ReduceLROnPlateau
+stepped with this rank's validation loss, a warm-up counted from this
+rank's batches) or a setting changed under a rank's own condition gives
+the ranks different updates of the same reduced gradients: their weights
+move apart, and only Note [Same weights] would tell, at its next check.
+So each tally also carries a fingerprint of the optimizer's
+hyperparameters as they are at the flush (every param group's entries
+but its parameters: numbers, flags, strings and tuples of them, a CPU
+tensor of one value by that value; other values by their type only),
+``zlib.crc32`` of their ``repr`` modulo :data:`UPDATES_MODULO`, agreed
+on as the update counts are: a difference is seen at the next flush, on
+every rank alike, and each rank's error shows its own values, so the
+logs of two ranks show what differs. ``broadcast_optimizer_state()``
+gives every rank the root's, and the tally in flight then is not compared
+on them: a script may take a step from different ones first (Horovod's
+own test of that broadcast does). One difference in 64 falls on the
+same fingerprint and is seen at a later flush, as schedulers go on
+moving. A device tensor (a capturable learning rate on a GPU) is not
+read, so that no flush waits for the device.
+
 Note [Same weights]
 -------------------
 Synchronous training keeps every rank's weights bit for bit the same: the
@@ -136,6 +159,7 @@ before it broadcasts them.
 from __future__ import annotations
 
 import weakref
+import zlib
 
 import torch
 
@@ -199,6 +223,40 @@ def fingerprints(params) -> list[int]:
     return [_mix(t) for t in _word_sums(params).cpu().tolist()]
 
 
+AGREED = 2
+"""Values each tally agrees on, each sent with its square after the per-tensor part: the update count (Note [Same
+updates]) and the hyperparameters' fingerprint (Note [Same hyperparameters]); the weights' fingerprints follow."""
+
+
+def settled_hyperparameters(groups) -> list:
+    """Note [Same hyperparameters]: ``groups``' hyperparameters as the fingerprint sees them, per group."""
+    return [[(k, _settled(v)) for k, v in g.items() if k != "params"] for g in groups]
+
+
+def hyperparameters_fingerprint(settled: list) -> int:
+    """Note [Same hyperparameters]: ``settled_hyperparameters`` as one value below :data:`UPDATES_MODULO`."""
+    return zlib.crc32(repr(settled).encode()) % UPDATES_MODULO
+
+
+_PLAIN = frozenset({float, int, bool, str, type(None)})
+
+
+def _settled(v):
+    if type(v) in _PLAIN:
+        return v
+    if isinstance(v, (tuple, list)):
+        return tuple(_settled(x) for x in v)
+    if isinstance(v, torch.Tensor):
+        if v.device.type == "cpu" and v.numel() == 1 and not v.is_sparse:
+            return v.item()
+        return f"tensor{tuple(v.shape)}"
+    return type(v).__name__
+
+
+def _described(settled: list) -> str:
+    return "; ".join(f"group {j}: " + ", ".join(f"{k}={v!r}" for k, v in g) for j, g in enumerate(settled))
+
+
 def _agreement(values) -> list[int]:
     """What a rank adds to the tally so that every rank can tell whether all sent the same ``values`` (each below
     :data:`UPDATES_MODULO`): the values, then their squares (Note [Same updates])."""
@@ -258,8 +316,9 @@ class UsageTally:
     """
 
     def __init__(self, names, params, world: int, backend, config, notices, on_rows_grad, *, rows: bool = True,
-                 outside=None):
+                 outside=None, groups=list):
         T = len(params)
+        self._groups = groups  # () -> the optimizer's param groups (Note [Same hyperparameters]); none in tests
         self._world_size = world  # ranks in the job
         self._rows_allowed = rows  # False where blocks are not summed (Note [Reduce ops] in reduce_ops.py)
         self.used = per_tensor(T, "B")
@@ -455,9 +514,12 @@ class UsageTally:
 
     def start(self, taken: int) -> bool:
         """Note [Global usage]: start summing over ranks which tensors had a gradient on each, with this rank's
-        count of updates ``taken`` (Note [Same updates]). True when the last tally made tensors rows-only: the
-        plan must be rebuilt without their blocks."""
+        count of updates ``taken`` (Note [Same updates]) and its hyperparameters' fingerprint (Note [Same
+        hyperparameters]). True when the last tally made tensors rows-only: the plan must be rebuilt without their
+        blocks."""
         here = bytes(self.used)
+        settled = settled_hyperparameters(self._groups() or ())
+        hyper = (hyperparameters_fingerprint(settled), settled)
         replan = False
         # A world of one sums its tally too: the path every world runs, so that what it costs is measured there.
         self._starts += 1
@@ -472,11 +534,11 @@ class UsageTally:
             self._fingerprinting = _Fingerprinting(self._compared_params, self._starts, skipped, pooled, digest,
                                                    pooled_names)
         last = self._usage
-        if self._turns is not None and weights is None and (
-                last is None or last.weights is None and (self._agreed or not self._proposing)):
-            return self._turn(here, taken, last)  # the steady iteration: neither fingerprints nor rows agreed on
-        counts, values = self._counts(here, taken % UPDATES_MODULO, weights)
-        usage = _Usage(here, counts, values, taken, weights, 0 if taken_at is None else taken_at.iteration,
+        if self._turns is not None and weights is None and (last is None or last.weights is None and (
+                self._agreed or not self._proposing) and last.hyper is not None):
+            return self._turn(here, taken, hyper, last)  # the steady iteration: neither fingerprints nor rows agreed on
+        counts, values = self._counts(here, [taken % UPDATES_MODULO, hyper[0]], weights)
+        usage = _Usage(here, counts, values, taken, hyper, weights, 0 if taken_at is None else taken_at.iteration,
                        () if taken_at is None else taken_at.pooled_names)
         try:
             self._backend.wait_tally(self._timeout())  # the last one, if nothing needed it
@@ -497,32 +559,53 @@ class UsageTally:
         replan, self._sparse_replan = replan or self._sparse_replan, False
         return replan
 
-    def _turn(self, here: bytes, taken: int, last: _Usage | None) -> bool:
+    def _turn(self, here: bytes, taken: int, hyper: tuple, last: _Usage | None) -> bool:
         """What ``start`` does, in one C++ call of the backend's (``TallyTurns``), where no fingerprints travel
-        and no rows are agreed on: this rank's counts written, the last tally waited for and its update counts
-        checked (Note [Same updates]), this one started, ``used`` cleared."""
+        and no rows are agreed on: this rank's counts written, the last tally waited for and its agreed values
+        checked (Note [Same updates], Note [Same hyperparameters]), this one started, ``used`` cleared."""
         T = len(self._params)
-        updates = taken % UPDATES_MODULO
-        counts, values = self._counts_made.next(len(here) + len(self._tail) + 2)
-        mine = [] if last is None else [last.taken % UPDATES_MODULO]
+        agreed = [taken % UPDATES_MODULO, hyper[0]]
+        counts, values = self._counts_made.next(len(here) + len(self._tail) + 2 * AGREED)
+        mine = [] if last is None else last.agreed()
         try:
-            started = self._turns.turn_tally(counts, self.used, self._tail, _agreement([updates]),
+            started = self._turns.turn_tally(counts, self.used, self._tail, _agreement(agreed),
                                              None if last is None else last.counts, 3 * T, mine, self._world_size,
                                              self._timeout())
         except (RuntimeError, TimeoutError) as e:
             raise at_rank(e, "end of phase 1, summing which gradients each rank computed") from e
         if not started:
-            raise self._updates_differ(last)
-        self._usage = _Usage(here, counts, values, taken)
+            self._check_updates(last)
+            raise AssertionError("the tally's agreement broke in C++ and not in Python")
+        self._usage = _Usage(here, counts, values, taken, hyper)
         replan, self._sparse_replan = self._sparse_replan, False
         return replan
 
     def _check_updates(self, last: _Usage) -> None:
         """Note [Same updates]: the summed tally ``last`` says every rank had taken as many updates as this
-        one when it started, or this raises (on every rank alike)."""
+        one when it started, and had the same hyperparameters (Note [Same hyperparameters]), or this raises (on
+        every rank alike)."""
         T = len(self._params)
-        if _disagreeing(last.values[3 * T:3 * T + 2], [last.taken % UPDATES_MODULO], self._world_size):
+        differ = _disagreeing(last.values[3 * T:3 * T + 2 * AGREED], last.agreed(), self._world_size)
+        if last.hyper is None:  # started before broadcast_optimizer_state(): not compared on hyperparameters
+            differ = [j for j in differ if j != 1]
+        if 0 in differ:
             raise self._updates_differ(last)
+        if differ:
+            raise DCreditError(
+                "the optimizer's hyperparameters differ between ranks (Note [Same hyperparameters] in usage.py): "
+                f"this rank had {_described(last.hyper[1])} at its last reduction. Each rank's error "
+                "shows its own. Synchronous training steps every rank alike, so the weights would move apart. A "
+                "learning-rate scheduler stepped with this rank's own metric (ReduceLROnPlateau.step(val_loss)) "
+                "or a setting changed under a rank's own condition does this: average the metric over ranks first "
+                "(dc.allreduce(torch.tensor(val_loss), op=dc.Average)), and change hyperparameters on every rank "
+                "alike")
+
+    def hyperparameters_broadcast(self) -> None:
+        """``broadcast_optimizer_state()`` gave every rank the root's hyperparameters: the tally in flight, started
+        before, is not compared on them (a script may take a step on purpose from different ones first, as
+        Horovod's own test of that broadcast does; Note [Same hyperparameters])."""
+        if self._usage is not None:
+            self._usage.hyper = None
 
     def _updates_differ(self, last: _Usage) -> DCreditError:
         """Note [Same updates]: the error every rank raises where the summed tally ``last`` shows a rank that had
@@ -541,7 +624,7 @@ class UsageTally:
         this rank's on every rank, or this raises (on every rank alike, naming the same parameter)."""
         if last.weights is None:
             return
-        differ = _disagreeing(last.values[3 * len(self._params) + 2:], last.weights, self._world_size)
+        differ = _disagreeing(last.values[3 * len(self._params) + 2 * AGREED:], last.weights, self._world_size)
         n = len(self._compared_params)  # then the found parameters' pool, then its digest (two numbers)
         found_differ = bool({n + 1, n + 2} & set(differ))  # the ranks found other parameters: pool not read
         pool_differs = n in differ and not found_differ
@@ -601,13 +684,14 @@ class UsageTally:
             "of their own; Config(check_weights_every=...) sets how often this is checked, 0 never "
             "(Note [Parameters outside the optimizer] in checks.py)")
 
-    def _counts(self, here: bytes, updates: int, weights: list | None = None):
+    def _counts(self, here: bytes, agreed: list[int], weights: list | None = None):
         """What this rank adds to the tally, as a tensor and a memoryview over it: per tensor, whether it had a
-        gradient here; then this rank's proposal for Note [Embedding rows] (rows wanted, rows only); then its
-        count of updates, modulo :data:`UPDATES_MODULO`, and its square (Note [Same updates]); and, where given,
-        the fingerprints of its weights and their squares (Note [Same weights]). Written in one C++ pass into
-        memory made once (:class:`_TallyCounts`): this runs every iteration."""
-        rest = _agreement([updates]) + ([] if weights is None else _agreement(weights))
+        gradient here; then this rank's proposal for Note [Embedding rows] (rows wanted, rows only); then the
+        :data:`AGREED` values (its count of updates modulo :data:`UPDATES_MODULO`, its hyperparameters'
+        fingerprint) and their squares (Note [Same updates]); and, where given, the fingerprints of its weights
+        and their squares (Note [Same weights]). Written in one C++ pass into memory made once
+        (:class:`_TallyCounts`): this runs every iteration."""
+        rest = _agreement(agreed) + ([] if weights is None else _agreement(weights))
         counts, values = self._counts_made.next(len(here) + len(self._tail) + len(rest))
         self._fill(counts, here, self._tail, rest)
         return counts, values
@@ -690,18 +774,25 @@ class _Usage:
     summed over ranks, and, once that sum is known, whether it had one anywhere; and the updates this rank had
     taken (Note [Same updates])."""
 
-    __slots__ = ("counts", "everywhere", "here", "pooled_names", "taken", "values", "weights", "weights_at")
+    __slots__ = ("counts", "everywhere", "here", "hyper", "pooled_names", "taken", "values", "weights",
+                 "weights_at")
 
-    def __init__(self, here: bytes, counts: torch.Tensor | None, values, taken: int = 0, weights: list | None = None,
-                 weights_at: int = 0, pooled_names=()):
+    def __init__(self, here: bytes, counts: torch.Tensor | None, values, taken: int = 0, hyper: tuple = (0, []),
+                 weights: list | None = None, weights_at: int = 0, pooled_names=()):
         self.here = here
         self.counts = counts
         self.values = values  # a memoryview over ``counts``: read without a torch operation per read
         self.everywhere = None
         self.taken = taken
+        # This rank's hyperparameters, (fingerprint, settled), or None: not compared (Note [Same hyperparameters])
+        self.hyper = hyper
         self.weights = weights  # this rank's fingerprints (Note [Same weights]), where this tally carries them
         self.weights_at = weights_at  # where it carries fingerprints, the iteration (flush) whose weights they are
         self.pooled_names = pooled_names  # and the found parameters in its pool then (checks.Outside.pooled)
+
+    def agreed(self) -> list[int]:
+        """The :data:`AGREED` values this rank sent."""
+        return [self.taken % UPDATES_MODULO, 0 if self.hyper is None else self.hyper[0]]
 
 
 class _TallyCounts:

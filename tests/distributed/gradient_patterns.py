@@ -961,6 +961,30 @@ def accumulated_short_clipped_without_synchronize(job: pw.Job) -> dict:
     return pw._expect_error(job, model, ref, opt, ropt, body, None)
 
 
+def scheduler_stepped_with_this_ranks_loss(job: pw.Job) -> dict:
+    """``ReduceLROnPlateau`` stepped with this rank's own loss (not averaged over ranks): the ranks' learning rates
+    part at the first step where one rank's loss stops improving and another's does not, and their updates of the
+    same reduced gradients with them: refused at the next flush, on every rank alike, naming the hyperparameters
+    and the averaged metric (Note [Same hyperparameters] in usage.py)."""
+    model, ref, opt, ropt = job.make(Net, pw._sgd)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+    rsched = torch.optim.lr_scheduler.ReduceLROnPlateau(ropt, patience=0, factor=0.5)
+
+    def body(step, where):
+        opt.zero_grad()
+        where[0] = f"forward/backward of step {step}"
+        loss = pw.mse(model, step, job.rank)
+        loss.backward()
+        where[0] = f"step() of step {step}"
+        job.step(opt)
+        sched.step(float(loss))  # this rank's loss: the bug
+        pw.reference_grads(ref, lambda r, step=step: pw.mse(ref, step, r), job.world)
+        ropt.step()
+        rsched.step(sum(float(pw.mse(ref, step, r)) for r in range(job.world)) / job.world)
+
+    return pw._expect_error(job, model, ref, opt, ropt, body, None)
+
+
 GRADIENT_RAISE = {
     "group_added_to_wrapped_optimizer": group_added_after_wrapping,
     "model_cast_to_bf16_after_wrapping": model_cast_after_wrapping,
@@ -974,6 +998,7 @@ GRADIENT_RAISE = {
     "head_called_apart_on_an_unwrapped_optimizer": head_apart(wrap_head=False),
     "model_also_wrapped_in_ddp": model_also_in_ddp,
     "accumulation_short_clip_grad_norm_without_synchronize": accumulated_short_clipped_without_synchronize,
+    "scheduler_stepped_with_this_ranks_loss": scheduler_stepped_with_this_ranks_loss,
 }
 
 GRADIENT_PATTERNS = {**GRADIENT_WORK, **GRADIENT_RAISE}

@@ -213,6 +213,8 @@ KNOWN_GAPS = {
 
 # Issue C2: refused at the next step() or backward, before anything is applied or launched.
 GRADIENT_RAISES = {
+    "scheduler_stepped_with_this_ranks_loss": (("",), [
+        "hyperparameters differ between ranks", "group 0: lr=", "average the metric over ranks first"]),
     "accumulation_short_clip_grad_norm_without_synchronize": (NET_PARAMS, [
         "after 1 backward pass(es) of backward_passes_per_step=2, before step()", "Nothing was changed",
         "Call optimizer.synchronize() after the last backward pass"]),

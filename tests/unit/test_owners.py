@@ -44,10 +44,15 @@ class _SideChannel:
         self.waits += 1
 
 
-def _tally(params, world=1, backend=None, notices=None, check_weights_every=0):
+def _tally(params, world=1, backend=None, notices=None, check_weights_every=0, groups=list):
     names = [f"p{i}" for i in range(len(params))]
     return UsageTally(names, params, world, backend or _SideChannel(),
-                      Config(check_weights_every=check_weights_every), notices or Notices(), lambda: None)
+                      Config(check_weights_every=check_weights_every), notices or Notices(), lambda: None,
+                      groups=groups)
+
+
+H = usage.hyperparameters_fingerprint([])
+"""The hyperparameters' fingerprint of a tally without param groups (Note [Same hyperparameters])."""
 
 
 def test_alone_the_tally_says_unused_what_this_rank_did_not_use():
@@ -75,11 +80,11 @@ def test_a_gradient_the_user_assigned_is_not_dropped():
 
 def test_with_peers_the_tally_waits_only_for_tensors_unused_here():
     params = [nn.Parameter(torch.zeros(2)) for _ in range(3)]
-    side = _SideChannel(others=[0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0])  # the other rank used tensor 1 only
+    side = _SideChannel(others=[0, 1, 0, 0, 0, 0, 0, 0, 0, 0, H, 0, H * H])  # the other rank used tensor 1 only
     tally = _tally(params, world=2, backend=side)
     tally.used[0] = True
     tally.start(0)
-    assert [c.tolist() for c in side.started] == [[1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]]
+    assert [c.tolist() for c in side.started] == [[1, 0, 0, 0, 0, 0, 0, 0, 0, 0, H, 0, H * H]]
     waits = side.waits  # the start waits for the last tally, if any
     assert tally.unused_everywhere([0]) == []
     assert side.waits == waits  # used here: used, whatever the others did
@@ -97,7 +102,7 @@ class _Peers(_SideChannel):
     def start_tally(self, counts):
         self.started.append(counts.clone())
         a = self.theirs.pop(0) % usage.UPDATES_MODULO
-        counts[-2:] += torch.tensor([a, a * a], dtype=torch.int32) * (self.world - 1)
+        counts[-4:] += torch.tensor([a, H, a * a, H * H], dtype=torch.int32) * (self.world - 1)
 
 
 @pytest.mark.parametrize("world", [2, 5])
@@ -107,11 +112,80 @@ def test_the_tally_carries_the_update_counts_and_a_rank_that_skipped_a_step_is_t
     tally = _tally(params, world=world, backend=_Peers([0, 1, 64, 66, 3], world))
     for taken in (0, 1, 64):
         tally.start(taken)  # each checks the tally before it
-    assert tally._backend.started[-1][-2:].tolist() == [0, 0]  # 64 modulo 64, and its square
+    assert tally._backend.started[-1][-4:].tolist() == [0, H, 0, H * H]  # 64 modulo 64, and its square
     tally.start(65)  # the others took 66: checked at the next start, on every rank alike
     with pytest.raises(DCreditError, match=r"not all applied the same number of optimizer updates: this rank had "
                                            r"taken 65.*zero_grad\(\) without step\(\) on every rank"):
         tally.start(66)
+
+
+class _OtherSettings(_SideChannel):
+    """Every other rank took as many updates as this one, and had the hyperparameters' fingerprint ``theirs[k]`` at
+    the k-th tally."""
+
+    def __init__(self, theirs, world):
+        super().__init__(world=world)
+        self.theirs = list(theirs)
+
+    def start_tally(self, counts):
+        self.started.append(counts.clone())
+        h = self.theirs.pop(0)
+        counts[-4] *= self.world
+        counts[-2] *= self.world
+        counts[-3:] += torch.tensor([h, 0, h * h], dtype=torch.int32) * (self.world - 1)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_tally_carries_the_hyperparameters_and_a_rank_whose_differ_is_told(world):
+    """Note [Same hyperparameters]: a learning rate changed on this rank alone is seen at the next tally, and the
+    error shows this rank's hyperparameters as they were at the tally that differed."""
+    params = [nn.Parameter(torch.zeros(2))]
+    groups = [{"params": params, "lr": 0.1, "momentum": 0.9, "betas": (0.9, 0.99)}]
+    same = usage.hyperparameters_fingerprint(usage.settled_hyperparameters(groups))
+    tally = _tally(params, world=world, backend=_OtherSettings([same] * 4, world), groups=lambda: groups)
+    tally.start(0)
+    tally.start(1)  # checks the first: the same
+    groups[0]["lr"] = 0.05  # a scheduler stepped with this rank's own metric
+    assert usage.hyperparameters_fingerprint(usage.settled_hyperparameters(groups)) != same
+    tally.start(2)  # sends the new fingerprint; checks the last: the same
+    with pytest.raises(DCreditError, match=r"hyperparameters differ between ranks .*this rank had group 0: "
+                                           r"lr=0\.05, momentum=0\.9, betas=\(0\.9, 0\.99\) at its last reduction.*"
+                                           r"average the metric over ranks first"):
+        tally.start(3)
+
+
+def test_a_tally_started_before_broadcast_optimizer_state_is_not_compared_on_hyperparameters():
+    """A step from this rank's own hyperparameters, then ``broadcast_optimizer_state()`` (Horovod's own test of it
+    does so): the tally in flight is not compared on them; the next is, and the update counts always are."""
+    params = [nn.Parameter(torch.zeros(2))]
+    groups = [{"params": params, "lr": 0.1}]
+    root = usage.hyperparameters_fingerprint(usage.settled_hyperparameters([{"params": params, "lr": 0.2}]))
+    tally = _tally(params, world=2, backend=_OtherSettings([root] * 5, 2), groups=lambda: groups)
+    tally.start(0)  # this rank's lr 0.1 travels; the root's is 0.2
+    groups[0]["lr"] = 0.2  # the broadcast
+    tally.hyperparameters_broadcast()
+    tally.start(1)  # the first tally is not compared on hyperparameters; this one carries the root's
+    tally.start(2)  # the same everywhere
+    groups[0]["lr"] = 0.1  # changed here alone
+    tally.start(3)
+    with pytest.raises(DCreditError, match=r"hyperparameters differ between ranks .*lr=0\.1 at its last reduction"):
+        tally.start(4)
+
+
+def test_the_hyperparameters_fingerprint_reads_values_not_addresses_nor_devices():
+    """What every rank fingerprints alike: numbers, flags, strings and tuples by value; a CPU tensor of one value
+    by that value; any other object by its type (its address differs between processes); a tensor on another
+    device is not read (on a GPU that read would wait for the device)."""
+    def fingerprint(**hyper):
+        return usage.hyperparameters_fingerprint(usage.settled_hyperparameters([{"params": [], **hyper}]))
+
+    assert fingerprint(lr=0.1, betas=(0.9, 0.99)) == fingerprint(lr=0.1, betas=[0.9, 0.99])
+    assert fingerprint(lr=torch.tensor(0.5)) == fingerprint(lr=0.5)
+    assert fingerprint(lr=torch.tensor(0.5)) != fingerprint(lr=torch.tensor(0.25))
+    assert fingerprint(fn=object()) == fingerprint(fn=object())
+    assert fingerprint(lr=torch.tensor(0.5, device="meta")) == fingerprint(lr=torch.tensor(0.25, device="meta"))
+    assert usage.settled_hyperparameters([{"params": [], "lr": torch.tensor(0.5, device="meta")}]) == [
+        [("lr", "tensor()")]]
 
 
 class _Replicas(_SideChannel):
@@ -124,10 +198,10 @@ class _Replicas(_SideChannel):
     def start_tally(self, counts):
         self.started.append(counts.clone())
         T = len(self.theirs)
-        counts[3 * T:3 * T + 2] *= self.world  # the same update counts everywhere
-        if len(counts) > 3 * T + 2:  # then no pool of parameters found outside the optimizer, a digest of zeros
+        counts[3 * T:3 * T + 4] *= self.world  # the same update counts and hyperparameters everywhere
+        if len(counts) > 3 * T + 4:  # then no pool of parameters found outside the optimizer, a digest of zeros
             f = torch.tensor([*usage.fingerprints(self.theirs), 0, 0, 0], dtype=torch.int32)
-            counts[3 * T + 2:] += torch.cat([f, f * f]) * (self.world - 1)
+            counts[3 * T + 4:] += torch.cat([f, f * f]) * (self.world - 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -137,7 +211,7 @@ def test_the_tally_compares_the_weights_every_few_iterations_and_names_the_param
     theirs = [p.detach().clone() for p in params]
     side = _Replicas(theirs, world=3)
     tally = _tally(params, world=3, backend=side, check_weights_every=2)
-    plain, carrying = 3 * 2 + 2, 3 * 2 + 2 + 2 * (2 + 3)  # fingerprints, a pool found outside, its digest
+    plain, carrying = 3 * 2 + 4, 3 * 2 + 4 + 2 * (2 + 3)  # fingerprints, a pool found outside, its digest
     tally.start(0)
     tally.start(0)  # iteration 2 takes the fingerprints of its weights...
     assert len(side.started[-1]) == plain
@@ -200,13 +274,13 @@ def test_word_sums_on_the_cpu_equal_the_torch_path():
 
 def test_alone_the_tally_is_summed_as_in_any_world():
     """A world of one runs the path every world runs (and pays for it where its cost is measured): each flush
-    sums its tally, with the update count in it (Note [Same updates])."""
+    sums its tally, with the update count and the hyperparameters' fingerprint in it (Note [Same updates])."""
     tally = _tally([nn.Parameter(torch.zeros(2))])
     side = tally._backend
     tally.start(3)
     tally.start(7)
     T = 1
-    assert [c[3 * T:3 * T + 2].tolist() for c in side.started] == [[3, 9], [7, 49]]
+    assert [c[3 * T:3 * T + 4].tolist() for c in side.started] == [[3, H, 9, H * H], [7, H, 49, H * H]]
     assert side.waits == 2
 
 
@@ -227,10 +301,10 @@ def test_each_tally_is_written_whole_into_memory_made_once():
     tally.start(4)
     f = usage.fingerprints(params)
     assert [c.tolist() for c in side.started] == [
-        [0, 1, 1, 0, 1, 0, 1, 1],
-        [1, 0, 1, 0, 1, 0, 2, 4],
-        [0, 0, 1, 0, 1, 0, 3, 9, *f, 0, 0, 0, *(v * v for v in f), 0, 0, 0],  # no pool found, a digest of zeros
-        [0, 0, 1, 0, 1, 0, 4, 16],
+        [0, 1, 1, 0, 1, 0, 1, H, 1, H * H],
+        [1, 0, 1, 0, 1, 0, 2, H, 4, H * H],
+        [0, 0, 1, 0, 1, 0, 3, H, 9, H * H, *f, 0, 0, 0, *(v * v for v in f), 0, 0, 0],  # no pool, a digest of 0s
+        [0, 0, 1, 0, 1, 0, 4, H, 16, H * H],
     ]
     assert side.handed[1] is not side.handed[0] and side.handed[3] is side.handed[0]
     assert list(tally.rows) == [0]  # alone, this rank's proposal is every rank's: taken at the second tally
@@ -251,7 +325,7 @@ def test_the_tally_is_written_only_into_memory_of_its_size():
 def test_the_ranks_agree_on_embedding_rows_through_the_tally():
     emb = nn.Embedding(5, 2)
     params = [emb.weight, nn.Parameter(torch.zeros(2, 2))]
-    side = _SideChannel(others=[1, 0, 1, 0, 1, 0, 0, 0])  # the other rank proposes tensor 0, rows only
+    side = _SideChannel(others=[1, 0, 1, 0, 1, 0, 0, H, 0, H * H])  # the other rank proposes tensor 0, rows only
     notices = Notices()
     tally = _tally(params, world=2, backend=side, notices=notices)
     tracer = types.SimpleNamespace(embedded_by={0: [weakref.ref(emb)]}, read_otherwise=set())
@@ -269,7 +343,7 @@ def test_the_ranks_agree_on_embedding_rows_through_the_tally():
 
 def test_a_proposal_of_one_rank_alone_is_not_taken():
     emb = nn.Embedding(5, 2)
-    side = _SideChannel(others=[0, 0, 0, 0, 0])  # the other rank proposes nothing
+    side = _SideChannel(others=[0, 0, 0, 0, H, 0, H * H])  # the other rank proposes nothing
     tally = _tally([emb.weight], world=2, backend=side)
     tally.propose_rows(types.SimpleNamespace(embedded_by={0: [weakref.ref(emb)]}, read_otherwise={0}), set())
     tally.start(0)
@@ -700,8 +774,8 @@ class _FoundElsewhere(_SideChannel):
 
     def start_tally(self, counts):
         self.started.append(counts.clone())
-        at, w = 3 * self.T + 2, self.world
-        counts[at - 2:at] *= w  # the same update counts everywhere
+        at, w = 3 * self.T + 2 * usage.AGREED, self.world
+        counts[at - 2 * usage.AGREED:at] *= w  # the same update counts and hyperparameters everywhere
         if len(counts) > at:
             k = (len(counts) - at) // 2  # the values, then their squares
             mine = counts[at:at + k].clone()
