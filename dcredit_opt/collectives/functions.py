@@ -86,7 +86,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
         group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in hyper.items()})
     tally = getattr(core, "tally", None)  # op=Adasum's has none
     if tally is not None:
-        tally.hyperparameters_broadcast()  # Note [Same hyperparameters] in optimizer/usage.py
+        tally.hyperparameters_replaced()  # Note [Same hyperparameters] in optimizer/usage.py
     for i, (p, entries) in enumerate(zip(params, desc["state"])):
         st = optimizer.state[p]
         for key, spec in entries.items():

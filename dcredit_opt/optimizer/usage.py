@@ -114,10 +114,12 @@ tensor of one value by that value; other values by their type only),
 ``zlib.crc32`` of their ``repr`` modulo :data:`UPDATES_MODULO`, agreed
 on as the update counts are: a difference is seen at the next flush, on
 every rank alike, and each rank's error shows its own values, so the
-logs of two ranks show what differs. ``broadcast_optimizer_state()``
-gives every rank the root's, and the tally in flight then is not compared
-on them: a script may take a step from different ones first (Horovod's
-own test of that broadcast does). One difference in 64 falls on the
+logs of two ranks show what differs. The first tally is not compared on
+them, nor one in flight when ``broadcast_optimizer_state()`` or
+``load_state_dict()`` replaces them: a script may take a step from
+different ones before it broadcasts the root's (Horovod's own test of its
+broadcast does, with Horovod's function, which we do not see). One
+difference in 64 falls on the
 same fingerprint and is seen at a later flush, as schedulers go on
 moving. A device tensor (a capturable learning rate on a GPU) is not
 read, so that no flush waits for the device.
@@ -158,6 +160,7 @@ before it broadcasts them.
 
 from __future__ import annotations
 
+import numbers
 import weakref
 import zlib
 
@@ -244,6 +247,10 @@ _PLAIN = frozenset({float, int, bool, str, type(None)})
 def _settled(v):
     if type(v) in _PLAIN:
         return v
+    if isinstance(v, numbers.Integral):  # NumPy's integers and floats (a schedule computed with NumPy) by value
+        return int(v)
+    if isinstance(v, numbers.Real):
+        return float(v)
     if isinstance(v, (tuple, list)):
         return tuple(_settled(x) for x in v)
     if isinstance(v, torch.Tensor):
@@ -534,6 +541,8 @@ class UsageTally:
             self._fingerprinting = _Fingerprinting(self._compared_params, self._starts, skipped, pooled, digest,
                                                    pooled_names)
         last = self._usage
+        if self._starts == 2:
+            self.hyperparameters_replaced()  # the first tally is not compared on them (Note [Same hyperparameters])
         if self._turns is not None and weights is None and (last is None or last.weights is None and (
                 self._agreed or not self._proposing) and last.hyper is not None):
             return self._turn(here, taken, hyper, last)  # the steady iteration: neither fingerprints nor rows agreed on
@@ -600,10 +609,10 @@ class UsageTally:
                 "(dc.allreduce(torch.tensor(val_loss), op=dc.Average)), and change hyperparameters on every rank "
                 "alike")
 
-    def hyperparameters_broadcast(self) -> None:
-        """``broadcast_optimizer_state()`` gave every rank the root's hyperparameters: the tally in flight, started
-        before, is not compared on them (a script may take a step on purpose from different ones first, as
-        Horovod's own test of that broadcast does; Note [Same hyperparameters])."""
+    def hyperparameters_replaced(self) -> None:
+        """The hyperparameters were replaced whole (``broadcast_optimizer_state()`` gave every rank the root's, or
+        ``load_state_dict()`` a checkpoint's): the tally in flight, started before, is not compared on them (Note
+        [Same hyperparameters])."""
         if self._usage is not None:
             self._usage.hyper = None
 

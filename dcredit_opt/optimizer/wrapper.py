@@ -219,6 +219,7 @@ class _Wrapper:
 
     def load_state_dict(self, state_dict):
         self._dc.apply_pending()
+        self._dc.tally.hyperparameters_replaced()  # Note [Same hyperparameters] in usage.py
         return super(type(self), self).load_state_dict(state_dict)
 
     def add_param_group(self, param_group):

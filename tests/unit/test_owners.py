@@ -154,22 +154,28 @@ def test_the_tally_carries_the_hyperparameters_and_a_rank_whose_differ_is_told(w
         tally.start(3)
 
 
-def test_a_tally_started_before_broadcast_optimizer_state_is_not_compared_on_hyperparameters():
-    """A step from this rank's own hyperparameters, then ``broadcast_optimizer_state()`` (Horovod's own test of it
-    does so): the tally in flight is not compared on them; the next is, and the update counts always are."""
+def test_the_first_tally_and_one_in_flight_at_a_broadcast_are_not_compared_on_hyperparameters():
+    """A first step from this rank's own hyperparameters (Horovod's own test of broadcast_optimizer_state takes one,
+    then broadcasts the root's with Horovod's function, which we do not see), and a later one before
+    ``broadcast_optimizer_state()`` or ``load_state_dict()`` replaces them: neither tally is compared on them; the
+    next ones are."""
     params = [nn.Parameter(torch.zeros(2))]
     groups = [{"params": params, "lr": 0.1}]
     root = usage.hyperparameters_fingerprint(usage.settled_hyperparameters([{"params": params, "lr": 0.2}]))
-    tally = _tally(params, world=2, backend=_OtherSettings([root] * 5, 2), groups=lambda: groups)
+    tally = _tally(params, world=2, backend=_OtherSettings([root] * 7, 2), groups=lambda: groups)
     tally.start(0)  # this rank's lr 0.1 travels; the root's is 0.2
-    groups[0]["lr"] = 0.2  # the broadcast
-    tally.hyperparameters_broadcast()
-    tally.start(1)  # the first tally is not compared on hyperparameters; this one carries the root's
-    tally.start(2)  # the same everywhere
+    groups[0]["lr"] = 0.2  # Horovod's broadcast
+    tally.start(1)  # the first tally is not compared on hyperparameters
+    groups[0]["lr"] = 0.3
+    tally.start(2)  # differs...
+    groups[0]["lr"] = 0.2
+    tally.hyperparameters_replaced()  # ...then broadcast_optimizer_state()
+    tally.start(3)  # that one is not compared
+    tally.start(4)  # nor this: the same everywhere
     groups[0]["lr"] = 0.1  # changed here alone
-    tally.start(3)
+    tally.start(5)
     with pytest.raises(DCreditError, match=r"hyperparameters differ between ranks .*lr=0\.1 at its last reduction"):
-        tally.start(4)
+        tally.start(6)
 
 
 def test_the_hyperparameters_fingerprint_reads_values_not_addresses_nor_devices():
@@ -186,6 +192,9 @@ def test_the_hyperparameters_fingerprint_reads_values_not_addresses_nor_devices(
     assert fingerprint(lr=torch.tensor(0.5, device="meta")) == fingerprint(lr=torch.tensor(0.25, device="meta"))
     assert usage.settled_hyperparameters([{"params": [], "lr": torch.tensor(0.5, device="meta")}]) == [
         [("lr", "tensor()")]]
+    np = pytest.importorskip("numpy")
+    assert fingerprint(lr=np.float64(0.5), n=np.int64(3)) == fingerprint(lr=0.5, n=3)
+    assert fingerprint(lr=np.float32(0.5)) != fingerprint(lr=np.float32(0.25))
 
 
 class _Replicas(_SideChannel):
