@@ -65,45 +65,49 @@ def test_a_change_to_a_counted_gradient_before_step_is_refused_and_changes_nothi
         opt._dc.close()
 
 
-@pytest.mark.parametrize("config", [LAZY, EAGER], ids=["lazy", "eager"])
-def test_synchronize_first_reduces_a_short_accumulation_and_the_clip_trains_as_plain_torch(config):
-    """Horovod's recipe after one pass of two: synchronize() opens the iteration and reduces what there is, the
-    clip reads (and writes) the final gradients, step() inside skip_synchronize() takes them."""
+def short_step_trains_as_plain_torch(config, ours, theirs):
+    """Three full steps, one pass of two on both, then ``ours(model, opt)`` (up to and with our step()) beside
+    ``theirs(ref)`` and plain torch's step, two more full steps: the weights of plain torch."""
     model, opt, ref, ropt = pair(config, backward_passes_per_step=2)
     try:
         full_steps(model, opt, ref, ropt, range(3))
         short_pass(model, opt, ref, ropt)
-        opt.synchronize()
-        assert opt._dc.backward.open and opt._dc.backward.synchronized
-        clip(model)
-        clip(ref)
-        with opt.skip_synchronize():
-            opt.step()
+        ours(model, opt)
+        theirs(ref)
         ropt.step()
         full_steps(model, opt, ref, ropt, range(4, 6))
         opt.synchronize()
         assert_same(model, ref)
     finally:
         opt._dc.close()
+
+
+@pytest.mark.parametrize("config", [LAZY, EAGER], ids=["lazy", "eager"])
+def test_synchronize_first_reduces_a_short_accumulation_and_the_clip_trains_as_plain_torch(config):
+    """Horovod's recipe after one pass of two: synchronize() opens the iteration and reduces what there is, the
+    clip reads (and writes) the final gradients, step() inside skip_synchronize() takes them."""
+    def ours(model, opt):
+        opt.synchronize()
+        assert opt._dc.backward.open and opt._dc.backward.synchronized
+        clip(model)
+        with opt.skip_synchronize():
+            opt.step()
+
+    short_step_trains_as_plain_torch(config, ours, clip)
 
 
 def test_reads_and_a_gradient_set_to_none_after_a_short_accumulation_are_no_change():
     """Reading the gradients (a norm for the log) writes nothing; ``p.grad = None`` drops that gradient, as plain
     torch's step() then leaves its parameter (with momentum, SGD skips a parameter without a gradient)."""
-    model, opt, ref, ropt = pair(LAZY, backward_passes_per_step=2)
-    try:
-        full_steps(model, opt, ref, ropt, range(3))
-        short_pass(model, opt, ref, ropt)
-        for m in (model, ref):
-            float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in m.parameters()])))
-            m[4].bias.grad = None
+    def read_and_drop(m):
+        float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in m.parameters()])))
+        m[4].bias.grad = None
+
+    def ours(model, opt):
+        read_and_drop(model)
         opt.step()
-        ropt.step()
-        full_steps(model, opt, ref, ropt, range(4, 6))
-        opt.synchronize()
-        assert_same(model, ref)
-    finally:
-        opt._dc.close()
+
+    short_step_trains_as_plain_torch(LAZY, ours, read_and_drop)
 
 
 def test_a_counted_pass_on_the_python_path_is_recorded_too():
