@@ -182,6 +182,7 @@ class Core:
         self._end_learning()
         self.apply_pending()
         backward, everything = self.backward, range(len(self.params))
+        backward.note_missed_short()
         if not backward.open and (backward.missed or any(backward.counts)):
             # Note [Missed here]: this rank joins the others' flush; or fewer backward passes than
             # backward_passes_per_step (Note [Short accumulations] in csrc/torch/gradient_path.cc): reduced now
@@ -228,6 +229,7 @@ class Core:
                           "consider using optimizer.skip_synchronize() context if you use "
                           "optimizer.synchronize() in your code.")
         if not backward.open:
+            backward.note_missed_short()
             if not any(backward.counts) and not backward.missed:  # Note [Missed here]: a backward ran
                 if self._zero_gradients_only():
                     # hvd.broadcast_optimizer_state() makes a fresh optimizer's state so: pending updates
@@ -546,7 +548,11 @@ class Core:
     # end of a backward that opened some optimizer's iteration on this rank
     # (the callback of Note [Unused here]) marks every other optimizer of
     # ours whose iteration is not open as having missed it (``missed``, a
-    # flag: no collective), and synchronize() opens a missed iteration and
+    # flag: no collective); where no iteration opened in backward (fewer
+    # passes than backward_passes_per_step so far), synchronize() and step()
+    # find it so where another optimizer of ours counted passes and this one
+    # none (``Backward.note_missed_short``); synchronize() opens a missed
+    # iteration and
     # flushes it as step() does with no gradient (Note [No gradient here]).
     # After step() (which clears the flag) synchronize() only applies what
     # is pending, as before. Not covered: code that lists this optimizer's

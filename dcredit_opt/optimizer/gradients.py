@@ -310,6 +310,14 @@ class Backward:
         if self._others and torch._C._current_graph_task_id() != -1:
             torch.autograd.Variable._execution_engine.queue_callback(self._unused_stand_ready)
 
+    def note_missed_short(self) -> None:
+        """Note [Missed here] in core.py, where no iteration opened in backward: a backward since the last step()
+        counted passes of another optimizer of ours on this rank (fewer than its backward_passes_per_step, so its
+        iteration did not open and no callback marked this one) and none of this one's: this one missed it."""
+        if (not self.open and not self.missed and len(_LIVE) > 1 and not any(self.counts)
+                and any(other is not self and any(other.counts) for other in _LIVE)):
+            self.missed = True
+
     def _unused_stand_ready(self) -> None:
         """Note [Unused here]: the end of the backward that opened this iteration; the tensors it did not reach
         on this rank get ``p.grad``, the watched alias of their slot, zeroed. The other optimizers of ours whose

@@ -742,12 +742,14 @@ def branch_first_grads_replaced(job, lazy):
     return _train_branched(job, lazy, BranchFirstNet, _scaled_in_a_loop)
 
 
-def branch_own_optimizer_synchronized_then_clipped(job: pw.Job) -> dict:
+def branch_own_optimizer_synchronized_then_clipped(job: pw.Job, passes: int = 1) -> dict:
     """Horovod's clipping recipe with two optimizers, the branch in an optimizer of its own that rank 1 alone takes
     at odd steps: ``synchronize()`` of both, ``clip_grad_norm_`` over every parameter, ``step()`` of both in
     ``skip_synchronize()``. Rank 0's backward reached none of the branch's tensors, so its ``synchronize()`` of the
     second must join rank 1's flush (Note [Missed here] in core.py): else the first's and the second's collectives
-    meet in different orders, or rank 0's norm leaves out the branch's average that rank 1's includes."""
+    meet in different orders, or rank 0's norm leaves out the branch's average that rank 1's includes. ``passes``:
+    backward_passes_per_step, above the one pass each step takes: every step a short accumulation, where no
+    iteration opens in backward (Note [Short accumulations] in csrc/torch/gradient_path.cc)."""
     torch.manual_seed(0)
     model = Net(branch=True)
     ref = copy.deepcopy(model)
@@ -756,8 +758,9 @@ def branch_own_optimizer_synchronized_then_clipped(job: pw.Job) -> dict:
         return ([p for n, p in m.named_parameters() if not n.startswith("branch.")], list(m.branch.parameters()))
 
     (body, branch), (ref_body, ref_branch) = split(model), split(ref)
-    first = job.wrap(pw._sgd(body), [(n, p) for n, p in model.named_parameters() if not n.startswith("branch.")])
-    second = job.wrap(pw._sgd(branch), model.branch)
+    first = job.wrap(pw._sgd(body), [(n, p) for n, p in model.named_parameters() if not n.startswith("branch.")],
+                     backward_passes_per_step=passes)
+    second = job.wrap(pw._sgd(branch), model.branch, backward_passes_per_step=passes)
     ref_opts = [pw._sgd(ref_body), pw._sgd(ref_branch)]
     skew = pw.Skew(job.rank)
 
@@ -814,6 +817,8 @@ GRADIENT_WORK["second_optimizer_averaged_by_hand_first_names_its_own"] = two_opt
 GRADIENT_WORK["head_called_apart_on_a_wrapped_optimizer_of_its_own"] = head_apart(wrap_head=True)
 GRADIENT_WORK["head_per_rank_stepped_and_cleared_first"] = head_per_rank_stepped_and_cleared_first
 GRADIENT_WORK["branch_own_optimizer_synchronized_then_clipped"] = branch_own_optimizer_synchronized_then_clipped
+GRADIENT_WORK["branch_own_optimizer_short_accumulation_synchronized_then_clipped"] = (
+    lambda job: branch_own_optimizer_synchronized_then_clipped(job, passes=2))
 GRADIENT_WORK["accumulation_short_synchronized_then_clip_grad_norm"] = accumulated_short_synchronized_then_clipped
 
 # Steps that use a replaced gradient are eager by design (Note [Replaced gradients]); with
@@ -825,7 +830,8 @@ GRADIENT_WORK["accumulation_short_synchronized_then_clip_grad_norm"] = accumulat
 EAGER_BY_DESIGN = {name for name in GRADIENT_WORK if name.endswith("_eager")} | {
     "autograd_grad_assigned_by_hand_lazy", "grad_alias_kept_and_written_after_zero_grad_in_place_lazy",
     "sam_two_passes_with_synchronize", "branch_own_optimizer_synchronized_then_clipped",
-    "accumulation_short_synchronized_then_clip_grad_norm"}
+    "accumulation_short_synchronized_then_clip_grad_norm",
+    "branch_own_optimizer_short_accumulation_synchronized_then_clipped"}
 
 
 # ---- refused with DCreditError -----------------------------------------------------------------
