@@ -482,7 +482,7 @@ class Stepper:
         self._tally.propose_rows(tracer, {t for g in self._horovod_groups or () for t in g})
 
 
-_PLAIN = frozenset({float, int, bool, str, type(None)})  # hyperparameters that cannot change in place
+PLAIN_HYPER = frozenset({float, int, bool, str, type(None)})  # hyperparameters that cannot change in place
 
 
 def held_params(groups) -> list[tuple]:
@@ -504,16 +504,16 @@ def same_objects(a, b) -> bool:
 
 def copy_hyper(group: dict) -> dict:
     """A group's hyperparameters as of now: tensors copied, so an in-place change later does not leak in."""
-    plain = _PLAIN  # numbers and flags as they are, without a call each (every step() copies them)
+    plain = PLAIN_HYPER  # numbers and flags as they are, without a call each (every step() copies them)
     return {k: v if type(v) in plain else _detached_copy(v) for k, v in group.items() if k != "params"}
 
 
 def _detached_copy(v):
-    if type(v) in _PLAIN:
+    if type(v) in PLAIN_HYPER:
         return v
     if isinstance(v, torch.Tensor):
         return v.detach().clone()
-    if type(v) is tuple and all(type(x) in _PLAIN for x in v):
+    if type(v) is tuple and all(type(x) in PLAIN_HYPER for x in v):
         return v  # Adam's betas: nothing in it can change in place
     if isinstance(v, (tuple, list)):
         return type(v)(_detached_copy(x) for x in v)

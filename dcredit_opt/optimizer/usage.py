@@ -172,6 +172,7 @@ from ..errors import DCreditError
 from ..world.peers import at_rank
 from . import rows, sparse
 from .buffers import clear, per_tensor
+from .lazy import PLAIN_HYPER
 
 UPDATES_MODULO = 64
 """Note [Same updates]: the update counts (and Note [Same weights]'s fingerprints) travel modulo this, so that
@@ -241,11 +242,8 @@ def hyperparameters_fingerprint(settled: list) -> int:
     return zlib.crc32(repr(settled).encode()) % UPDATES_MODULO
 
 
-_PLAIN = frozenset({float, int, bool, str, type(None)})
-
-
 def _settled(v):
-    if type(v) in _PLAIN:
+    if type(v) in PLAIN_HYPER:
         return v
     if isinstance(v, numbers.Integral):  # NumPy's integers and floats (a schedule computed with NumPy) by value
         return int(v)
